@@ -1,0 +1,150 @@
+"""The fixed pool of KV blocks, the free queue and the map from block hash to cached block.
+
+Eviction is lazy: a freed block keeps its hash and stays findable until it is popped for reuse;
+only then is its map entry dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prefixcache.core.eviction import EvictionPolicy, make_eviction_policy
+from prefixcache.core.hashing import BlockHash
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    """One KV block: ``block_id`` indexes the cache tensors; ``block_hash`` is set while it is cached."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+
+
+class BlockPool:
+    """Hands out blocks, takes them back, and keeps the prefix index.
+
+    Free blocks live in two queues: blocks holding no cached prefix (reused first, oldest first) and
+    cached blocks, ordered by the eviction policy. A cached hash maps to one block, or to several
+    when requests filled identical blocks independently (lookups return the first one cached).
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True, eviction_policy: str = "lru") -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(block_id=i) for i in range(num_blocks)]
+        self.uncached_free: deque[Block] = deque(self.blocks)
+        self.evictable: EvictionPolicy = make_eviction_policy(eviction_policy)
+        self.cached: dict[BlockHash, Block | dict[int, Block]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.uncached_free) + len(self.evictable)
+
+    def get_cached_block(self, block_hash: BlockHash) -> Block | None:
+        entry = self.cached.get(block_hash)
+        if entry is None or type(entry) is Block:
+            return entry
+        return next(iter(entry.values()))
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take a reference on hit blocks; a free one leaves the free queue."""
+        evictable = self.evictable
+        for block in blocks:
+            if block.ref_cnt == 0:
+                evictable.remove(block)
+            block.ref_cnt += 1
+
+    def get_new_blocks(self, num_blocks: int) -> list[Block]:
+        """Pop ``num_blocks`` free blocks (caller checked there are enough), evicting cached ones last."""
+        uncached, evictable = self.uncached_free, self.evictable
+        out: list[Block] = []
+        for _ in range(num_blocks):
+            block = uncached.popleft() if uncached else evictable.pop()
+            if block.block_hash is not None:
+                self._drop_from_index(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def cache_block(self, block: Block, block_hash: BlockHash) -> None:
+        """Index a block that just became full. A block already holding a hash (a hit) is left alone."""
+        if block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        entry = self.cached.get(block_hash)
+        if entry is None:
+            self.cached[block_hash] = block
+        elif type(entry) is Block:
+            self.cached[block_hash] = {entry.block_id: entry, block.block_id: block}
+        else:
+            entry[block.block_id] = block
+
+    def free_blocks(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference from each block, in eviction order (the first freed is evicted first)."""
+        uncached, evictable = self.uncached_free, self.evictable
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    uncached.append(block)
+                else:
+                    evictable.push(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) while any block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        self.evictable.clear()
+        self.uncached_free = deque(self.blocks)
+        return True
+
+    def _drop_from_index(self, block: Block) -> None:
+        block_hash = block.block_hash
+        entry = self.cached[block_hash]
+        if type(entry) is Block:
+            del self.cached[block_hash]
+        else:
+            del entry[block.block_id]
+            if len(entry) == 1:
+                self.cached[block_hash] = next(iter(entry.values()))
+        block.block_hash = None
+
+    def check_invariants(self, block_tables: Iterable[list[Block]]) -> None:
+        """Assert the pool's bookkeeping; ``block_tables`` are all live tables. For tests and debugging."""
+        holders: dict[int, int] = {}
+        for table in block_tables:
+            for block in table:
+                holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        free_ids = [b.block_id for b in self.uncached_free] + [b.block_id for b in self.evictable]
+        assert len(free_ids) == len(set(free_ids)), "a block is in the free queues twice"
+        free = set(free_ids)
+        for block in self.blocks:
+            if block.block_id in free:
+                assert block.ref_cnt == 0, f"free block {block.block_id} has ref_cnt {block.ref_cnt}"
+                assert block.block_id not in holders, f"free block {block.block_id} is in a block table"
+            else:
+                assert block.ref_cnt > 0, f"block {block.block_id} is neither free nor referenced"
+                assert block.ref_cnt == holders.get(block.block_id, 0), (
+                    f"block {block.block_id}: ref_cnt {block.ref_cnt} but held by "
+                    f"{holders.get(block.block_id, 0)} tables"
+                )
+        for block in self.uncached_free:
+            assert block.block_hash is None, f"uncached free block {block.block_id} carries a hash"
+        for block in self.evictable:
+            assert block.block_hash is not None, f"evictable block {block.block_id} carries no hash"
+        indexed = 0
+        for block_hash, entry in self.cached.items():
+            members = [entry] if type(entry) is Block else list(entry.values())
+            assert members, "empty hash entry"
+            for block in members:
+                assert block.block_hash == block_hash, f"index entry points at block {block.block_id} wrongly"
+            indexed += len(members)
+        assert indexed == sum(b.block_hash is not None for b in self.blocks), "a hashed block is not indexed"

@@ -1,0 +1,242 @@
+"""The prefix-caching KV cache manager: finds a request's cached prefix and allocates its block table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefixcache.core.block_pool import Block, BlockPool
+from prefixcache.core.hashing import BlockHash, hash_blocks, root_hash, warn_if_unsafe
+from prefixcache.core.request import Request
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Counted once per request, when it is admitted: prompt tokens looked up, and found in the cache."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Owns the block pool and every running request's block table.
+
+    ``get_computed_blocks`` looks a prompt up without changing anything; ``allocate_slots`` admits
+    it (taking references on the hit blocks) and grows its table; ``free`` gives the blocks back.
+    Allocation that does not fit returns None and changes nothing.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_caching: bool = True,
+        hash_algo: str = "sha256",
+        hash_seed: str | None = None,
+        watermark: float = 0.0,
+        eviction_policy: str = "lru",
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.hash_algo = hash_algo
+        self.root_hash = root_hash(hash_algo, hash_seed)
+        if enable_caching:
+            warn_if_unsafe(hash_algo)
+        self._hash_key = (hash_algo, self.root_hash, block_size)
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.pool = BlockPool(num_blocks, enable_caching, eviction_policy)
+        self.stats = PrefixCacheStats()
+        self._tables: dict[str, list[Block]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by running requests (cached-but-free blocks count as free)."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        """The request's chained hashes for every full block of its tokens, hashing only new blocks."""
+        if request.hash_key != self._hash_key:
+            request.block_hashes = []
+            request.hash_key = self._hash_key
+        hashes = request.block_hashes
+        num_full = request.num_tokens // self.block_size
+        done = len(hashes)
+        if num_full > done:
+            parent = hashes[-1] if hashes else self.root_hash
+            extra = None
+            if request.has_extra_keys:
+                block_size = self.block_size
+
+                def extra(k: int) -> tuple | None:
+                    return request.block_extra_keys(k, block_size)
+
+            hashes.extend(
+                hash_blocks(
+                    self.hash_algo,
+                    parent,
+                    request.packed_token_ids,
+                    done,
+                    num_full - done,
+                    self.block_size,
+                    extra,
+                )
+            )
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
+        """The longest run of cached full blocks from the start of the request's tokens.
+
+        Capped so that at least the last token is computed (its logits are needed). Changes no
+        state: nothing is referenced until ``allocate_slots`` admits the request.
+        """
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return [], 0
+        hashes = self.block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        get_cached = self.pool.get_cached_block
+        hits: list[Block] = []
+        for block_hash in hashes[:max_blocks]:
+            block = get_cached(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_cached_tokens: int = 0,
+        cached_blocks: list[Block] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> list[Block] | None:
+        """Grow the request's table to hold its computed tokens plus ``num_new_tokens`` and lookahead.
+
+        The first call admits the request with the hit from ``get_computed_blocks``. Every block that
+        becomes full is cached. Returns the newly allocated blocks, or None (nothing changed) when
+        they do not fit.
+        """
+        if num_new_tokens < 0 or num_lookahead_tokens < 0:
+            raise ValueError("num_new_tokens and num_lookahead_tokens must be >= 0")
+        table = self._tables.get(request.request_id)
+        admitting = table is None
+        block_size = self.block_size
+        if admitting:
+            cached_blocks = cached_blocks or []
+            self._check_hit(request, cached_blocks, num_cached_tokens)
+            num_computed = num_cached_tokens
+            num_held = len(cached_blocks)
+            num_to_touch = sum(1 for block in cached_blocks if block.ref_cnt == 0)
+            reserve = self.watermark_blocks
+        else:
+            if cached_blocks or num_cached_tokens:
+                raise ValueError(f"request {request.request_id!r} is already admitted; pass no cached blocks")
+            num_computed = request.num_computed_tokens
+            num_held = len(table)
+            num_to_touch = 0
+            reserve = 0
+        total = num_computed + num_new_tokens
+        if total > request.num_tokens:
+            raise ValueError(
+                f"request {request.request_id!r}: {total} tokens scheduled, it only has {request.num_tokens}"
+            )
+        num_new_blocks = max(0, _cdiv(total + num_lookahead_tokens, block_size) - num_held)
+        if self.pool.num_free_blocks - num_new_blocks - num_to_touch < reserve:
+            return None
+
+        if admitting:
+            self.pool.touch(cached_blocks)
+            table = list(cached_blocks)
+            self._tables[request.request_id] = table
+            self._num_cached_blocks[request.request_id] = len(cached_blocks)
+            self._count_admission(request, num_cached_tokens)
+        new_blocks = self.pool.get_new_blocks(num_new_blocks)
+        table.extend(new_blocks)
+        request.num_computed_tokens = total
+        if self.enable_caching:
+            self._cache_full_blocks(request, table, total // block_size)
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks tail first: its longest prefixes are evicted before their parents."""
+        table = self._tables.pop(request.request_id, None)
+        if table is None:
+            return
+        del self._num_cached_blocks[request.request_id]
+        self.pool.free_blocks(reversed(table))
+        request.num_computed_tokens = 0
+
+    def block_ids(self, request: Request) -> list[int]:
+        """The request's block table (empty when it is not admitted)."""
+        return [block.block_id for block in self._tables.get(request.request_id, ())]
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix; returns False (and does nothing) while any block is in use."""
+        return self.pool.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        """Assert that pool, tables and index agree; raises AssertionError naming the first violation."""
+        self.pool.check_invariants(self._tables.values())
+        for request_id, table in self._tables.items():
+            num_cached = self._num_cached_blocks[request_id]
+            assert num_cached <= len(table), f"{request_id}: more cached blocks than table entries"
+            for block in table[:num_cached]:
+                assert block.block_hash is not None or not self.enable_caching, (
+                    f"{request_id}: block {block.block_id} counted as cached holds no hash"
+                )
+
+    def _check_hit(self, request: Request, cached_blocks: list[Block], num_cached_tokens: int) -> None:
+        if num_cached_tokens != len(cached_blocks) * self.block_size:
+            raise ValueError(
+                f"num_cached_tokens={num_cached_tokens} does not match {len(cached_blocks)} cached blocks"
+            )
+        if not cached_blocks:
+            return
+        if num_cached_tokens >= request.num_tokens:
+            raise ValueError("the cached prefix must leave at least one token to compute")
+        hashes = self.block_hashes(request)
+        for block, block_hash in zip(cached_blocks, hashes, strict=False):
+            if block.block_hash != block_hash:
+                raise ValueError(
+                    f"request {request.request_id!r}: cached block {block.block_id} no longer holds the "
+                    "looked-up prefix (evicted since the lookup); look it up again"
+                )
+
+    def _count_admission(self, request: Request, num_cached_tokens: int) -> None:
+        if request.counted_in_stats:
+            return
+        request.counted_in_stats = True
+        self.stats.requests += 1
+        self.stats.queries += request.num_tokens
+        self.stats.hits += num_cached_tokens
+
+    def _cache_full_blocks(self, request: Request, table: list[Block], num_full: int) -> None:
+        start = self._num_cached_blocks[request.request_id]
+        if num_full <= start:
+            return
+        hashes = self.block_hashes(request)
+        cache_block = self.pool.cache_block
+        for i in range(start, num_full):
+            cache_block(table[i], hashes[i])
+        self._num_cached_blocks[request.request_id] = num_full

@@ -1,0 +1,109 @@
+"""Random admit / append / free / preempt / reset sequences keep the manager's bookkeeping consistent.
+
+Alongside the manager, the test records what each block really holds (the tokens a request wrote
+into it). Every hit must return blocks whose recorded content equals the request's own tokens.
+"""
+
+import itertools
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from prefixcache.core import KVCacheManager, Request
+
+BLOCK_SIZE = 4
+PREFIXES = [list(range(100, 112)), list(range(200, 206)), list(range(100, 108)) + [7, 7]]
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mgr = KVCacheManager(num_blocks=12, block_size=BLOCK_SIZE)
+        self.running: list[Request] = []
+        self.preempted: list[Request] = []
+        self.hit_blocks: dict[str, int] = {}
+        self.content: dict[int, tuple] = {}
+        self.ids = itertools.count()
+
+    def _record_written(self, req: Request) -> None:
+        table = self.mgr._tables[req.request_id]
+        for i in range(self.hit_blocks[req.request_id], req.num_computed_tokens // BLOCK_SIZE):
+            self.content[table[i].block_id] = (
+                req.cache_salt,
+                tuple(req.all_token_ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]),
+            )
+
+    def _admit(self, req: Request, chunk: int) -> bool:
+        blocks, num_cached = self.mgr.get_computed_blocks(req)
+        for i, block in enumerate(blocks):
+            expected = (req.cache_salt, tuple(req.all_token_ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]))
+            assert self.content[block.block_id] == expected, "a hit returned a block holding other tokens"
+        num_new = min(chunk, req.num_tokens - num_cached)
+        if self.mgr.allocate_slots(req, num_new, num_cached, blocks) is None:
+            return False
+        self.hit_blocks[req.request_id] = len(blocks)
+        self._record_written(req)
+        self.running.append(req)
+        return True
+
+    @rule(
+        prefix=st.integers(0, len(PREFIXES) - 1),
+        suffix=st.lists(st.integers(0, 3), max_size=9),
+        salt=st.sampled_from([None, None, "t1"]),
+        chunk=st.integers(1, 24),
+    )
+    def admit_new(self, prefix, suffix, salt, chunk):
+        req = Request(f"r{next(self.ids)}", PREFIXES[prefix] + suffix, cache_salt=salt)
+        self._admit(req, chunk)
+
+    @precondition(lambda self: self.running)
+    @rule(index=st.integers(0, 100), num=st.integers(1, 8), token=st.integers(0, 3))
+    def step(self, index, num, token):
+        """Continue prefill, or decode one token once the prompt is done."""
+        req = self.running[index % len(self.running)]
+        if req.num_computed_tokens == req.num_tokens:
+            req.append_output_token_ids([token])
+            num = 1
+        num = min(num, req.num_tokens - req.num_computed_tokens)
+        before = req.num_computed_tokens
+        if self.mgr.allocate_slots(req, num) is None:
+            assert req.num_computed_tokens == before
+            return
+        self._record_written(req)
+
+    @precondition(lambda self: self.running)
+    @rule(index=st.integers(0, 100))
+    def finish(self, index):
+        self.mgr.free(self.running.pop(index % len(self.running)))
+
+    @precondition(lambda self: self.running)
+    @rule(index=st.integers(0, 100))
+    def preempt(self, index):
+        req = self.running.pop(index % len(self.running))
+        self.mgr.free(req)
+        self.preempted.append(req)
+
+    @precondition(lambda self: self.preempted)
+    @rule(chunk=st.integers(1, 24))
+    def resume(self, chunk):
+        req = self.preempted[0]
+        if self._admit(req, chunk):
+            self.preempted.pop(0)
+
+    @rule()
+    def reset(self):
+        ok = self.mgr.reset_prefix_cache()
+        assert ok == (not self.running)
+        if ok:
+            assert self.mgr.get_computed_blocks(Request("probe", PREFIXES[0] + [1]))[1] == 0
+
+    @invariant()
+    def bookkeeping_is_consistent(self):
+        self.mgr.check_invariants()
+        held = {b for r in self.running for b in self.mgr.block_ids(r)}
+        assert self.mgr.num_free_blocks == self.mgr.num_blocks - len(held)
+
+
+ManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestManagerMachine = ManagerMachine.TestCase
