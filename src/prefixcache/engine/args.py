@@ -1,0 +1,56 @@
+"""Engine options on the command line, named like vLLM's flags, shared by every command that runs a model."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from prefixcache.core import HASH_ALGOS
+from prefixcache.core.eviction import EVICTION_POLICIES
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    if model_positional:
+        parser.add_argument("model", nargs="?", default=None, help="HF checkpoint dir or .gguf (default: SmolLM2)")
+    else:
+        parser.add_argument("--model", default=None, help="HF checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
+    group = parser.add_argument_group("engine")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    group.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB")
+    group.add_argument(
+        "--num-gpu-blocks-override",
+        "--num-blocks",
+        dest="num_blocks",
+        type=int,
+        default=None,
+        help="exact number of KV blocks (overrides --kv-cache-memory)",
+    )
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    group.add_argument("--prefix-caching-hash-algo", dest="hash_algo", default="sha256", choices=HASH_ALGOS)
+    group.add_argument("--eviction-policy", default="lru", choices=sorted(EVICTION_POLICIES))
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    group.add_argument("--max-num-seqs", type=int, default=64)
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    group.add_argument("--device", default="cpu", help="cpu or cuda")
+    group.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed options as keyword arguments for ``LLM`` / ``EngineConfig``."""
+    names = (
+        "model",
+        "block_size",
+        "kv_cache_memory",
+        "num_blocks",
+        "enable_prefix_caching",
+        "hash_algo",
+        "eviction_policy",
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "max_model_len",
+        "dtype",
+        "device",
+        "seed",
+    )
+    return {name: getattr(args, name) for name in names}

@@ -1,0 +1,95 @@
+"""Runs one scheduled step on the model: builds the flat batch, runs the forward pass, samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from prefixcache.engine.sampler import Sampler
+from prefixcache.engine.scheduler import SchedulerOutput
+from prefixcache.model import AttentionMetadata, LlamaForCausalLM
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    """Owns the paged KV cache tensors and the sampler; knows nothing of scheduling or caching policy."""
+
+    def __init__(
+        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: str, seed: int
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, dtype, self.device)
+        self.sampler = Sampler(seed, self.device)
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        chunks = step.chunks
+        token_ids: list[int] = []
+        positions: list[int] = []
+        for chunk in chunks:
+            end = chunk.start + chunk.num_new_tokens
+            token_ids.extend(chunk.request.all_token_ids[chunk.start : end])
+            positions.extend(range(chunk.start, end))
+        metadata = AttentionMetadata.build(
+            [c.block_ids for c in chunks],
+            [c.start for c in chunks],
+            [c.num_new_tokens for c in chunks],
+            self.block_size,
+            self.device,
+        )
+        hidden = self.model(
+            torch.tensor(token_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            self.kv_caches,
+            metadata,
+        )
+        out = ModelRunnerOutput()
+        last_rows, sampling = [], []
+        row = 0
+        for chunk in chunks:
+            if chunk.request.sampling_params.prompt_logprobs is not None:
+                out.prompt_logprobs[chunk.request.request_id] = self._prompt_logprobs(
+                    hidden[row : row + chunk.num_new_tokens], chunk
+                )
+            row += chunk.num_new_tokens
+            if chunk.samples:
+                last_rows.append(row - 1)
+                sampling.append(chunk.request)
+        if sampling:
+            logits = self.model.compute_logits(hidden[last_rows])
+            tokens = self.sampler.sample(
+                logits, [r.request_id for r in sampling], [r.sampling_params for r in sampling]
+            )
+            out.sampled = {r.request_id: t for r, t in zip(sampling, tokens, strict=True)}
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, chunk) -> list[dict[int, float] | None]:
+        """Log-probabilities of each next prompt token (and the top-k) at this chunk's positions."""
+        request = chunk.request
+        k = request.sampling_params.prompt_logprobs
+        end = min(chunk.start + chunk.num_new_tokens, request.num_prompt_tokens - 1)
+        count = end - chunk.start
+        result: list[dict[int, float] | None] = [None] if chunk.start == 0 else []
+        if count <= 0:
+            return result
+        logprobs = self.model.compute_logits(hidden[:count]).log_softmax(dim=-1)
+        targets = torch.tensor(request.prompt_token_ids[chunk.start + 1 : end + 1], device=logprobs.device)
+        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        top = logprobs.topk(k, dim=-1) if k else None
+        for i, token in enumerate(targets.tolist()):
+            entry = {token: chosen[i]}
+            if top is not None:
+                entry |= dict(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True))
+            result.append(entry)
+        return result
+
+    def forget(self, request_id: str) -> None:
+        self.sampler.forget(request_id)

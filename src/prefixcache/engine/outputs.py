@@ -1,0 +1,29 @@
+"""What ``generate`` returns and what the engine emits per step: shaped like vLLM's outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" (EOS, stop token or string) or "length"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One request's state after a step. ``num_cached_tokens``: prompt tokens served by the prefix cache."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""

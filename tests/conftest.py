@@ -1,0 +1,11 @@
+"""Session-wide fixtures shared by engine, server and benchmark tests."""
+
+import pytest
+
+from tests.helpers import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A tiny random-weight Llama checkpoint directory with tokenizer and chat template."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))

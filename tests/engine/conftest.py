@@ -1,0 +1,35 @@
+"""Engine fixtures: one tiny model loaded once, engines built on it per test."""
+
+import pytest
+
+from prefixcache.engine import LLM
+from prefixcache.model import load_model
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_llama_dir):
+    return load_model(str(tiny_llama_dir), dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def make_llm(tiny_loaded, tiny_llama_dir):
+    """Build an LLM on the shared tiny model; every engine is checked for leaks when the test ends."""
+    built: list[LLM] = []
+
+    def make(**kwargs) -> LLM:
+        kwargs.setdefault("num_blocks", 256)
+        kwargs.setdefault("block_size", 4)
+        llm = LLM(str(tiny_llama_dir), loaded=tiny_loaded, **kwargs)
+        built.append(llm)
+        return llm
+
+    yield make
+    for llm in built:
+        assert_no_leaks(llm)
+
+
+def assert_no_leaks(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.manager.num_free_blocks == engine.manager.num_blocks, "blocks leaked"
+    engine.manager.check_invariants()

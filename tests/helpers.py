@@ -1,0 +1,64 @@
+"""Tiny random-weight checkpoints built offline, for engine, server and benchmark tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Prefix caching reuses the keys and values of shared prompt prefixes.",
+    "You are a helpful assistant. Answer briefly and truthfully.",
+    "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ",
+]
+
+
+def build_tokenizer():
+    """A byte-level BPE tokenizer (exact round trip for any text) with an EOS token and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|eos|>", "<|end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(CORPUS * 4, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|eos|>", pad_token="<|eos|>")
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def write_tiny_checkpoint(path: Path, architecture: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a tiny LlamaForCausalLM or Qwen2ForCausalLM with random weights and the tokenizer above."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer()
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    config_cls, model_cls = (
+        (Qwen2Config, Qwen2ForCausalLM) if architecture == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**common))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
