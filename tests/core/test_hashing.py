@@ -57,9 +57,7 @@ def test_sha256_encoding_is_the_documented_one():
     """Reproducible from its description alone: parent || u32 count || u32 LE tokens || CBOR(extra)."""
     root = hashlib.sha256(b"prefixcache").digest()
     h1 = hashlib.sha256(root + struct.pack("<I", 16) + struct.pack("<16I", *BLOCK_1)).digest()
-    payload = (
-        h1 + struct.pack("<I", 16) + struct.pack("<16I", *BLOCK_2) + cbor2.dumps(EXTRA_2, canonical=True)
-    )
+    payload = h1 + struct.pack("<I", 16) + struct.pack("<16I", *BLOCK_2) + cbor2.dumps(EXTRA_2, canonical=True)
     assert hash_block_tokens("sha256", h1, BLOCK_2, EXTRA_2) == hashlib.sha256(payload).digest()
     assert hash_block_tokens("sha256", root_hash("sha256", "prefixcache"), BLOCK_1) == h1
 
