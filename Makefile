@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/prefixcache bench manager
+	$(VENV)/bin/prefixcache demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -12,7 +12,7 @@ def _bench_manager(args: argparse.Namespace) -> None:
     from prefixcache.bench.manager import ManagerTraceConfig, run
 
     config = ManagerTraceConfig(num_requests=args.num_requests, num_blocks=args.num_blocks, seed=args.seed)
-    run(args.hash_algo, args.repeats, args.json, config)
+    run(args.hash_algo, args.repeats, args.json, config, compare_vllm=args.compare_vllm)
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -63,8 +63,10 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from prefixcache.bench import offline
+    from prefixcache.bench import serve as bench_serve
     from prefixcache.core import HASH_ALGOS
     from prefixcache.engine.args import add_engine_args
+    from prefixcache.server.cli import register as register_serve
 
     parser = argparse.ArgumentParser(prog="prefixcache", description=__doc__)
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
@@ -80,8 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     manager.add_argument("--repeats", type=int, default=3, help="replays per algorithm; the best is reported")
     manager.add_argument("--seed", type=int, default=0)
     manager.add_argument("--json", type=Path, help="also write the results as JSON here")
+    manager.add_argument("--compare-vllm", action="store_true", help="also replay the trace through vLLM's manager")
     manager.set_defaults(func=_bench_manager)
     offline.register(bench)
+    bench_serve.register(bench)
 
     generate = commands.add_parser("generate", help="complete prompts on the command line")
     generate.add_argument("prompt", nargs="+", help="one or more prompts")
@@ -99,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="a short benchmark on the default model, then a chat answer")
     demo.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     demo.set_defaults(func=_demo)
+    register_serve(commands)
     return parser
 
 

@@ -217,3 +217,30 @@ def test_abort_frees_blocks(make_llm):
     assert engine.manager.num_free_blocks < engine.manager.num_blocks
     assert engine.abort_request(request.request_id) is True
     assert engine.abort_request(request.request_id) is False
+
+
+def test_streamed_deltas_add_up_to_the_final_text_even_when_a_stop_string_cuts_it(make_llm):
+    llm = make_llm()
+    prompt = list(range(3, 20))
+    full = run(llm, [prompt], dataclasses.replace(GREEDY, max_tokens=10))[0].outputs[0].text
+    stop = full[3:6]
+    engine = llm.engine
+    engine.add_request({"prompt_token_ids": prompt}, dataclasses.replace(GREEDY, max_tokens=10, stop=(stop,)))
+    deltas, final = [], None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            deltas.append(output.new_text)
+            final = output
+    assert final.finished and final.outputs[0].stop_reason == stop
+    assert "".join(deltas) == final.outputs[0].text == full[: full.index(stop)]
+
+
+def test_incremental_detokenizer_matches_full_decode(tiny_loaded):
+    from prefixcache.engine.detokenizer import IncrementalDetokenizer
+
+    tokenizer = tiny_loaded.tokenizer
+    ids = tokenizer.encode("Prefix caching: ünïcode ✓ and emoji 🙂 survive token splits.")
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    text = "".join(detokenizer.decode_new(ids[: i + 1]) for i in range(len(ids)))
+    text += detokenizer.decode_new(ids, final=True)
+    assert text == tokenizer.decode(ids)

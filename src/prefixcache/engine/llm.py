@@ -70,11 +70,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
 
     def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return self.engine.apply_chat_template(messages, add_generation_prompt)
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()

@@ -17,6 +17,7 @@ import torch
 
 from prefixcache.config import EngineConfig, parse_memory
 from prefixcache.core import KVCacheManager
+from prefixcache.engine.detokenizer import IncrementalDetokenizer
 from prefixcache.engine.model_runner import ModelRunner
 from prefixcache.engine.outputs import CompletionOutput, RequestOutput
 from prefixcache.engine.request import EngineRequest, RequestStatus
@@ -125,6 +126,7 @@ class LLMEngine:
             skip_reading_prefix_cache=params.prompt_logprobs is not None,
             sampling_params=params,
             prompt=text,
+            detokenizer=IncrementalDetokenizer(self.tokenizer),
         )
         self.requests[request_id] = request
         self.scheduler.add_request(request)
@@ -159,6 +161,13 @@ class LLMEngine:
                 continue
             outputs.append(self._append_token(request, token))
         return outputs
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """The conversation as prompt token ids, through the model's own chat template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def reset_prefix_cache(self) -> bool:
         return self.manager.reset_prefix_cache()
@@ -207,34 +216,37 @@ class LLMEngine:
             request.first_token_time = now
         request.last_token_time = now
         request.append_output_token_ids([token])
-        previous_text = request.text
-        self._update_text_and_stop(request, token)
-        new_text = request.text[len(previous_text) :] if request.text.startswith(previous_text) else request.text
+        searched_from = len(request.text)
+        request.text += request.detokenizer.decode_new(request.output_token_ids)
+        self._check_stop(request, token, searched_from)
+        visible = len(request.text)
         if request.finish_reason is not None:
             self._finish(request)
+        else:
+            visible -= request.sampling_params.stop_holdback  # may still turn into a stop string
+        new_text = request.text[request.num_emitted_chars : visible]
+        request.num_emitted_chars = max(request.num_emitted_chars, visible)
         return self._output(request, [token], new_text)
 
-    def _update_text_and_stop(self, request: EngineRequest, token: int) -> None:
+    def _check_stop(self, request: EngineRequest, token: int, searched_from: int) -> None:
+        """Set the finish reason; a stop string cuts the text (new text is searched, with overlap)."""
         params = request.sampling_params
-        text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-        if not request.finish_reason and text.endswith("\ufffd"):
-            text = request.text  # hold back a character whose bytes are not complete yet
-        request.text = text
         if token in params.stop_token_ids:
             request.finish_reason, request.stop_reason = "stop", token
         elif token in self.eos_token_ids and not params.ignore_eos:
             request.finish_reason = "stop"
         else:
             for stop in params.stop:
-                index = text.find(stop, max(0, len(text) - len(stop) - 32))
+                index = request.text.find(stop, max(0, searched_from - len(stop) + 1))
                 if index >= 0:
-                    request.text = text[: index + len(stop)] if params.include_stop_str_in_output else text[:index]
+                    end = index + len(stop) if params.include_stop_str_in_output else index
+                    request.text = request.text[:end]
                     request.finish_reason, request.stop_reason = "stop", stop
                     return
             if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
                 request.finish_reason = "length"
-        if request.finish_reason:
-            request.text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        if request.finish_reason is not None:
+            request.text += request.detokenizer.decode_new(request.output_token_ids, final=True)
 
     def _finish(self, request: EngineRequest) -> None:
         self.scheduler.finish(request, RequestStatus.FINISHED)

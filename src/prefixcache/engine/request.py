@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from prefixcache.core import Request
+from prefixcache.engine.detokenizer import IncrementalDetokenizer
 from prefixcache.engine.sampling_params import SamplingParams
 
 
@@ -29,7 +30,9 @@ class EngineRequest(Request):
     num_preemptions: int = field(default=0, init=False)
     first_token_time: float | None = field(default=None, init=False)
     last_token_time: float | None = field(default=None, init=False)
+    detokenizer: IncrementalDetokenizer | None = None
     text: str = field(default="", init=False)
+    num_emitted_chars: int = field(default=0, init=False)
     finish_reason: str | None = field(default=None, init=False)
     stop_reason: int | str | None = field(default=None, init=False)
     prompt_logprobs: list[dict[int, float] | None] | None = field(default=None, init=False)

@@ -49,3 +49,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def stop_holdback(self) -> int:
+        """Characters a stream holds back because they could still become the start of a stop string."""
+        return max((len(s) for s in self.stop), default=1) - 1

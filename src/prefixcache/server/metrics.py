@@ -1,0 +1,129 @@
+"""Prometheus metrics and the periodic stats log line, named like vLLM's (``prefixcache:`` prefix).
+
+Latencies are observed per token as outputs are dispatched. Engine-wide numbers (prefix-cache
+counters, KV usage, queue lengths) are read from ``LLMEngine.stats()`` when scraped or logged; its
+counters are cumulative, so the Prometheus counters are advanced by the difference since the last
+read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from prefixcache.engine import EngineStats
+
+logger = logging.getLogger(__name__)
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+
+class ServerMetrics:
+    """Every metric in its own registry (several servers can live in one process, e.g. in tests)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = registry = CollectorRegistry()
+        label = {"model_name": model_name}
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"prefixcache:{name}", doc, list(label), registry=registry).labels(**label)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"prefixcache:{name}", doc, list(label), registry=registry).labels(**label)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"prefixcache:{name}", doc, list(label), buckets=buckets, registry=registry).labels(
+                **label
+            )
+
+        self._engine_counters = {
+            "prefix_cache_queries": counter(
+                "prefix_cache_queries", "Prompt tokens looked up in the prefix cache (once per request)."
+            ),
+            "prefix_cache_hits": counter("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+            "num_preemptions": counter("num_preemptions", "Requests preempted because KV blocks ran out."),
+        }
+        self._seen = dict.fromkeys(self._engine_counters, 0)
+        self.hit_rate = gauge("prefix_cache_hit_rate", "Prefix cache hit rate over the last 1,000 requests.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 means 100 percent).")
+        self.num_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token of finished requests.", E2E_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that reached their first token.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self._request_success = Counter(
+            "prefixcache:request_success",
+            "Requests that finished, by finish reason.",
+            [*label, "finished_reason"],
+            registry=registry,
+        )
+        self._label = label
+        self._num_prompt_tokens = self._num_generation_tokens = 0
+        self._logged_prompt_tokens = self._logged_generation_tokens = 0
+        self._logged_at = time.monotonic()
+
+    def observe_first_token(self, ttft: float, num_prompt_tokens: int, num_new_tokens: int) -> None:
+        self.ttft.observe(ttft)
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self._num_prompt_tokens += num_prompt_tokens
+        self._count_generated(num_new_tokens)
+
+    def observe_next_token(self, itl: float, num_new_tokens: int) -> None:
+        self.itl.observe(itl)
+        self._count_generated(num_new_tokens)
+
+    def observe_finished(self, finish_reason: str | None, e2e: float) -> None:
+        self.e2e.observe(e2e)
+        self._request_success.labels(**self._label, finished_reason=finish_reason or "unknown").inc()
+
+    def update(self, stats: EngineStats) -> None:
+        """Bring engine-wide metrics up to ``stats``; a stale read (lower counters) changes no counter."""
+        for name, counter in self._engine_counters.items():
+            value = getattr(stats, name)
+            if value > self._seen[name]:
+                counter.inc(value - self._seen[name])
+                self._seen[name] = value
+        self.hit_rate.set(stats.rolling_hit_rate)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def log_stats(self, stats: EngineStats, now: float) -> None:
+        """vLLM's periodic line: throughput since the last call, load and the rolling hit rate.
+
+        Silent while the server is idle, so an idle server's log does not fill up.
+        """
+        prompt = self._num_prompt_tokens - self._logged_prompt_tokens
+        generation = self._num_generation_tokens - self._logged_generation_tokens
+        elapsed = now - self._logged_at
+        self._logged_prompt_tokens = self._num_prompt_tokens
+        self._logged_generation_tokens = self._num_generation_tokens
+        self._logged_at = now
+        if not (prompt or generation or stats.num_running or stats.num_waiting):
+            return
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, Running: %d reqs, "
+            "Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+            prompt / elapsed if elapsed else 0.0,
+            generation / elapsed if elapsed else 0.0,
+            stats.num_running,
+            stats.num_waiting,
+            100 * stats.kv_cache_usage,
+            100 * stats.rolling_hit_rate,
+        )
+
+    def _count_generated(self, num_tokens: int) -> None:
+        self.generation_tokens.inc(num_tokens)
+        self._num_generation_tokens += num_tokens

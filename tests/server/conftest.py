@@ -1,0 +1,50 @@
+"""Two real servers on the tiny model, started together once per session: plain, and with auth + reset."""
+
+import httpx
+import openai
+import pytest
+
+from tests.server.harness import API_KEY, ServerProcess
+
+# 4-token blocks make "more than one block" cheap; a 256-token context makes "too long" cheap.
+SERVER_ARGS = ["--block-size", "4", "--num-blocks", "512", "--max-model-len", "256", "--disable-uvicorn-access-log"]
+
+
+@pytest.fixture(scope="session")
+def _servers(tiny_llama_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("server-logs")
+    plain = ServerProcess(tiny_llama_dir, SERVER_ARGS, logs / "plain.log")
+    secured = ServerProcess(
+        tiny_llama_dir,
+        [*SERVER_ARGS, "--api-key", API_KEY, "--enable-reset-prefix-cache", "--served-model-name", "tiny", "alias"],
+        logs / "secured.log",
+    )
+    try:
+        plain.wait_ready()
+        secured.wait_ready()
+        yield plain, secured
+    finally:
+        plain.stop()
+        secured.stop()
+
+
+@pytest.fixture(scope="session")
+def server(_servers) -> ServerProcess:
+    """Default flags: no API key, cache reset disabled."""
+    return _servers[0]
+
+
+@pytest.fixture(scope="session")
+def secured_server(_servers) -> ServerProcess:
+    """``--api-key`` and ``--enable-reset-prefix-cache``; served as ``tiny`` and ``alias``."""
+    return _servers[1]
+
+
+@pytest.fixture(scope="session")
+def model_name(server) -> str:
+    return httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)

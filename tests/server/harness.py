@@ -1,0 +1,85 @@
+"""Real ``prefixcache serve`` processes for the server and benchmark tests, and a /metrics reader.
+
+The server binds port 0 and the port is read back from uvicorn's startup line, so parallel runs never
+race for a port. Output goes to a log file, which failing tests print.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+API_KEY = "test-key"
+_READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
+
+
+class ServerProcess:
+    def __init__(self, model_dir: Path, args: list[str], log_path: Path) -> None:
+        self.log_path = log_path
+        self.url = ""
+        command = [sys.executable, "-m", "prefixcache.cli", "serve", str(model_dir), "--host", "127.0.0.1"]
+        with log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                [*command, "--port", "0", *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        """Block until /health answers 200; fails with the server's log if it exits or takes too long."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
+            match = _READY.search(self.log())
+            if match:
+                self.url = match.group(1)
+                try:
+                    if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+            time.sleep(0.1)
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+
+def scrape(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    """/metrics as {sample name: value}, summed over label sets (e.g. every finish reason)."""
+    response = httpx.get(f"{url}/metrics", headers=headers, timeout=10)
+    response.raise_for_status()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    """How much ``prefixcache:<name>`` moved between two scrapes (a series not yet exported counts as 0)."""
+    return after.get(f"prefixcache:{name}", 0.0) - before.get(f"prefixcache:{name}", 0.0)
+
+
+def random_prompt(seed: int | str, length: int) -> list[int]:
+    """Token ids no other test sends (by seed), clear of the tiny tokenizer's special ids 0 and 1."""
+    rng = random.Random(seed)
+    return [rng.randrange(2, 400) for _ in range(length)]
