@@ -3,6 +3,10 @@
 2,000 requests, each one of 50 shared prefixes (512-2048 tokens, Zipf(1.1) popularity) plus 64-512
 unique tokens; at most 32 live (oldest freed first); 10,000 blocks of 16 tokens. No model runs: this
 measures hashing, lookup, allocation and free per request, the part that must vanish next to a model.
+
+``--compare-vllm`` replays the same trace through vLLM's own v1 KVCacheManager in the same run, via
+``benchmarks/peers/vllm_manager_replay.py`` under vLLM's CPU build (a separate venv: vLLM is never a
+dependency of ours), and adds it as a row of the table.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import subprocess
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,6 +26,13 @@ from prefixcache.core import HASH_ALGOS, KVCacheManager, Request
 
 PREFIX_LENGTHS = (512, 1024, 1536, 2048)
 VOCAB_SIZE = 32_000
+
+VLLM_PYTHON = Path("/tmp/vllm-cpu-venv/bin/python")
+VLLM_SETUP = "../shared/peers/vllm-cpu/setup.sh"
+# parents: bench, prefixcache, src, the repository root. Only a source checkout has the script.
+VLLM_PEER_SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "peers" / "vllm_manager_replay.py"
+VLLM_HASH_ALGO = "sha256"
+VLLM_TIMEOUT_S = 900
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +116,13 @@ def replay(prompts: list[list[int]], config: ManagerTraceConfig, hash_algo: str)
     )
 
 
-def run(hash_algos: list[str], repeats: int, json_path: Path | None, config: ManagerTraceConfig) -> dict:
+def run(
+    hash_algos: list[str],
+    repeats: int,
+    json_path: Path | None,
+    config: ManagerTraceConfig,
+    compare_vllm: bool = False,
+) -> dict:
     """Best of ``repeats`` replays per algorithm (the machine is shared and noisy), printed as a table."""
     prompts = make_trace(config)
     results: dict[str, dict] = {}
@@ -117,10 +136,70 @@ def run(hash_algos: list[str], repeats: int, json_path: Path | None, config: Man
         "mean_prompt_tokens": statistics.fmean(len(p) for p in prompts),
         "results": results,
     }
+    if compare_vllm:
+        vllm = replay_vllm(prompts, config, repeats)
+        if vllm is not None:
+            ours = results.get(VLLM_HASH_ALGO)
+            # p50 too: the two sides run one after the other, so a busy neighbour can skew either mean.
+            vllm["ours_over_vllm_total"] = ours["total_us"] / vllm["total_us"] if ours else None
+            vllm["ours_over_vllm_p50"] = ours["p50_us"] / vllm["p50_us"] if ours else None
+            report["vllm"] = vllm
     _print_table(report)
     if json_path is not None:
         json_path.write_text(json.dumps(report, indent=2))
     return report
+
+
+def replay_vllm(prompts: list[list[int]], config: ManagerTraceConfig, repeats: int) -> dict | None:
+    """Best of ``repeats`` replays of the same trace through vLLM's KVCacheManager, or None (with a note).
+
+    Runs the peer script under vLLM's own interpreter so both sides are measured on this machine in one
+    run. vLLM reserves block 0 as its null block, so it gets one block more than ours: both pools then
+    hold ``num_blocks`` usable blocks and evict at the same moments, so the hit rates must agree exactly
+    (given the same total, vLLM's pool is one block smaller and loses that block's hits).
+    """
+    if not VLLM_PYTHON.exists():
+        print(f"note: vLLM's CPU build not found at {VLLM_PYTHON}; run {VLLM_SETUP} (comparison skipped)")
+        return None
+    if not VLLM_PEER_SCRIPT.exists():
+        print(f"note: {VLLM_PEER_SCRIPT} is missing (not a source checkout?); vLLM comparison skipped")
+        return None
+    trace = {
+        "prompts": prompts,
+        "num_blocks": config.num_blocks + 1,
+        "block_size": config.block_size,
+        "max_live": config.max_live,
+        "hash_algo": VLLM_HASH_ALGO,
+        "repeats": repeats,
+    }
+    with tempfile.TemporaryDirectory(prefix="prefixcache-vllm-") as tmp:
+        trace_path = Path(tmp) / "trace.json"
+        trace_path.write_text(json.dumps(trace))
+        try:
+            proc = subprocess.run(
+                [str(VLLM_PYTHON), str(VLLM_PEER_SCRIPT), str(trace_path)],
+                capture_output=True,
+                text=True,
+                timeout=VLLM_TIMEOUT_S,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            print(f"note: the vLLM replay took over {VLLM_TIMEOUT_S} s; comparison skipped")
+            return None
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+        print(f"note: the vLLM replay failed (exit {proc.returncode}); comparison skipped:\n{tail}")
+        return None
+    # vLLM may log to stdout; the script's result is always the last line.
+    try:
+        result = json.loads(lines[-1])
+    except json.JSONDecodeError:
+        print(f"note: the vLLM replay's last line is not its JSON result: {lines[-1][:200]!r}; comparison skipped")
+        return None
+    result["hash_algo"] = VLLM_HASH_ALGO
+    result["num_blocks"] = trace["num_blocks"]
+    return result
 
 
 def _cpus() -> int:
@@ -136,14 +215,29 @@ def _print_table(report: dict) -> None:
         f"{report['mean_prompt_tokens']:.0f} prompt tokens on average, {cfg['num_blocks']} blocks of "
         f"{cfg['block_size']}, at most {cfg['max_live']} live; python {report['machine']['python']}"
     )
-    header = f"{'hash':<12}{'hash µs':>9}{'lookup':>8}{'alloc':>8}{'free':>8}{'total':>8}{'p50':>8}{'p99':>8}"
+    header = f"{'hash':<20}{'hash µs':>9}{'lookup':>8}{'alloc':>8}{'free':>8}{'total':>8}{'p50':>8}{'p99':>8}"
     print(header + f"{'hit rate':>10}{'ns/token':>10}")
-    for algo, r in report["results"].items():
+    rows = list(report["results"].items())
+    vllm = report.get("vllm")
+    if vllm is not None:
+        major_minor = ".".join(vllm["vllm_version"].split(".")[:2])
+        rows.append((f"vllm {major_minor} ({vllm['hash_algo']})", vllm))
+    for label, r in rows:
         print(
-            f"{algo:<12}{r['hashing_us']:>9.1f}{r['lookup_us']:>8.1f}{r['allocate_us']:>8.1f}{r['free_us']:>8.1f}"
+            f"{label:<20}{r['hashing_us']:>9.1f}{r['lookup_us']:>8.1f}{r['allocate_us']:>8.1f}{r['free_us']:>8.1f}"
             f"{r['total_us']:>8.1f}{r['p50_us']:>8.1f}{r['p99_us']:>8.1f}{r['hit_rate']:>10.3f}"
             f"{r['hash_ns_per_token']:>10.1f}"
         )
+    if vllm is not None:
+        ours = report["results"].get(vllm["hash_algo"])
+        print(f"vLLM: {vllm['num_blocks']} blocks (block 0 is its null block), best of {vllm['total_us_runs']} µs")
+        if ours is not None:
+            same = "same" if abs(ours["hit_rate"] - vllm["hit_rate"]) < 1e-12 else "DIFFERENT"
+            print(
+                f"ours/vLLM ({vllm['hash_algo']}): total {vllm['ours_over_vllm_total']:.2f}x, "
+                f"p50 {vllm['ours_over_vllm_p50']:.2f}x; "
+                f"hit rate ours {ours['hit_rate']:.6f} vs vLLM {vllm['hit_rate']:.6f} ({same})"
+            )
 
 
 DEFAULT_ALGOS = list(HASH_ALGOS)
