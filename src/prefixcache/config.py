@@ -31,12 +31,15 @@ class EngineConfig:
     """Engine settings, named like vLLM's where they mean the same.
 
     The KV cache holds ``num_blocks`` blocks when given, else as many as fit ``kv_cache_memory``.
+    ``sub_block_size`` (a divisor of ``block_size``; default: off) also reuses the part of a cached
+    prefix that does not fill a whole block, by copying it.
     ``max_model_len`` defaults to the model's context length.
     """
 
     model: str | None = None
     enable_prefix_caching: bool = True
     block_size: int = 16
+    sub_block_size: int | None = None
     kv_cache_memory: str | int = "1GiB"
     num_blocks: int | None = None
     max_num_batched_tokens: int = 2048
@@ -52,6 +55,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.sub_block_size is not None and (self.sub_block_size <= 0 or self.block_size % self.sub_block_size):
+            raise ValueError(f"sub_block_size must be a positive divisor of block_size, got {self.sub_block_size}")
         parse_memory(self.kv_cache_memory)
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")

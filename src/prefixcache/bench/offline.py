@@ -110,7 +110,9 @@ def run_engine(llm: LLM, workload: Workload) -> tuple[RunResult, list[list[int]]
     elapsed = time.perf_counter() - start
     after = llm.stats()
     queries = after.prefix_cache_queries - before.prefix_cache_queries
-    hits = after.prefix_cache_hits - before.prefix_cache_hits
+    hits = (after.prefix_cache_hits + after.prefix_cache_copied_tokens) - (
+        before.prefix_cache_hits + before.prefix_cache_copied_tokens
+    )
     input_tokens = sum(len(p) for p in workload.prompts)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     result = RunResult(

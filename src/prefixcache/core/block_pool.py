@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from prefixcache.core.eviction import EvictionPolicy, make_eviction_policy
 from prefixcache.core.hashing import BlockHash
+from prefixcache.core.sub_block import SubBlockIndex
 
 
 @dataclass(slots=True, eq=False)
@@ -31,7 +32,13 @@ class BlockPool:
     when requests filled identical blocks independently (lookups return the first one cached).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True, eviction_policy: str = "lru") -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        eviction_policy: str | EvictionPolicy = "lru",
+        sub_blocks: SubBlockIndex | None = None,
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -40,6 +47,7 @@ class BlockPool:
         self.uncached_free: deque[Block] = deque(self.blocks)
         self.evictable: EvictionPolicy = make_eviction_policy(eviction_policy)
         self.cached: dict[BlockHash, Block | dict[int, Block]] = {}
+        self.sub_blocks = sub_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -61,12 +69,14 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[Block]:
         """Pop ``num_blocks`` free blocks (caller checked there are enough), evicting cached ones last."""
-        uncached, evictable = self.uncached_free, self.evictable
+        uncached, evictable, sub_blocks = self.uncached_free, self.evictable, self.sub_blocks
         out: list[Block] = []
         for _ in range(num_blocks):
             block = uncached.popleft() if uncached else evictable.pop()
             if block.block_hash is not None:
                 self._drop_from_index(block)
+            if sub_blocks is not None:
+                sub_blocks.drop_block(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -102,6 +112,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.sub_blocks is not None:
+            self.sub_blocks.clear()
         self.evictable.clear()
         self.uncached_free = deque(self.blocks)
         return True
@@ -148,3 +160,5 @@ class BlockPool:
                 assert block.block_hash == block_hash, f"index entry points at block {block.block_id} wrongly"
             indexed += len(members)
         assert indexed == sum(b.block_hash is not None for b in self.blocks), "a hashed block is not indexed"
+        if self.sub_blocks is not None:
+            self.sub_blocks.check_invariants()

@@ -61,10 +61,11 @@ class LRUEvictionPolicy:
 EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {"lru": LRUEvictionPolicy}
 
 
-def make_eviction_policy(name: str) -> EvictionPolicy:
+def make_eviction_policy(name: str | EvictionPolicy) -> EvictionPolicy:
+    """A new policy from its registered name; a policy object (e.g. an offline oracle) is used as it is."""
+    if not isinstance(name, str):
+        return name
     try:
         return EVICTION_POLICIES[name]()
     except KeyError:
-        raise ValueError(
-            f"unknown eviction policy {name!r}; choose one of {', '.join(EVICTION_POLICIES)}"
-        ) from None
+        raise ValueError(f"unknown eviction policy {name!r}; choose one of {', '.join(EVICTION_POLICIES)}") from None

@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prefixcache.core.block_pool import Block, BlockPool
+from prefixcache.core.eviction import EvictionPolicy
 from prefixcache.core.hashing import BlockHash, hash_blocks, root_hash, warn_if_unsafe
 from prefixcache.core.request import Request
+from prefixcache.core.sub_block import CopyOp, SubBlockIndex
 
 
 @dataclass(slots=True)
@@ -16,10 +18,17 @@ class PrefixCacheStats:
     requests: int = 0
     queries: int = 0
     hits: int = 0
+    copied_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
+        """Prompt tokens found in shared cached blocks, over prompt tokens looked up."""
         return self.hits / self.queries if self.queries else 0.0
+
+    @property
+    def reuse_rate(self) -> float:
+        """Prompt tokens not computed: shared-block hits plus tokens copied from sub-block matches."""
+        return (self.hits + self.copied_tokens) / self.queries if self.queries else 0.0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -42,10 +51,14 @@ class KVCacheManager:
         hash_algo: str = "sha256",
         hash_seed: str | None = None,
         watermark: float = 0.0,
-        eviction_policy: str = "lru",
+        eviction_policy: str | EvictionPolicy = "lru",
+        sub_block_size: int | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        sub_block_size = block_size if sub_block_size is None else sub_block_size
+        if sub_block_size <= 0 or block_size % sub_block_size:
+            raise ValueError(f"sub_block_size must be a positive divisor of block_size, got {sub_block_size}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.block_size = block_size
@@ -56,10 +69,19 @@ class KVCacheManager:
             warn_if_unsafe(hash_algo)
         self._hash_key = (hash_algo, self.root_hash, block_size)
         self.watermark_blocks = int(watermark * num_blocks)
-        self.pool = BlockPool(num_blocks, enable_caching, eviction_policy)
+        self.sub_block_size = sub_block_size
+        self.sub_blocks = (
+            SubBlockIndex(hash_algo, block_size, sub_block_size)
+            if enable_caching and sub_block_size < block_size
+            else None
+        )
+        self.pool = BlockPool(num_blocks, enable_caching, eviction_policy, self.sub_blocks)
         self.stats = PrefixCacheStats()
         self._tables: dict[str, list[Block]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        self._sub_block_requests: dict[str, Request] = {}
+        self._sub_block_indexed: dict[str, int] = {}
+        self._pending_copies: list[CopyOp] = []
 
     @property
     def num_blocks(self) -> int:
@@ -107,6 +129,8 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
         """The longest run of cached full blocks from the start of the request's tokens.
 
+        With sub-blocks on, the hit is extended by the longest written sub-prefix of the next block;
+        the last returned block is then the copy source and the token count is not block-aligned.
         Capped so that at least the last token is computed (its logits are needed). Changes no
         state: nothing is referenced until ``allocate_slots`` admits the request.
         """
@@ -121,7 +145,15 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        num_cached = len(hits) * self.block_size
+        room = request.num_tokens - 1 - num_cached
+        if self.sub_blocks is not None and room >= self.sub_block_size:
+            parent = hashes[len(hits) - 1] if hits else self.root_hash
+            found = self.sub_blocks.lookup(request, parent, len(hits), room)
+            if found is not None:
+                hits.append(found[0])
+                num_cached += found[1]
+        return hits, num_cached
 
     def allocate_slots(
         self,
@@ -146,6 +178,9 @@ class KVCacheManager:
             cached_blocks = cached_blocks or []
             self._check_hit(request, cached_blocks, num_cached_tokens)
             num_computed = num_cached_tokens
+            num_copied = num_cached_tokens % block_size
+            copy_source = cached_blocks[-1] if num_copied else None
+            cached_blocks = cached_blocks[:-1] if num_copied else cached_blocks
             num_held = len(cached_blocks)
             num_to_touch = sum(1 for block in cached_blocks if block.ref_cnt == 0)
             reserve = self.watermark_blocks
@@ -170,9 +205,14 @@ class KVCacheManager:
             table = list(cached_blocks)
             self._tables[request.request_id] = table
             self._num_cached_blocks[request.request_id] = len(cached_blocks)
-            self._count_admission(request, num_cached_tokens)
+            self._count_admission(request, num_held * block_size, num_copied)
+            if self.sub_blocks is not None:
+                self._sub_block_requests[request.request_id] = request
+                self._sub_block_indexed[request.request_id] = num_held * block_size
         new_blocks = self.pool.get_new_blocks(num_new_blocks)
         table.extend(new_blocks)
+        if admitting and copy_source is not None:
+            self._pending_copies.append(CopyOp(copy_source.block_id, table[num_held].block_id, num_copied))
         request.num_computed_tokens = total
         if self.enable_caching:
             self._cache_full_blocks(request, table, total // block_size)
@@ -184,8 +224,33 @@ class KVCacheManager:
         if table is None:
             return
         del self._num_cached_blocks[request.request_id]
+        self._sub_block_requests.pop(request.request_id, None)
+        self._sub_block_indexed.pop(request.request_id, None)
         self.pool.free_blocks(reversed(table))
         request.num_computed_tokens = 0
+
+    def take_copy_ops(self) -> list[CopyOp]:
+        """The K/V copies of this step's sub-block hits, for the model runner to do before the forward pass."""
+        ops, self._pending_copies = self._pending_copies, []
+        return ops
+
+    def index_written_sub_blocks(self) -> None:
+        """Index the sub-block prefixes of every token whose K/V a forward pass has now written.
+
+        Call after each forward pass (a no-op without sub-blocks). Until then a sub-prefix is not
+        findable, so no request copies K/V that has not been written yet.
+        """
+        if self.sub_blocks is None:
+            return
+        for request_id, request in self._sub_block_requests.items():
+            start = self._sub_block_indexed[request_id]
+            if request.num_computed_tokens // self.sub_block_size > start // self.sub_block_size:
+                hashes = self.block_hashes(request)
+                table = self._tables[request_id]
+                self.sub_blocks.index_written(
+                    request, table, self.root_hash, hashes, start, request.num_computed_tokens
+                )
+                self._sub_block_indexed[request_id] = request.num_computed_tokens
 
     def block_ids(self, request: Request) -> list[int]:
         """The request's block table (empty when it is not admitted)."""
@@ -207,29 +272,37 @@ class KVCacheManager:
                 )
 
     def _check_hit(self, request: Request, cached_blocks: list[Block], num_cached_tokens: int) -> None:
-        if num_cached_tokens != len(cached_blocks) * self.block_size:
-            raise ValueError(
-                f"num_cached_tokens={num_cached_tokens} does not match {len(cached_blocks)} cached blocks"
-            )
+        num_full, num_copied = divmod(num_cached_tokens, self.block_size)
+        copies_ok = num_copied == 0 or (self.sub_blocks is not None and num_copied % self.sub_block_size == 0)
+        if len(cached_blocks) != num_full + (num_copied > 0) or not copies_ok:
+            raise ValueError(f"num_cached_tokens={num_cached_tokens} does not match {len(cached_blocks)} cached blocks")
         if not cached_blocks:
             return
         if num_cached_tokens >= request.num_tokens:
             raise ValueError("the cached prefix must leave at least one token to compute")
         hashes = self.block_hashes(request)
-        for block, block_hash in zip(cached_blocks, hashes, strict=False):
-            if block.block_hash != block_hash:
-                raise ValueError(
-                    f"request {request.request_id!r}: cached block {block.block_id} no longer holds the "
-                    "looked-up prefix (evicted since the lookup); look it up again"
-                )
+        stale = [b for b, h in zip(cached_blocks[:num_full], hashes, strict=False) if b.block_hash != h]
+        if num_copied and not stale:
+            source = cached_blocks[-1]
+            parent = hashes[num_full - 1] if num_full else self.root_hash
+            holders = self.sub_blocks.index.get(
+                self.sub_blocks.sub_prefix_hash(request, parent, num_full, num_copied), {}
+            )
+            stale = [] if source.block_id in holders else [source]
+        if stale:
+            raise ValueError(
+                f"request {request.request_id!r}: cached block {stale[0].block_id} no longer holds the "
+                "looked-up prefix (evicted since the lookup); look it up again"
+            )
 
-    def _count_admission(self, request: Request, num_cached_tokens: int) -> None:
+    def _count_admission(self, request: Request, num_hit_tokens: int, num_copied_tokens: int) -> None:
         if request.counted_in_stats:
             return
         request.counted_in_stats = True
         self.stats.requests += 1
         self.stats.queries += request.num_tokens
-        self.stats.hits += num_cached_tokens
+        self.stats.hits += num_hit_tokens
+        self.stats.copied_tokens += num_copied_tokens
 
     def _cache_full_blocks(self, request: Request, table: list[Block], num_full: int) -> None:
         start = self._num_cached_blocks[request.request_id]

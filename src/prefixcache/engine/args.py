@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 from typing import Any
 
+from prefixcache.config import EngineConfig
 from prefixcache.core import HASH_ALGOS
 from prefixcache.core.eviction import EVICTION_POLICIES
 
@@ -16,6 +18,18 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         parser.add_argument("--model", default=None, help="HF checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
     group = parser.add_argument_group("engine")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    group.add_argument(
+        "--sub-block-size",
+        type=int,
+        default=None,
+        help="also reuse partial-block prefixes at this granularity (a divisor of --block-size; default off)",
+    )
+    group.add_argument(
+        "--sub-block-size",
+        type=int,
+        default=None,
+        help="reuse partial-block prefixes at this granularity (a divisor of --block-size; default off)",
+    )
     group.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB")
     group.add_argument(
         "--num-gpu-blocks-override",
@@ -37,20 +51,5 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The parsed options as keyword arguments for ``LLM`` / ``EngineConfig``."""
-    names = (
-        "model",
-        "block_size",
-        "kv_cache_memory",
-        "num_blocks",
-        "enable_prefix_caching",
-        "hash_algo",
-        "eviction_policy",
-        "max_num_batched_tokens",
-        "max_num_seqs",
-        "max_model_len",
-        "dtype",
-        "device",
-        "seed",
-    )
-    return {name: getattr(args, name) for name in names}
+    """The parsed options that are ``EngineConfig`` fields, as keyword arguments for ``LLM`` / ``EngineConfig``."""
+    return {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}

@@ -35,6 +35,7 @@ PromptInput = str | list[int] | dict[str, Any]
 class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
+    prefix_cache_copied_tokens: int
     prefix_cache_hit_rate: float
     rolling_hit_rate: float
     num_requests: int
@@ -74,6 +75,7 @@ class LLMEngine:
             hash_algo=config.hash_algo,
             hash_seed=config.hash_seed,
             eviction_policy=config.eviction_policy,
+            sub_block_size=config.sub_block_size,
         )
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, dtype, config.device, config.seed)
@@ -150,6 +152,7 @@ class LLMEngine:
         if not step.chunks:
             return []
         result = self.runner.execute(step)
+        self.manager.index_written_sub_blocks()
         outputs = []
         for chunk in step.chunks:
             request = chunk.request
@@ -178,6 +181,7 @@ class LLMEngine:
         return EngineStats(
             prefix_cache_queries=stats.queries,
             prefix_cache_hits=stats.hits,
+            prefix_cache_copied_tokens=stats.copied_tokens,
             prefix_cache_hit_rate=stats.hit_rate,
             rolling_hit_rate=sum(h for _, h in self._recent) / recent_queries if recent_queries else 0.0,
             num_requests=stats.requests,

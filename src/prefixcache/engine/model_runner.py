@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from prefixcache.core.sub_block import CopyOp
 from prefixcache.engine.sampler import Sampler
 from prefixcache.engine.scheduler import SchedulerOutput
 from prefixcache.model import AttentionMetadata, LlamaForCausalLM
@@ -31,6 +32,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        self._copy_blocks(step.copies)
         chunks = step.chunks
         token_ids: list[int] = []
         positions: list[int] = []
@@ -90,6 +92,13 @@ class ModelRunner:
                 entry |= dict(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True))
             result.append(entry)
         return result
+
+    def _copy_blocks(self, copies: list[CopyOp]) -> None:
+        """Sub-block hits: the first tokens of a shared block into the request's own block, every layer."""
+        for op in copies:
+            for key_cache, value_cache in self.kv_caches:
+                key_cache[op.dst, : op.num_tokens] = key_cache[op.src, : op.num_tokens]
+                value_cache[op.dst, : op.num_tokens] = value_cache[op.src, : op.num_tokens]
 
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)

@@ -13,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from prefixcache.core import KVCacheManager
+from prefixcache.core.sub_block import CopyOp
 from prefixcache.engine.request import EngineRequest, RequestStatus
 
 
@@ -33,8 +34,11 @@ class ScheduledChunk:
 
 @dataclass(slots=True)
 class SchedulerOutput:
+    """A step's work; ``copies`` (sub-block hits) must be done before the forward pass."""
+
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[EngineRequest] = field(default_factory=list)
+    copies: list[CopyOp] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +84,7 @@ class Scheduler:
             i += 1
         if not out.preempted:
             self._admit_waiting(out, budget)
+        out.copies = self.manager.take_copy_ops()
         return out
 
     def _allocate_or_preempt(self, request: EngineRequest, num_new: int, out: SchedulerOutput) -> bool:

@@ -47,7 +47,10 @@ class ServerMetrics:
             "prefix_cache_queries": counter(
                 "prefix_cache_queries", "Prompt tokens looked up in the prefix cache (once per request)."
             ),
-            "prefix_cache_hits": counter("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+            "prefix_cache_hits": counter("prefix_cache_hits", "Prompt tokens found in shared cached blocks."),
+            "prefix_cache_copied_tokens": counter(
+                "prefix_cache_copied_tokens", "Prompt tokens reused by copying a sub-block prefix match."
+            ),
             "num_preemptions": counter("num_preemptions", "Requests preempted because KV blocks ran out."),
         }
         self._seen = dict.fromkeys(self._engine_counters, 0)
