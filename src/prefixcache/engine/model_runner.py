@@ -35,11 +35,8 @@ class ModelRunner:
         self._copy_blocks(step.copies)
         chunks = step.chunks
         token_ids: list[int] = []
-        positions: list[int] = []
         for chunk in chunks:
-            end = chunk.start + chunk.num_new_tokens
-            token_ids.extend(chunk.request.all_token_ids[chunk.start : end])
-            positions.extend(range(chunk.start, end))
+            token_ids.extend(chunk.request.all_token_ids[chunk.start : chunk.start + chunk.num_new_tokens])
         metadata = AttentionMetadata.build(
             [c.block_ids for c in chunks],
             [c.start for c in chunks],
@@ -49,24 +46,23 @@ class ModelRunner:
         )
         hidden = self.model(
             torch.tensor(token_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
+            metadata.positions,
             self.kv_caches,
             metadata,
         )
         out = ModelRunnerOutput()
-        last_rows, sampling = [], []
-        row = 0
-        for chunk in chunks:
+        sampling_rows, sampling = [], []
+        starts = metadata.query_start_loc.tolist()
+        for i, chunk in enumerate(chunks):
             if chunk.request.sampling_params.prompt_logprobs is not None:
                 out.prompt_logprobs[chunk.request.request_id] = self._prompt_logprobs(
-                    hidden[row : row + chunk.num_new_tokens], chunk
+                    hidden[starts[i] : starts[i + 1]], chunk
                 )
-            row += chunk.num_new_tokens
             if chunk.samples:
-                last_rows.append(row - 1)
+                sampling_rows.append(i)
                 sampling.append(chunk.request)
         if sampling:
-            logits = self.model.compute_logits(hidden[last_rows])
+            logits = self.model.compute_logits(hidden[metadata.last_token_indices[sampling_rows]])
             tokens = self.sampler.sample(
                 logits, [r.request_id for r in sampling], [r.sampling_params for r in sampling]
             )

@@ -1,0 +1,420 @@
+"""Attention over a paged KV cache.
+
+The cache of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``. A step
+first writes the new tokens' K/V at ``slot_mapping`` and then every request attends to all of its keys,
+gathered block-wise from its block table. Because all writes of a layer happen before any read, a request
+may read blocks that another request of the same step is writing (a shared prefix being filled).
+
+Requests are batched into a few :class:`AttentionGroup` s, each run as one padded
+``scaled_dot_product_attention`` call (long query runs after cached context are split into chunks first).
+Grouping, padding indices and the masks are computed once per step in :meth:`AttentionMetadata.build` (masks
+lazily, on first use) and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# Per-group fixed cost in "query x key" units used when deciding whether two requests share one padded SDPA
+# call: merging is allowed while the padded work grows by at most this much over running them separately.
+_GROUP_CALL_COST = 2048
+# Longest run of queries attended in one call when a request has earlier context (see _segments).
+_QUERY_CHUNK = 512
+
+
+@dataclass(slots=True)
+class AttentionGroup:
+    """Segments (whole requests or query chunks of one, see :func:`_segments`) attended in one SDPA call.
+
+    Queries are laid out as ``[num_reqs, max_q]`` (one row of the layout per segment) and keys as the first
+    ``num_blocks`` blocks of each segment's request gathered into ``[num_reqs, num_blocks * block_size]``;
+    the mask hides padding and future keys.
+    """
+
+    num_reqs: int
+    max_q: int
+    kv_len: int
+    # [num_reqs, num_blocks] block ids to gather keys from.
+    block_tables: torch.Tensor
+    # [num_reqs, max_q] position of each query row; padding rows repeat the request's last position so that
+    # they always see at least one key (no NaN) and their output is discarded anyway.
+    q_pos: torch.Tensor
+    # (start, end) when the group's tokens are contiguous batch rows that need no padding, else None.
+    token_slice: tuple[int, int] | None
+    # [num_group_tokens] batch rows of the group's tokens (None when token_slice is set).
+    token_index: torch.Tensor | None
+    # [num_group_tokens] their rows in the padded [num_reqs * max_q] layout (None when nothing is padded).
+    pad_index: torch.Tensor | None
+    # One request with no earlier tokens: its keys are exactly the new tokens, so no gather and a plain
+    # causal mask (lets SDPA use its fastest kernels).
+    fresh: bool
+    _masks: dict[tuple[int | None, torch.dtype], torch.Tensor | None] = field(default_factory=dict)
+
+    def mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """Additive mask ``[num_reqs, 1, max_q, kv_len]`` (0 = attend, -inf = not); None means plain causal.
+
+        Additive rather than boolean because SDPA's CPU kernels would convert a boolean mask in every layer
+        (measurably slower for decode batches); built once per step and dtype, shared by the layers.
+        """
+        key = (sliding_window, dtype)
+        if key not in self._masks:
+            if self.fresh and sliding_window is None:
+                self._masks[key] = None
+            else:
+                k_pos = torch.arange(self.kv_len, device=self.q_pos.device)
+                q_pos = self.q_pos[:, :, None]
+                allowed = k_pos <= q_pos
+                if sliding_window is not None:
+                    allowed &= k_pos > q_pos - sliding_window
+                additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+                self._masks[key] = additive.masked_fill_(~allowed, float("-inf"))[:, None]
+        return self._masks[key]
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything the attention layers need about one step, built once and shared by all layers."""
+
+    # [T] cache slot (block_id * block_size + offset) where each new token's K/V is written.
+    slot_mapping: torch.Tensor
+    # [R, max_blocks] block table of each request, padded with 0, truncated to the blocks in use.
+    block_tables: torch.Tensor
+    # [R + 1] request r's new tokens are rows query_start_loc[r]:query_start_loc[r + 1].
+    query_start_loc: torch.Tensor
+    # [R] tokens of each request after this step (earlier + new).
+    seq_lens: torch.Tensor
+    # [T] position of each new token (what the model's ``positions`` argument should be).
+    positions: torch.Tensor
+    # [R] row of each request's last new token: the hidden states to compute logits from.
+    last_token_indices: torch.Tensor
+    groups: tuple[AttentionGroup, ...]
+    num_tokens: int
+    block_size: int
+
+    @classmethod
+    def build(
+        cls,
+        block_tables: Sequence[Sequence[int]],
+        num_computed: Sequence[int],
+        num_new: Sequence[int],
+        block_size: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata:
+        """Build the metadata of a step from plain lists.
+
+        For request r, tokens ``num_computed[r] .. num_computed[r] + num_new[r] - 1`` are new this step;
+        its block table must cover all ``num_computed[r] + num_new[r]`` tokens (longer tables are fine).
+        The new tokens of the batch are the requests' tokens concatenated in request order.
+        """
+        num_reqs = len(block_tables)
+        if num_reqs == 0 or len(num_computed) != num_reqs or len(num_new) != num_reqs:
+            raise ValueError(
+                f"need one entry per request and at least one request, got {num_reqs} block tables, "
+                f"{len(num_computed)} num_computed, {len(num_new)} num_new"
+            )
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        computed = np.asarray(num_computed, dtype=np.int64)
+        new = np.asarray(num_new, dtype=np.int64)
+        if (new < 1).any() or (computed < 0).any():
+            raise ValueError("every request needs num_new >= 1 and num_computed >= 0")
+        seq_lens = computed + new
+        blocks_needed = -(-seq_lens // block_size)
+        for r, table in enumerate(block_tables):
+            if len(table) < blocks_needed[r]:
+                raise ValueError(
+                    f"request {r} has {seq_lens[r]} tokens, needing {blocks_needed[r]} blocks of "
+                    f"{block_size}, but its block table has only {len(table)}"
+                )
+        tables = np.zeros((num_reqs, int(blocks_needed.max())), dtype=np.int64)
+        for r, table in enumerate(block_tables):
+            tables[r, : blocks_needed[r]] = table[: blocks_needed[r]]
+
+        query_start = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(new, out=query_start[1:])
+        num_tokens = int(query_start[-1])
+        token_req = np.repeat(np.arange(num_reqs), new)
+        positions = np.arange(num_tokens) - np.repeat(query_start[:-1] - computed, new)
+        slots = tables[token_req, positions // block_size] * block_size + positions % block_size
+
+        def to_dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+        seg_req, seg_computed, seg_new = _segments(computed, new)
+        seg_start = query_start[seg_req] + seg_computed - computed[seg_req]
+        groups = tuple(
+            _build_group(seg, seg_req, seg_computed, seg_new, seg_start, tables, block_size, to_dev)
+            for seg in _partition(seg_computed, seg_new)
+        )
+        return cls(
+            slot_mapping=to_dev(slots),
+            block_tables=to_dev(tables),
+            query_start_loc=to_dev(query_start),
+            seq_lens=to_dev(seq_lens),
+            positions=to_dev(positions),
+            last_token_indices=to_dev(query_start[1:] - 1),
+            groups=groups,
+            num_tokens=num_tokens,
+            block_size=block_size,
+        )
+
+
+def _segments(computed: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split the new tokens of requests with earlier context into query chunks of at most _QUERY_CHUNK.
+
+    A masked SDPA call computes the whole [queries x keys] rectangle. A chunk only reaches keys up to its own
+    last position, so chunks skip most of the causal upper triangle (about 20% less attention work for 2k
+    new tokens after a 2k prefix). A fresh prompt is not split: its unmasked causal call skips it already.
+    Returns, per segment: request index, tokens before the segment, tokens in the segment.
+    """
+    pieces = np.where(computed > 0, -(-new // _QUERY_CHUNK), 1)
+    seg_req = np.repeat(np.arange(len(new)), pieces)
+    offset = (np.arange(len(seg_req)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * _QUERY_CHUNK
+    seg_new = np.where(pieces[seg_req] == 1, new[seg_req], np.minimum(new[seg_req] - offset, _QUERY_CHUNK))
+    return seg_req, computed[seg_req] + offset, seg_new
+
+
+def _partition(computed: np.ndarray, new: np.ndarray) -> list[np.ndarray]:
+    """Split segments (see :func:`_segments`) into groups whose padded attention wastes little work.
+
+    Greedy over segments sorted by (new tokens, length) descending: a segment joins the current group when
+    the padded cost grows by no more than running it alone plus a fixed per-call cost. So decodes of similar
+    length share one call, while a long prefill chunk never gets padded to by short ones (and vice versa),
+    which keeps the padded K/V gather and mask close to the useful size.
+    """
+    seq_lens = computed + new
+
+    def alone(r: int) -> int:
+        q, k = int(new[r]), int(seq_lens[r])
+        return q * k // 2 if computed[r] == 0 else q * k
+
+    groups: list[list[int]] = []
+    members: list[int] = []
+    max_q = max_k = cost = 0
+    for r in np.lexsort((-seq_lens, -new)).tolist():
+        q, k = int(new[r]), int(seq_lens[r])
+        if members:
+            merged_q, merged_k = max(max_q, q), max(max_k, k)
+            merged = (len(members) + 1) * merged_q * merged_k
+            if merged <= cost + alone(r) + _GROUP_CALL_COST:
+                members.append(r)
+                max_q, max_k, cost = merged_q, merged_k, merged
+                continue
+            groups.append(members)
+        members, max_q, max_k, cost = [r], q, k, alone(r)
+    groups.append(members)
+    return [np.sort(np.asarray(g, dtype=np.int64)) for g in groups]
+
+
+def _build_group(
+    seg: np.ndarray,
+    seg_req: np.ndarray,
+    seg_computed: np.ndarray,
+    seg_new: np.ndarray,
+    seg_start: np.ndarray,
+    tables: np.ndarray,
+    block_size: int,
+    to_dev: Callable[[np.ndarray], torch.Tensor],
+) -> AttentionGroup:
+    """Precompute the gather/pad indices of one group of segments (see :class:`AttentionGroup`)."""
+    num_reqs = len(seg)
+    q_lens = seg_new[seg]
+    computed = seg_computed[seg]
+    seq_lens = computed + q_lens
+    max_q = int(q_lens.max())
+    fresh = num_reqs == 1 and computed[0] == 0
+    num_blocks = int(-(-seq_lens.max() // block_size))
+    kv_len = max_q if fresh else num_blocks * block_size
+    q_pos = np.minimum(computed[:, None] + np.arange(max_q)[None, :], seq_lens[:, None] - 1)
+
+    padded = bool((q_lens != max_q).any())
+    contiguous = bool((np.diff(seg) == 1).all())
+    token_slice = token_index = pad_index = None
+    if contiguous and not padded:
+        token_slice = (int(seg_start[seg[0]]), int(seg_start[seg[-1]] + q_lens[-1]))
+    else:
+        within = np.arange(int(q_lens.sum())) - np.repeat(np.cumsum(q_lens) - q_lens, q_lens)
+        token_index = to_dev(np.repeat(seg_start[seg], q_lens) + within)
+        if padded:
+            pad_index = to_dev(np.repeat(np.arange(num_reqs) * max_q, q_lens) + within)
+    return AttentionGroup(
+        num_reqs=num_reqs,
+        max_q=max_q,
+        kv_len=kv_len,
+        block_tables=to_dev(tables[seg_req[seg], :num_blocks]),
+        q_pos=to_dev(q_pos),
+        token_slice=token_slice,
+        token_index=token_index,
+        pad_index=pad_index,
+        fresh=fresh,
+    )
+
+
+class GatherWorkspace:
+    """Reusable buffers for the gathered K/V of a layer.
+
+    On CPU a fresh multi-MB tensor per layer costs page faults that can exceed the gather itself, so the
+    buffers are kept and grown on demand. On other devices the caching allocator already reuses memory and
+    this returns None (plain allocation).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor | None] = [None, None]
+
+    def get(self, which: int, like: torch.Tensor, numel: int) -> torch.Tensor | None:
+        if like.device.type != "cpu":
+            return None
+        buf = self._buffers[which]
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype:
+            buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._buffers[which] = buf
+        return buf[:numel]
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store the new tokens' K/V ``[T, kv_heads, head_dim]`` at their slots."""
+    _, _, kv_heads, head_dim = k_cache.shape
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def _gather(
+    cache: torch.Tensor, block_tables: torch.Tensor, workspace: GatherWorkspace | None, which: int
+) -> torch.Tensor:
+    """Gather the listed blocks: ``[G, num_blocks * block_size, kv_heads, head_dim]``."""
+    num_reqs, num_blocks = block_tables.shape
+    _, block_size, kv_heads, head_dim = cache.shape
+    flat = block_tables.reshape(-1)
+    buf = None if workspace is None else workspace.get(which, cache, flat.numel() * cache[0].numel())
+    if buf is None:
+        out = cache.index_select(0, flat)
+    else:
+        out = torch.index_select(cache, 0, flat, out=buf.view(-1, block_size, kv_heads, head_dim))
+    return out.view(num_reqs, num_blocks * block_size, kv_heads, head_dim)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    workspace: GatherWorkspace | None = None,
+) -> torch.Tensor:
+    """Write the step's K/V into the cache, then attend; returns ``[T, num_heads * head_dim]``.
+
+    ``query`` is ``[T, num_heads, head_dim]``; ``key``/``value`` are ``[T, num_kv_heads, head_dim]``.
+    """
+    write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+    num_tokens, num_heads, head_dim = query.shape
+    if len(metadata.groups) == 1 and metadata.groups[0].token_slice == (0, num_tokens):
+        return _group_attention(
+            metadata.groups[0], query, key, value, k_cache, v_cache, scale, sliding_window, workspace
+        )
+    out = query.new_empty(num_tokens, num_heads * head_dim)
+    for group in metadata.groups:
+        if group.token_slice is not None:
+            start, end = group.token_slice
+            out[start:end] = _group_attention(
+                group,
+                query[start:end],
+                key[start:end],
+                value[start:end],
+                k_cache,
+                v_cache,
+                scale,
+                sliding_window,
+                workspace,
+            )
+        else:
+            assert group.token_index is not None
+            rows = group.token_index
+            result = _group_attention(
+                group,
+                query.index_select(0, rows),
+                key.index_select(0, rows),
+                value.index_select(0, rows),
+                k_cache,
+                v_cache,
+                scale,
+                sliding_window,
+                workspace,
+            )
+            out.index_copy_(0, rows, result)
+    return out
+
+
+def _group_attention(
+    group: AttentionGroup,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    workspace: GatherWorkspace | None,
+) -> torch.Tensor:
+    """Attention of one group; inputs and output are the group's tokens in group order."""
+    num_tokens, num_heads, head_dim = query.shape
+    kv_heads = k_cache.shape[2]
+    mask = group.mask(sliding_window, query.dtype)
+    if group.fresh and key.dtype == k_cache.dtype:
+        # The keys are exactly this step's tokens: skip the gather.
+        keys, values = key[None].transpose(1, 2), value[None].transpose(1, 2)
+    else:
+        keys = _gather(k_cache, group.block_tables, workspace, 0).transpose(1, 2)
+        values = _gather(v_cache, group.block_tables, workspace, 1).transpose(1, 2)
+        if keys.dtype != query.dtype:
+            keys, values = keys.to(query.dtype), values.to(query.dtype)
+
+    if group.max_q == 1:
+        # Decode: fold the query heads that share a KV head into the query-length axis, so GQA needs no
+        # K/V expansion and the [G, 1, 1, S] mask broadcasts over heads.
+        q = query.view(group.num_reqs, kv_heads, num_heads // kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        return out.reshape(num_tokens, num_heads * head_dim)
+
+    if group.pad_index is not None:
+        padded = query.new_zeros(group.num_reqs * group.max_q, num_heads, head_dim)
+        query = padded.index_copy_(0, group.pad_index, query)
+    q = query.view(group.num_reqs, group.max_q, num_heads, head_dim).transpose(1, 2)
+    if kv_heads != num_heads and not _sdpa_gqa_supported(query.device, mask):
+        keys = keys.repeat_interleave(num_heads // kv_heads, dim=1)
+        values = values.repeat_interleave(num_heads // kv_heads, dim=1)
+    out = F.scaled_dot_product_attention(
+        q,
+        keys,
+        values,
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=keys.shape[1] != num_heads,
+    )
+    out = out.transpose(1, 2).reshape(group.num_reqs * group.max_q, num_heads * head_dim)
+    if group.pad_index is not None:
+        out = out.index_select(0, group.pad_index)
+    return out
+
+
+def _sdpa_gqa_supported(device: torch.device, mask: torch.Tensor | None) -> bool:
+    """Whether SDPA's ``enable_gqa`` runs a fused kernel for these inputs.
+
+    On CUDA only the flash kernel supports GQA and it takes no mask, so masked calls would fall back to the
+    slow math kernel; expanding K/V instead keeps the memory-efficient kernel. The CPU kernel handles both.
+    """
+    return device.type == "cpu" or mask is None

