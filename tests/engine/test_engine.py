@@ -244,3 +244,13 @@ def test_incremental_detokenizer_matches_full_decode(tiny_loaded):
     text = "".join(detokenizer.decode_new(ids[: i + 1]) for i in range(len(ids)))
     text += detokenizer.decode_new(ids, final=True)
     assert text == tokenizer.decode(ids)
+
+
+def test_every_command_line_parses():
+    """Commands share the engine flags; a clash would only show when the command runs."""
+    from prefixcache.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--sub-block-size", "4", "--block-size", "16"]).sub_block_size == 4
+    assert parser.parse_args(["generate", "hi", "--no-enable-prefix-caching"]).enable_prefix_caching is False
+    assert parser.parse_args(["chat", "--eviction-policy", "lru"]).message is None

@@ -24,12 +24,6 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         default=None,
         help="also reuse partial-block prefixes at this granularity (a divisor of --block-size; default off)",
     )
-    group.add_argument(
-        "--sub-block-size",
-        type=int,
-        default=None,
-        help="reuse partial-block prefixes at this granularity (a divisor of --block-size; default off)",
-    )
     group.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB")
     group.add_argument(
         "--num-gpu-blocks-override",
