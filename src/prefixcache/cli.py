@@ -64,6 +64,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from prefixcache.bench import offline
     from prefixcache.bench import serve as bench_serve
+    from prefixcache.bench import trace as bench_trace
     from prefixcache.core import HASH_ALGOS
     from prefixcache.engine.args import add_engine_args
     from prefixcache.server.cli import register as register_serve
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     manager.set_defaults(func=_bench_manager)
     offline.register(bench)
     bench_serve.register(bench)
+    bench_trace.register(bench)
 
     generate = commands.add_parser("generate", help="complete prompts on the command line")
     generate.add_argument("prompt", nargs="+", help="one or more prompts")

