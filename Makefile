@@ -18,7 +18,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff format --check src tests benchmarks
 
 test: lint
 	$(VENV)/bin/pytest
