@@ -1,7 +1,9 @@
 """Random admit / append / free / preempt / reset sequences keep the manager's bookkeeping consistent.
 
-Alongside the manager, the test records what each block really holds (the tokens a request wrote
-into it). Every hit must return blocks whose recorded content equals the request's own tokens.
+Alongside the manager, the test records what each KV slot really holds: the token a request wrote
+there, or copied there for a sub-block hit (copies run before the step's writes, and sub-block
+prefixes are indexed after them, as in the engine). Every hit must return blocks whose recorded
+content equals the request's own tokens.
 """
 
 import itertools
@@ -18,34 +20,41 @@ PREFIXES = [list(range(100, 112)), list(range(200, 206)), list(range(100, 108)) 
 
 class ManagerMachine(RuleBasedStateMachine):
     POLICY = "lru"
+    SUB_BLOCK_SIZE: int | None = None
 
     def __init__(self) -> None:
         super().__init__()
-        self.mgr = KVCacheManager(num_blocks=12, block_size=BLOCK_SIZE, eviction_policy=self.POLICY)
+        self.mgr = KVCacheManager(
+            num_blocks=12, block_size=BLOCK_SIZE, eviction_policy=self.POLICY, sub_block_size=self.SUB_BLOCK_SIZE
+        )
         self.running: list[Request] = []
         self.preempted: list[Request] = []
-        self.hit_blocks: dict[str, int] = {}
-        self.content: dict[int, tuple] = {}
+        self.slots: dict[int, list] = {}
         self.ids = itertools.count()
 
-    def _record_written(self, req: Request) -> None:
+    def _run_step(self, req: Request, start: int) -> None:
+        """What the model runner and engine do after an allocation: copies, writes, then indexing."""
+        for op in self.mgr.take_copy_ops():
+            self.slots.setdefault(op.dst, [None] * BLOCK_SIZE)[: op.num_tokens] = self.slots[op.src][: op.num_tokens]
         table = self.mgr._tables[req.request_id]
-        for i in range(self.hit_blocks[req.request_id], req.num_computed_tokens // BLOCK_SIZE):
-            self.content[table[i].block_id] = (
+        for pos in range(start, req.num_computed_tokens):
+            block = table[pos // BLOCK_SIZE].block_id
+            self.slots.setdefault(block, [None] * BLOCK_SIZE)[pos % BLOCK_SIZE] = (
                 req.cache_salt,
-                tuple(req.all_token_ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]),
+                req.all_token_ids[pos],
             )
+        self.mgr.index_written_sub_blocks()
 
     def _admit(self, req: Request, chunk: int) -> bool:
         blocks, num_cached = self.mgr.get_computed_blocks(req)
         for i, block in enumerate(blocks):
-            expected = (req.cache_salt, tuple(req.all_token_ids[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]))
-            assert self.content[block.block_id] == expected, "a hit returned a block holding other tokens"
+            n = min(BLOCK_SIZE, num_cached - i * BLOCK_SIZE)
+            expected = [(req.cache_salt, t) for t in req.all_token_ids[i * BLOCK_SIZE : i * BLOCK_SIZE + n]]
+            assert self.slots[block.block_id][:n] == expected, "a hit returned a block holding other tokens"
         num_new = min(chunk, req.num_tokens - num_cached)
         if self.mgr.allocate_slots(req, num_new, num_cached, blocks) is None:
             return False
-        self.hit_blocks[req.request_id] = len(blocks)
-        self._record_written(req)
+        self._run_step(req, num_cached)
         self.running.append(req)
         return True
 
@@ -72,7 +81,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.mgr.allocate_slots(req, num) is None:
             assert req.num_computed_tokens == before
             return
-        self._record_written(req)
+        self._run_step(req, before)
 
     @precondition(lambda self: self.running)
     @rule(index=st.integers(0, 100))
@@ -110,9 +119,10 @@ class ManagerMachine(RuleBasedStateMachine):
 ManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestManagerMachine = ManagerMachine.TestCase
 
-# The same invariants under every other registered eviction policy.
-for _policy in EVICTION_POLICIES:
-    if _policy != ManagerMachine.POLICY:
-        _machine = type(f"ManagerMachine_{_policy}", (ManagerMachine,), {"POLICY": _policy})
-        _machine.TestCase.settings = ManagerMachine.TestCase.settings
-        globals()[f"TestManagerMachine_{_policy}"] = _machine.TestCase
+# The same invariants under every other registered eviction policy, and with sub-block matching.
+_variants = {f"_{p}": {"POLICY": p} for p in EVICTION_POLICIES if p != ManagerMachine.POLICY}
+_variants["_sub_block"] = {"SUB_BLOCK_SIZE": 2}
+for _suffix, _attrs in _variants.items():
+    _machine = type(f"ManagerMachine{_suffix}", (ManagerMachine,), _attrs)
+    _machine.TestCase.settings = ManagerMachine.TestCase.settings
+    globals()[f"TestManagerMachine{_suffix}"] = _machine.TestCase
