@@ -18,11 +18,13 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from prefixcache.engine.sampling_params import SamplingParams
 
-from prefixcache.engine import LLM, SamplingParams
-from prefixcache.model import LoadedModel, load_model
+if TYPE_CHECKING:  # torch loads only when the benchmark runs, so the CLI parser stays light
+    from prefixcache.engine import LLM
+    from prefixcache.model import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +131,8 @@ def run_engine(llm: LLM, workload: Workload) -> tuple[RunResult, list[list[int]]
 
 def compare_cache_off_on(loaded: LoadedModel, workload: Workload, **engine_kwargs) -> dict:
     """Run the workload with the cache off, then on; the report holds both, the speedup and its ceiling."""
+    from prefixcache.engine import LLM
+
     (without, tokens_off), (with_cache, tokens_on) = (
         run_engine(LLM(loaded=loaded, enable_prefix_caching=enable, **engine_kwargs), workload)
         for enable in (False, True)
@@ -150,6 +154,7 @@ def compare_cache_off_on(loaded: LoadedModel, workload: Workload, **engine_kwarg
 
 def run_transformers(loaded: LoadedModel, workload: Workload, batch_size: int, dtype: str) -> RunResult:
     """Hugging Face transformers' batched greedy ``generate`` on the same token ids (left-padded)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(loaded.model_dir, dtype=getattr(torch, dtype)).eval()
@@ -201,6 +206,10 @@ def run_vllm(model_dir: Path, workload_path: Path, mode: str, dtype: str) -> dic
 
 
 def main(args: argparse.Namespace) -> dict:
+    import torch
+
+    from prefixcache.model import load_model
+
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     if args.workload:
         workload = Workload.load(args.workload)

@@ -1,8 +1,23 @@
-"""The inference engine: scheduler, model runner, sampler and the offline ``LLM`` API."""
+"""The inference engine: scheduler, model runner, sampler and the offline ``LLM`` API.
 
-from prefixcache.engine.llm import LLM
-from prefixcache.engine.llm_engine import EngineStats, LLMEngine
-from prefixcache.engine.outputs import CompletionOutput, RequestOutput
-from prefixcache.engine.sampling_params import SamplingParams
+Names load on first use, so torch-free parts (``sampling_params``, ``args``) import without torch.
+"""
 
-__all__ = ["LLM", "CompletionOutput", "EngineStats", "LLMEngine", "RequestOutput", "SamplingParams"]
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "LLM": "prefixcache.engine.llm",
+    "LLMEngine": "prefixcache.engine.llm_engine",
+    "EngineStats": "prefixcache.engine.llm_engine",
+    "CompletionOutput": "prefixcache.engine.outputs",
+    "RequestOutput": "prefixcache.engine.outputs",
+    "SamplingParams": "prefixcache.engine.sampling_params",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'prefixcache.engine' has no attribute {name!r}")

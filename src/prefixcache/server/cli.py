@@ -42,6 +42,10 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def serve(args: argparse.Namespace) -> None:
+    # Idle OpenMP threads sleep instead of spinning: the engine shares 2 cores with the HTTP server and
+    # clients, and spinning threads starved them (bench serve at 80% shared: mean TPOT 38.6 -> 32.6 ms,
+    # TTFT 181 -> 151 ms). Set before torch loads; an explicit setting wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import uvicorn
 
     from prefixcache.config import EngineConfig
