@@ -71,7 +71,7 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * num_blocks)
         self.sub_block_size = sub_block_size
         self.sub_blocks = (
-            SubBlockIndex(hash_algo, block_size, sub_block_size)
+            SubBlockIndex(hash_algo, self.root_hash, block_size, sub_block_size)
             if enable_caching and sub_block_size < block_size
             else None
         )
@@ -148,8 +148,7 @@ class KVCacheManager:
         num_cached = len(hits) * self.block_size
         room = request.num_tokens - 1 - num_cached
         if self.sub_blocks is not None and room >= self.sub_block_size:
-            parent = hashes[len(hits) - 1] if hits else self.root_hash
-            found = self.sub_blocks.lookup(request, parent, len(hits), room)
+            found = self.sub_blocks.lookup(request, hashes, len(hits), room)
             if found is not None:
                 hits.append(found[0])
                 num_cached += found[1]
@@ -247,9 +246,7 @@ class KVCacheManager:
             if request.num_computed_tokens // self.sub_block_size > start // self.sub_block_size:
                 hashes = self.block_hashes(request)
                 table = self._tables[request_id]
-                self.sub_blocks.index_written(
-                    request, table, self.root_hash, hashes, start, request.num_computed_tokens
-                )
+                self.sub_blocks.index_written(request, table, hashes, start, request.num_computed_tokens)
                 self._sub_block_indexed[request_id] = request.num_computed_tokens
 
     def block_ids(self, request: Request) -> list[int]:
@@ -282,13 +279,12 @@ class KVCacheManager:
             raise ValueError("the cached prefix must leave at least one token to compute")
         hashes = self.block_hashes(request)
         stale = [b for b, h in zip(cached_blocks[:num_full], hashes, strict=False) if b.block_hash != h]
-        if num_copied and not stale:
-            source = cached_blocks[-1]
-            parent = hashes[num_full - 1] if num_full else self.root_hash
-            holders = self.sub_blocks.index.get(
-                self.sub_blocks.sub_prefix_hash(request, parent, num_full, num_copied), {}
-            )
-            stale = [] if source.block_id in holders else [source]
+        if (
+            num_copied
+            and not stale
+            and not self.sub_blocks.holds(cached_blocks[-1], request, hashes, num_full, num_copied)
+        ):
+            stale = [cached_blocks[-1]]
         if stale:
             raise ValueError(
                 f"request {request.request_id!r}: cached block {stale[0].block_id} no longer holds the "

@@ -38,20 +38,25 @@ class SubBlockIndex:
     block indexed under a hash, like the full-block index.
     """
 
-    def __init__(self, hash_algo: str, block_size: int, sub_block_size: int) -> None:
+    def __init__(self, hash_algo: str, root_hash: BlockHash, block_size: int, sub_block_size: int) -> None:
         self.hash_algo = hash_algo
+        self.root_hash = root_hash
         self.block_size = block_size
         self.sub_block_size = sub_block_size
         self.index: dict[BlockHash, dict[int, Block]] = {}
         self.entries_of_block: dict[int, list[BlockHash]] = {}
 
-    def sub_prefix_hash(self, request: Request, parent: BlockHash, block_index: int, num_tokens: int) -> BlockHash:
+    def sub_prefix_hash(
+        self, request: Request, block_hashes: list[BlockHash], block_index: int, num_tokens: int
+    ) -> BlockHash:
+        """The first ``num_tokens`` of block ``block_index``, chained on the full hash of the block before."""
+        parent = block_hashes[block_index - 1] if block_index else self.root_hash
         start = block_index * self.block_size
         extra = request.block_extra_keys(block_index, self.block_size)
         return hash_block_tokens(self.hash_algo, parent, request.all_token_ids[start : start + num_tokens], extra)
 
     def lookup(
-        self, request: Request, parent: BlockHash, block_index: int, max_tokens: int
+        self, request: Request, block_hashes: list[BlockHash], block_index: int, max_tokens: int
     ) -> tuple[Block, int] | None:
         """The longest indexed sub-prefix of block ``block_index`` of at most ``max_tokens`` tokens.
 
@@ -63,15 +68,22 @@ class SubBlockIndex:
         best: tuple[Block, int] | None = None
         while low < high:
             mid = (low + high + 1) // 2
-            holders = self.index.get(self.sub_prefix_hash(request, parent, block_index, mid * step))
+            holders = self.index.get(self.sub_prefix_hash(request, block_hashes, block_index, mid * step))
             if holders is None:
                 high = mid - 1
             else:
                 best, low = (next(iter(holders.values())), mid * step), mid
         return best
 
+    def holds(
+        self, block: Block, request: Request, block_hashes: list[BlockHash], block_index: int, num_tokens: int
+    ) -> bool:
+        """Whether ``block`` is still indexed under that sub-prefix (it may have been reused since a lookup)."""
+        holders = self.index.get(self.sub_prefix_hash(request, block_hashes, block_index, num_tokens), {})
+        return block.block_id in holders
+
     def index_written(
-        self, request: Request, table: list[Block], root: BlockHash, block_hashes: list[BlockHash], start: int, end: int
+        self, request: Request, table: list[Block], block_hashes: list[BlockHash], start: int, end: int
     ) -> None:
         """Index the sub-prefixes ending in (start, end]: tokens whose K/V is now written."""
         step, size = self.sub_block_size, self.block_size
@@ -79,9 +91,8 @@ class SubBlockIndex:
             if end_token % size == 0:
                 continue  # a full block: the full-block index covers it
             k = end_token // size
-            parent = block_hashes[k - 1] if k else root
             block = table[k]
-            block_hash = self.sub_prefix_hash(request, parent, k, end_token - k * size)
+            block_hash = self.sub_prefix_hash(request, block_hashes, k, end_token - k * size)
             self.index.setdefault(block_hash, {})[block.block_id] = block
             self.entries_of_block.setdefault(block.block_id, []).append(block_hash)
 
