@@ -1,18 +1,22 @@
 """The fixed pool of KV blocks, the free queue and the map from block hash to cached block.
 
 Eviction is lazy: a freed block keeps its hash and stays findable until it is popped for reuse;
-only then is its map entry dropped.
+only then is its map entry dropped. Whatever must follow the index (KV cache events, the sub-block
+index, offload tiers, the record of evicted hashes) subscribes as a :class:`BlockPoolListener`.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prefixcache.core.eviction import EvictionPolicy, make_eviction_policy
-from prefixcache.core.hashing import BlockHash
-from prefixcache.core.sub_block import SubBlockIndex
+from prefixcache.core.hashing import BlockHash, ExtraKeys
+
+if TYPE_CHECKING:
+    from prefixcache.core.request import Request
 
 
 @dataclass(slots=True, eq=False)
@@ -22,6 +26,42 @@ class Block:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlocks:
+    """Consecutive blocks of one request whose hashes just became findable (first copy of each).
+
+    ``parent_block_hash`` is the hash of the block before the first one, None at the start of a
+    prompt; ``token_ids`` are all the blocks' tokens in order; ``extra_keys`` has one entry a block.
+    """
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_name: str | None
+    extra_keys: list[ExtraKeys | None]
+
+
+class BlockPoolListener:
+    """Told of every change to what the pool can serve. Every method does nothing unless overridden.
+
+    Calls come in the order the changes happen. ``blocks_stored`` comes when blocks are allocated, before
+    their K/V is written: a listener that reports to others holds them until the forward pass ran.
+    """
+
+    def blocks_stored(self, stored: StoredBlocks) -> None:
+        """Hashes that were not in the pool now are (a duplicate of a cached hash is not reported)."""
+
+    def blocks_removed(self, block_hashes: list[BlockHash]) -> None:
+        """The last block of each of these hashes is being reused: the pool no longer holds them."""
+
+    def block_reused(self, block: Block) -> None:
+        """``block`` is about to be overwritten, whether or not it held a hash."""
+
+    def cache_cleared(self) -> None:
+        """Every cached hash was dropped at once (reset)."""
 
 
 class BlockPool:
@@ -37,7 +77,7 @@ class BlockPool:
         num_blocks: int,
         enable_caching: bool = True,
         eviction_policy: str | EvictionPolicy = "lru",
-        sub_blocks: SubBlockIndex | None = None,
+        listeners: Sequence[BlockPoolListener] = (),
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
@@ -47,7 +87,10 @@ class BlockPool:
         self.uncached_free: deque[Block] = deque(self.blocks)
         self.evictable: EvictionPolicy = make_eviction_policy(eviction_policy)
         self.cached: dict[BlockHash, Block | dict[int, Block]] = {}
-        self.sub_blocks = sub_blocks
+        self.listeners: list[BlockPoolListener] = list(listeners)
+
+    def add_listener(self, listener: BlockPoolListener) -> None:
+        self.listeners.append(listener)
 
     @property
     def num_free_blocks(self) -> int:
@@ -69,30 +112,68 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[Block]:
         """Pop ``num_blocks`` free blocks (caller checked there are enough), evicting cached ones last."""
-        uncached, evictable, sub_blocks = self.uncached_free, self.evictable, self.sub_blocks
+        uncached, evictable, listeners = self.uncached_free, self.evictable, self.listeners
         out: list[Block] = []
+        removed: list[BlockHash] = []
         for _ in range(num_blocks):
             block = uncached.popleft() if uncached else evictable.pop()
-            if block.block_hash is not None:
-                self._drop_from_index(block)
-            if sub_blocks is not None:
-                sub_blocks.drop_block(block)
+            if block.block_hash is not None and self._drop_from_index(block):
+                removed.append(block.block_hash)
+            for listener in listeners:
+                listener.block_reused(block)
+            block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
+        if removed:
+            for listener in listeners:
+                listener.blocks_removed(removed)
         return out
 
-    def cache_block(self, block: Block, block_hash: BlockHash) -> None:
-        """Index a block that just became full. A block already holding a hash (a hit) is left alone."""
+    def cache_block(self, block: Block, block_hash: BlockHash) -> bool:
+        """Index a block that just became full; True when its hash is new to the pool.
+
+        A block already holding a hash (a hit) is left alone.
+        """
         if block.block_hash is not None:
-            return
+            return False
         block.block_hash = block_hash
         entry = self.cached.get(block_hash)
         if entry is None:
             self.cached[block_hash] = block
-        elif type(entry) is Block:
+            return True
+        if type(entry) is Block:
             self.cached[block_hash] = {entry.block_id: entry, block.block_id: block}
         else:
             entry[block.block_id] = block
+        return False
+
+    def cache_full_blocks(
+        self, request: Request, table: list[Block], block_hashes: list[BlockHash], start: int, end: int, block_size: int
+    ) -> None:
+        """Index blocks ``start`` .. ``end`` - 1 of ``request``'s table, which just became full.
+
+        Listeners hear of each run of consecutive blocks whose hashes are new to the pool.
+        """
+        runs: list[tuple[int, int]] = []
+        for i in range(start, end):
+            if self.cache_block(table[i], block_hashes[i]):
+                if runs and runs[-1][1] == i:
+                    runs[-1] = (runs[-1][0], i + 1)
+                else:
+                    runs.append((i, i + 1))
+        if not self.listeners:
+            return
+        for first, last in runs:
+            stored = StoredBlocks(
+                block_hashes=block_hashes[first:last],
+                parent_block_hash=block_hashes[first - 1] if first else None,
+                token_ids=request.all_token_ids[first * block_size : last * block_size],
+                block_size=block_size,
+                lora_name=request.lora_name,
+                extra_keys=[request.block_extra_keys(k, block_size) for k in range(first, last)],
+            )
+            for listener in self.listeners:
+                listener.blocks_stored(stored)
 
     def free_blocks(self, blocks: Iterable[Block]) -> None:
         """Drop one reference from each block, in eviction order (the first freed is evicted first)."""
@@ -112,22 +193,23 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
-        if self.sub_blocks is not None:
-            self.sub_blocks.clear()
         self.evictable.clear()
         self.uncached_free = deque(self.blocks)
+        for listener in self.listeners:
+            listener.cache_cleared()
         return True
 
-    def _drop_from_index(self, block: Block) -> None:
+    def _drop_from_index(self, block: Block) -> bool:
+        """Forget that ``block`` holds its hash; True when it was the hash's last block."""
         block_hash = block.block_hash
         entry = self.cached[block_hash]
         if type(entry) is Block:
             del self.cached[block_hash]
-        else:
-            del entry[block.block_id]
-            if len(entry) == 1:
-                self.cached[block_hash] = next(iter(entry.values()))
-        block.block_hash = None
+            return True
+        del entry[block.block_id]
+        if len(entry) == 1:
+            self.cached[block_hash] = next(iter(entry.values()))
+        return False
 
     def check_invariants(self, block_tables: Iterable[list[Block]]) -> None:
         """Assert the pool's bookkeeping; ``block_tables`` are all live tables. For tests and debugging."""
@@ -160,5 +242,3 @@ class BlockPool:
                 assert block.block_hash == block_hash, f"index entry points at block {block.block_id} wrongly"
             indexed += len(members)
         assert indexed == sum(b.block_hash is not None for b in self.blocks), "a hashed block is not indexed"
-        if self.sub_blocks is not None:
-            self.sub_blocks.check_invariants()

@@ -75,7 +75,7 @@ class KVCacheManager:
             if enable_caching and sub_block_size < block_size
             else None
         )
-        self.pool = BlockPool(num_blocks, enable_caching, eviction_policy, self.sub_blocks)
+        self.pool = BlockPool(num_blocks, enable_caching, eviction_policy, [self.sub_blocks] if self.sub_blocks else ())
         self.stats = PrefixCacheStats()
         self._tables: dict[str, list[Block]] = {}
         self._num_cached_blocks: dict[str, int] = {}
@@ -260,6 +260,8 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Assert that pool, tables and index agree; raises AssertionError naming the first violation."""
         self.pool.check_invariants(self._tables.values())
+        if self.sub_blocks is not None:
+            self.sub_blocks.check_invariants()
         for request_id, table in self._tables.items():
             num_cached = self._num_cached_blocks[request_id]
             assert num_cached <= len(table), f"{request_id}: more cached blocks than table entries"
@@ -304,8 +306,5 @@ class KVCacheManager:
         start = self._num_cached_blocks[request.request_id]
         if num_full <= start:
             return
-        hashes = self.block_hashes(request)
-        cache_block = self.pool.cache_block
-        for i in range(start, num_full):
-            cache_block(table[i], hashes[i])
+        self.pool.cache_full_blocks(request, table, self.block_hashes(request), start, num_full, self.block_size)
         self._num_cached_blocks[request.request_id] = num_full

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from prefixcache.core.block_pool import BlockPoolListener
 from prefixcache.core.hashing import BlockHash, hash_block_tokens
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ class CopyOp:
     num_tokens: int
 
 
-class SubBlockIndex:
+class SubBlockIndex(BlockPoolListener):
     """Sub-prefix hash -> the blocks whose first tokens hold that sub-prefix's K/V.
 
     Entries are added only for K/V already written (``index_written``), for every sub-prefix of a
@@ -96,7 +97,7 @@ class SubBlockIndex:
             self.index.setdefault(block_hash, {})[block.block_id] = block
             self.entries_of_block.setdefault(block.block_id, []).append(block_hash)
 
-    def drop_block(self, block: Block) -> None:
+    def block_reused(self, block: Block) -> None:
         """The block is about to be overwritten: forget the sub-prefixes it held."""
         for block_hash in self.entries_of_block.pop(block.block_id, ()):
             holders = self.index[block_hash]
@@ -104,7 +105,7 @@ class SubBlockIndex:
             if not holders:
                 del self.index[block_hash]
 
-    def clear(self) -> None:
+    def cache_cleared(self) -> None:
         self.index.clear()
         self.entries_of_block.clear()
 
