@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from prefixcache.core import EVICTION_POLICIES, KVCacheManager, Request
+from tests.core.conftest import manager_state
 
 BLOCK_SIZE = 4
 PREFIXES = [list(range(100, 112)), list(range(200, 206)), list(range(100, 108)) + [7, 7]]
@@ -102,6 +103,20 @@ class ManagerMachine(RuleBasedStateMachine):
         if self._admit(req, chunk):
             self.preempted.pop(0)
 
+    @rule(
+        prefix=st.integers(0, len(PREFIXES) - 1),
+        suffix=st.lists(st.integers(0, 3), max_size=9),
+        salt=st.sampled_from([None, "t1"]),
+    )
+    def lookup(self, prefix, suffix, salt):
+        """A lookup finds what admission would, and changes nothing, eviction order included."""
+        tokens = PREFIXES[prefix] + suffix
+        before = manager_state(self.mgr)
+        found = self.mgr.lookup(tokens, cache_salt=salt)
+        assert manager_state(self.mgr) == before
+        assert found.cached_tokens == self.mgr.get_computed_blocks(Request("probe", tokens, cache_salt=salt))[1]
+        assert found.cached_tokens + sum(found.missed_tokens.values()) == len(tokens)
+
     @rule()
     def reset(self):
         ok = self.mgr.reset_prefix_cache()
@@ -112,6 +127,8 @@ class ManagerMachine(RuleBasedStateMachine):
     @invariant()
     def bookkeeping_is_consistent(self):
         self.mgr.check_invariants()
+        stats = self.mgr.stats
+        assert stats.queries == stats.hits + stats.copied_tokens + sum(stats.missed_tokens.values())
         held = {b for r in self.running for b in self.mgr.block_ids(r)}
         assert self.mgr.num_free_blocks == self.mgr.num_blocks - len(held)
 

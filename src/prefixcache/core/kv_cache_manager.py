@@ -2,23 +2,37 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from prefixcache.core.block_pool import Block, BlockPool
 from prefixcache.core.eviction import EvictionPolicy
 from prefixcache.core.hashing import BlockHash, hash_blocks, root_hash, warn_if_unsafe
-from prefixcache.core.request import Request
+from prefixcache.core.miss import (
+    MISS_REASONS,
+    EvictedHashes,
+    PrefixLookup,
+    first_miss_reason,
+    hittable_tokens,
+    missed_tokens_by_reason,
+)
+from prefixcache.core.request import MultiModalFeature, Request
 from prefixcache.core.sub_block import CopyOp, SubBlockIndex
 
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    """Counted once per request, when it is admitted: prompt tokens looked up, and found in the cache."""
+    """Counted once per request, when it is admitted: prompt tokens looked up, found, and missed by reason.
+
+    ``queries == hits + copied_tokens + sum(missed_tokens.values())``; the reasons are defined in
+    :mod:`prefixcache.core.miss`.
+    """
 
     requests: int = 0
     queries: int = 0
     hits: int = 0
     copied_tokens: int = 0
+    missed_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
 
     @property
     def hit_rate(self) -> float:
@@ -40,7 +54,9 @@ class KVCacheManager:
 
     ``get_computed_blocks`` looks a prompt up without changing anything; ``allocate_slots`` admits
     it (taking references on the hit blocks) and grows its table; ``free`` gives the blocks back.
-    Allocation that does not fit returns None and changes nothing.
+    Allocation that does not fit returns None and changes nothing. ``evicted_record_size`` bounds the
+    record of recently evicted hashes that tells an ``evicted`` miss from a ``new`` one (default: as
+    many hashes as the pool has blocks; 0 counts every such miss as ``new``).
     """
 
     def __init__(
@@ -53,6 +69,7 @@ class KVCacheManager:
         watermark: float = 0.0,
         eviction_policy: str | EvictionPolicy = "lru",
         sub_block_size: int | None = None,
+        evicted_record_size: int | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -75,7 +92,9 @@ class KVCacheManager:
             if enable_caching and sub_block_size < block_size
             else None
         )
-        self.pool = BlockPool(num_blocks, enable_caching, eviction_policy, [self.sub_blocks] if self.sub_blocks else ())
+        self.evicted = EvictedHashes(num_blocks if evicted_record_size is None else evicted_record_size)
+        listeners = [self.sub_blocks, self.evicted] if self.sub_blocks else [self.evicted]
+        self.pool = BlockPool(num_blocks, enable_caching, eviction_policy, listeners)
         self.stats = PrefixCacheStats()
         self._tables: dict[str, list[Block]] = {}
         self._num_cached_blocks: dict[str, int] = {}
@@ -153,6 +172,34 @@ class KVCacheManager:
                 hits.append(found[0])
                 num_cached += found[1]
         return hits, num_cached
+
+    def lookup(
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        mm_features: Sequence[MultiModalFeature] = (),
+    ) -> PrefixLookup:
+        """What admitting this prompt now would find cached, and why the rest would miss.
+
+        Changes no state: no reference is taken, no free block moves in the eviction order, nothing is
+        counted in the stats. Raises ValueError for a prompt no request could have (empty, bad ids).
+        """
+        request = Request("lookup", token_ids, cache_salt=cache_salt, lora_name=lora_name, mm_features=mm_features)
+        _, num_cached = self.get_computed_blocks(request)
+        num_copied = num_cached % self.block_size
+        missed = self._missed_tokens(request, num_cached - num_copied, num_copied)
+        return PrefixLookup(
+            prompt_tokens=request.num_tokens,
+            cached_tokens=num_cached,
+            cached_prefix_end=num_cached,
+            hit_tokens=num_cached - num_copied,
+            copied_tokens=num_copied,
+            block_size=self.block_size,
+            first_miss_reason=first_miss_reason(missed),
+            missed_tokens=missed,
+            prompt_token_ids=request.prompt_token_ids,
+        )
 
     def allocate_slots(
         self,
@@ -297,10 +344,23 @@ class KVCacheManager:
         if request.counted_in_stats:
             return
         request.counted_in_stats = True
-        self.stats.requests += 1
-        self.stats.queries += request.num_tokens
-        self.stats.hits += num_hit_tokens
-        self.stats.copied_tokens += num_copied_tokens
+        stats = self.stats
+        stats.requests += 1
+        stats.queries += request.num_tokens
+        stats.hits += num_hit_tokens
+        stats.copied_tokens += num_copied_tokens
+        for reason, num_missed in self._missed_tokens(request, num_hit_tokens, num_copied_tokens).items():
+            stats.missed_tokens[reason] += num_missed
+
+    def _missed_tokens(self, request: Request, num_hit_tokens: int, num_copied_tokens: int) -> dict[str, int]:
+        """The request's missed prompt tokens by reason, given what its lookup found (prefixcache.core.miss)."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return {**dict.fromkeys(MISS_REASONS, 0), "skipped": request.num_tokens}
+        cached_end = num_hit_tokens + num_copied_tokens
+        evicted = False
+        if cached_end < hittable_tokens(request.num_tokens, self.block_size):
+            evicted = self.block_hashes(request)[num_hit_tokens // self.block_size] in self.evicted
+        return missed_tokens_by_reason(request.num_tokens, self.block_size, cached_end, evicted)
 
     def _cache_full_blocks(self, request: Request, table: list[Block], num_full: int) -> None:
         start = self._num_cached_blocks[request.request_id]
