@@ -22,7 +22,7 @@ import functools
 import heapq
 import json
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -303,37 +303,79 @@ def drive(
     progress: bool = False,
     desc: str = "",
 ) -> None:
+    """Replay the trace's synthetic prompts at their timestamps (or one per tick with ``in_flight``).
+
+    ``on_request`` sees each request's index, record and block hashes before its lookup.
+    """
+    arrivals = (
+        Arrival(
+            record.timestamp_ms,
+            Request(str(index), synthetic_tokens(record.hash_ids, record.input_length)),
+            record.output_length,
+        )
+        for index, record in enumerate(tqdm(trace, desc=desc, unit="req", disable=not progress, leave=False))
+    )
+    before_lookup = None
+    if on_request is not None:
+
+        def before_lookup(index: int, request: Request) -> None:
+            on_request(index, trace[index], manager.block_hashes(request))
+
+    admit_in_order(manager, arrivals, config.in_flight, config.cost, before_lookup)
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """A request reaching the manager at ``time_ms``, to hold room for ``output_length`` tokens too."""
+
+    time_ms: float
+    request: Request
+    output_length: int
+
+
+def admit_in_order(
+    manager: KVCacheManager,
+    arrivals: Iterable[Arrival],
+    in_flight: int | None,
+    cost: CostModel,
+    before_lookup: Callable[[int, Request], None] | None = None,
+) -> list[int]:
     """Admit each request in order, freeing in-flight ones as their time comes or when room is needed.
 
-    With ``in_flight`` the clock counts admissions instead of milliseconds. ``on_request`` sees each
-    request's index, record and block hashes before its lookup.
+    A request holds its blocks for ``cost`` after it starts or, with ``in_flight``, until that many later
+    requests were admitted (the clock then counts admissions instead of milliseconds). ``before_lookup``
+    sees each request's index and request after the frees due at its arrival. Returns every request's
+    cached prompt tokens. Raises ValueError for a request larger than the whole cache.
     """
-    in_flight: list[tuple[float, int, Request]] = []  # (finish time, index, request)
+    held: list[tuple[float, int, Request]] = []  # (finish time, index, request)
+    cached: list[int] = []
     now = 0.0
-    for index, record in enumerate(tqdm(trace, desc=desc, unit="req", disable=not progress, leave=False)):
-        now = max(now, float(index) if config.in_flight else record.timestamp_ms)
-        while in_flight and in_flight[0][0] <= now:
-            manager.free(heapq.heappop(in_flight)[2])
-        request = Request(str(index), synthetic_tokens(record.hash_ids, record.input_length))
-        if on_request is not None:
-            on_request(index, record, manager.block_hashes(request))
+    for index, arrival in enumerate(arrivals):
+        request = arrival.request
+        now = max(now, float(index) if in_flight else arrival.time_ms)
+        while held and held[0][0] <= now:
+            manager.free(heapq.heappop(held)[2])
+        if before_lookup is not None:
+            before_lookup(index, request)
         while True:
             blocks, num_cached = manager.get_computed_blocks(request)
-            num_new = record.input_length - num_cached
-            if manager.allocate_slots(request, num_new, num_cached, blocks, record.output_length) is not None:
+            num_new = request.num_tokens - num_cached
+            if manager.allocate_slots(request, num_new, num_cached, blocks, arrival.output_length) is not None:
                 break
-            if not in_flight:
+            if not held:
                 raise ValueError(
-                    f"request {index} needs {-(-(record.input_length + record.output_length) // manager.block_size)}"
+                    f"request {index} needs {-(-(request.num_tokens + arrival.output_length) // manager.block_size)}"
                     f" blocks, more than the capacity of {manager.num_blocks}"
                 )
-            finish, _, done = heapq.heappop(in_flight)
+            finish, _, done = heapq.heappop(held)
             now = max(now, finish)
             manager.free(done)
-        duration = config.in_flight or config.cost.duration_ms(num_new, record.output_length)
-        heapq.heappush(in_flight, (now + duration, index, request))
-    for _, _, request in in_flight:
+        cached.append(num_cached)
+        duration = in_flight or cost.duration_ms(num_new, arrival.output_length)
+        heapq.heappush(held, (now + duration, index, request))
+    for _, _, request in held:
         manager.free(request)
+    return cached
 
 
 @dataclass(frozen=True, slots=True)
