@@ -8,6 +8,7 @@ from typing import Any
 from tqdm import tqdm
 
 from prefixcache.config import EngineConfig
+from prefixcache.core import PrefixLookup
 from prefixcache.engine.llm_engine import EngineStats, LLMEngine, PromptInput
 from prefixcache.engine.outputs import RequestOutput
 from prefixcache.engine.sampling_params import SamplingParams
@@ -74,6 +75,11 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
+
+    def lookup(self, prompt: PromptInput, cache_salt: str | None = None) -> PrefixLookup:
+        """How many of the prompt's tokens are cached now, where the cached prefix ends and why the rest would
+        miss. Runs no model and changes nothing: the eviction order stays as it was."""
+        return self.engine.lookup(prompt, cache_salt)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 
 from prefixcache.config import EngineConfig, parse_memory
-from prefixcache.core import KVCacheManager
+from prefixcache.core import KVCacheManager, PrefixLookup
 from prefixcache.engine.detokenizer import IncrementalDetokenizer
 from prefixcache.engine.model_runner import ModelRunner
 from prefixcache.engine.outputs import CompletionOutput, RequestOutput
+from prefixcache.engine.prompts import encode_chat, encode_text
 from prefixcache.engine.request import EngineRequest, RequestStatus
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.scheduler import Scheduler
@@ -37,6 +38,7 @@ class EngineStats:
     prefix_cache_hits: int
     prefix_cache_copied_tokens: int
     prefix_cache_hit_rate: float
+    prefix_cache_missed_tokens: dict[str, int]  # prompt tokens not reused, by reason (prefixcache.core.miss)
     rolling_hit_rate: float
     num_requests: int
     num_preemptions: int
@@ -167,13 +169,15 @@ class LLMEngine:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """The conversation as prompt token ids, through the model's own chat template."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return encode_chat(self.tokenizer, messages, add_generation_prompt)
 
     def reset_prefix_cache(self) -> bool:
         return self.manager.reset_prefix_cache()
+
+    def lookup(self, prompt: PromptInput, cache_salt: str | None = None) -> PrefixLookup:
+        """How much of ``prompt`` the prefix cache holds now; runs no model and leaves the eviction order alone."""
+        _, token_ids = self._tokenize(prompt)
+        return self.manager.lookup(token_ids, cache_salt=cache_salt)
 
     def stats(self) -> EngineStats:
         stats = self.manager.stats
@@ -183,6 +187,7 @@ class LLMEngine:
             prefix_cache_hits=stats.hits,
             prefix_cache_copied_tokens=stats.copied_tokens,
             prefix_cache_hit_rate=stats.hit_rate,
+            prefix_cache_missed_tokens=dict(stats.missed_tokens),
             rolling_hit_rate=sum(h for _, h in self._recent) / recent_queries if recent_queries else 0.0,
             num_requests=stats.requests,
             num_preemptions=self.scheduler.num_preemptions,
@@ -195,7 +200,7 @@ class LLMEngine:
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+            return prompt, encode_text(self.tokenizer, prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])

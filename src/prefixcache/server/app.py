@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI's completions and chat endpoints, models, health, metrics and cache reset.
+"""The FastAPI app: OpenAI's completions and chat endpoints, models, health, metrics, cache lookup and reset.
 
 Every error, whatever raised it (pydantic, the engine, a bad route, auth), leaves as OpenAI's
 ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status, and the server keeps serving.
@@ -30,7 +30,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from prefixcache.engine import RequestOutput
 from prefixcache.engine.llm_engine import PromptInput
 from prefixcache.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from prefixcache.server.protocol import ChatCompletionRequest, CompletionRequest, error_body, usage
+from prefixcache.server.protocol import (
+    CacheLookupRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    usage,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -292,6 +298,22 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         max_tokens = requested if requested is not None else max(1, engine.engine.max_model_len - len(prompt_ids))
         prompt = {"prompt": None, "prompt_token_ids": prompt_ids}
         return await generate(request, body, name, prompt, max_tokens, CHAT)
+
+    @app.post("/v1/cache/lookup")
+    async def cache_lookup(body: CacheLookupRequest) -> dict[str, Any]:
+        """How much of a completion or chat prompt the prefix cache holds now; runs no model, changes nothing."""
+        try:
+            prompt: PromptInput = body.prompt
+            if body.messages is not None:
+                ids = await engine.apply_chat_template([m.template_dict() for m in body.messages])
+                prompt = {"prompt": None, "prompt_token_ids": ids}
+            found = await engine.lookup(prompt, body.cache_salt)
+        except (ValueError, TemplateError) as exc:
+            raise APIError(400, str(exc)) from exc
+        answer = found.to_dict(with_token_ids=body.return_token_ids)
+        if body.return_token_ids:
+            answer["prompt_token_texts"] = await engine.token_texts(found.prompt_token_ids)
+        return answer
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

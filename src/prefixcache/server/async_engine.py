@@ -15,8 +15,10 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from prefixcache.core import PrefixLookup
 from prefixcache.engine import EngineStats, LLMEngine, RequestOutput, SamplingParams
 from prefixcache.engine.llm_engine import PromptInput
+from prefixcache.engine.prompts import token_texts
 from prefixcache.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -103,6 +105,12 @@ class AsyncEngine:
 
     async def reset_prefix_cache(self) -> bool:
         return await self._call(self.engine.reset_prefix_cache)
+
+    async def lookup(self, prompt: PromptInput, cache_salt: str | None = None) -> PrefixLookup:
+        return await self._call(self.engine.lookup, prompt, cache_salt)
+
+    async def token_texts(self, token_ids: list[int]) -> list[str]:
+        return await self._call(token_texts, self.engine.tokenizer, token_ids)
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

@@ -13,6 +13,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from prefixcache.core import MISS_REASONS
 from prefixcache.engine import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,16 @@ class ServerMetrics:
             ),
             "num_preemptions": counter("num_preemptions", "Requests preempted because KV blocks ran out."),
         }
-        self._seen = dict.fromkeys(self._engine_counters, 0)
+        self._seen: dict[str, int] = {}  # the engine's cumulative counters as last read
+        missed = Counter(
+            "prefixcache:prefix_cache_missed_tokens",
+            "Prompt tokens not found in the prefix cache, by reason: new (never cached, or dropped by a reset), "
+            "evicted (recently evicted: a larger cache would have served it), partial_block (after the last "
+            "whole block a lookup may return), skipped (the request did not read the cache).",
+            [*label, "reason"],
+            registry=registry,
+        )
+        self._missed = {reason: missed.labels(**label, reason=reason) for reason in MISS_REASONS}
         self.hit_rate = gauge("prefix_cache_hit_rate", "Prefix cache hit rate over the last 1,000 requests.")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 means 100 percent).")
         self.num_running = gauge("num_requests_running", "Requests in the running batch.")
@@ -91,14 +101,19 @@ class ServerMetrics:
     def update(self, stats: EngineStats) -> None:
         """Bring engine-wide metrics up to ``stats``; a stale read (lower counters) changes no counter."""
         for name, counter in self._engine_counters.items():
-            value = getattr(stats, name)
-            if value > self._seen[name]:
-                counter.inc(value - self._seen[name])
-                self._seen[name] = value
+            self._advance(name, counter, getattr(stats, name))
+        for reason, value in stats.prefix_cache_missed_tokens.items():
+            self._advance(f"missed_{reason}", self._missed[reason], value)
         self.hit_rate.set(stats.rolling_hit_rate)
         self.kv_cache_usage.set(stats.kv_cache_usage)
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
+
+    def _advance(self, key: str, counter: Counter, value: int) -> None:
+        seen = self._seen.get(key, 0)
+        if value > seen:
+            counter.inc(value - seen)
+            self._seen[key] = value
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

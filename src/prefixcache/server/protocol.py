@@ -111,6 +111,24 @@ class ChatCompletionRequest(_GenerationRequest):
         return messages
 
 
+class CacheLookupRequest(_GenerationRequest):
+    """``POST /v1/cache/lookup``: a completion body (``prompt``) or a chat body (``messages``), as sent to
+    those endpoints; sampling fields are accepted and ignored. ``return_token_ids`` adds the prompt's token
+    ids and each token's text to the answer (what ``prefixcache explain --base-url`` reads)."""
+
+    prompt: str | list[StrictInt] | None = None
+    messages: list[ChatMessage] | None = None
+    return_token_ids: bool = False
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> CacheLookupRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either prompt (a completion body) or messages (a chat body)")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        return self
+
+
 def usage(output: RequestOutput) -> dict[str, Any]:
     """OpenAI's usage block; ``cached_tokens`` is what the prefix cache served of the prompt."""
     prompt_tokens = len(output.prompt_token_ids)

@@ -1,0 +1,92 @@
+"""``POST /v1/cache/lookup`` and the missed-token counters, against a real server (4-token blocks)."""
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.harness import delta, random_prompt, scrape
+
+MISSED = "prefixcache:prefix_cache_missed_tokens_total"
+
+
+def lookup(server, **body) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/cache/lookup", json=body, timeout=30)
+
+
+def complete(server, **body) -> dict:
+    body = {"max_tokens": 1, "temperature": 0, "ignore_eos": True, **body}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    response.raise_for_status()
+    return response.json()
+
+
+def missed_by_reason(server) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return {
+        sample.labels["reason"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == MISSED
+    }
+
+
+def test_lookup_predicts_the_hit_of_the_next_request(server):
+    prompt = random_prompt("lookup-predicts", 18)
+    before = lookup(server, prompt=prompt).json()
+    assert before["prompt_tokens"] == 18
+    assert (before["cached_tokens"], before["cached_prefix_end"]) == (0, 0)
+    assert before["first_miss_reason"] == "new"
+    assert before["missed_tokens"] == {"new": 16, "evicted": 0, "partial_block": 2, "skipped": 0}
+    complete(server, prompt=prompt)
+    after = lookup(server, prompt=prompt, max_tokens=99, temperature=0.5).json()  # sampling fields are ignored
+    assert (after["cached_tokens"], after["first_miss_reason"]) == (16, "partial_block")
+    usage = complete(server, prompt=prompt)["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == after["cached_tokens"]
+    assert lookup(server, prompt=prompt, cache_salt="another-tenant").json()["cached_tokens"] == 0
+
+
+def test_chat_bodies_go_through_the_template_and_token_ids_come_back(server):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    found = lookup(server, messages=messages, return_token_ids=True).json()
+    chat = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 1, "temperature": 0},
+        timeout=60,
+    ).json()
+    assert found["prompt_tokens"] == chat["usage"]["prompt_tokens"] == len(found["prompt_token_ids"])
+    text = "".join(found["prompt_token_texts"])
+    assert "You are terse." in text and "Name a colour." in text
+    again = lookup(server, messages=messages).json()
+    assert again["cached_tokens"] == (found["prompt_tokens"] - 1) // 4 * 4
+    assert "prompt_token_ids" not in again
+
+
+def test_lookups_count_nothing_and_requests_count_missed_tokens_by_reason(server):
+    prompt = random_prompt("lookup-metrics", 10)
+    metrics, missed = scrape(server.url), missed_by_reason(server)
+    for _ in range(3):
+        lookup(server, prompt=prompt)
+    assert delta(metrics, scrape(server.url), "prefix_cache_queries") == 0
+    assert missed_by_reason(server) == missed
+    complete(server, prompt=prompt)
+    after = missed_by_reason(server)
+    assert {reason: after[reason] - missed.get(reason, 0) for reason in after} == {
+        "new": 8,
+        "evicted": 0,
+        "partial_block": 2,
+        "skipped": 0,
+    }
+
+
+def test_bad_lookup_bodies_are_clear_400s(server):
+    cases = [
+        ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "either prompt"),
+        ({"max_tokens": 3}, "either prompt"),
+        ({"prompt": ""}, "empty"),
+        ({"prompt": [1, 2], "cache_salt": ""}, "cache_salt"),
+        ({"messages": []}, "messages"),
+    ]
+    for body, message in cases:
+        response = lookup(server, **body)
+        assert response.status_code == 400, body
+        assert message in response.json()["error"]["message"], response.json()
+    assert httpx.get(f"{server.url}/health").status_code == 200
