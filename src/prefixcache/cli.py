@@ -1,4 +1,4 @@
-"""The ``prefixcache`` command line: benchmarks, a quick generate and chat, the demo and the server."""
+"""The ``prefixcache`` command line: benchmarks, a quick generate and chat, the demo, the server and explain."""
 
 from __future__ import annotations
 
@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     from prefixcache.bench import trace as bench_trace
     from prefixcache.core import HASH_ALGOS
     from prefixcache.engine.args import add_engine_args
+    from prefixcache.explain.cli import register as register_explain
     from prefixcache.server.cli import register as register_serve
 
     parser = argparse.ArgumentParser(prog="prefixcache", description=__doc__)
@@ -106,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     demo.set_defaults(func=_demo)
     register_serve(commands)
+    register_explain(commands)
     return parser
 
 

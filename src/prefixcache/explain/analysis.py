@@ -1,0 +1,408 @@
+"""Why a request log's prompts hit or miss the prefix cache, computed from the prompts alone.
+
+Requests are taken in log order, each finished before the next arrives, and only prompt tokens are
+cached (generated tokens are not in the log). For every request:
+
+* the earlier request of the same namespace (cache salt and LoRA) it shares the longest prefix
+  with, and how long that prefix is: an infinite, token-exact cache would reuse all of it but the
+  last prompt token, which is always computed;
+* the hit at the engine's block size, where only whole blocks are reused: the difference is the
+  alignment loss;
+* with a capacity, the hit the real :class:`~prefixcache.core.KVCacheManager` gives when the log is
+  replayed through it; what an infinite cache would have reused beyond that was evicted;
+* where it parts from that earlier prompt, the text on both sides, and whether the prompts agree
+  again after a short span (a varying field such as a time stamp or a request id), after one side's
+  extra tokens (a section added or reordered), or not at all nearby (their own content).
+
+Missed prompt tokens get one reason each: ``new`` (no earlier request of the namespace had them),
+``different_salt`` (an earlier request with another salt or LoRA had the next block),
+``shorter_than_block`` (the prompt does not fill one block beyond its last token),
+``partial_block`` (the tail after the last whole block a lookup may return, as
+:mod:`prefixcache.core.miss` defines it), and ``evicted`` (with a capacity).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from prefixcache.bench.trace import Arrival, CostModel, admit_in_order
+from prefixcache.core import EVICTION_POLICIES, HASH_ALGOS, KVCacheManager, Request
+from prefixcache.core.miss import hittable_tokens
+from prefixcache.explain.log import Prompt
+
+# Two prompts "agree again" when SYNC_TOKENS tokens match; a varying field is at most MAX_SPAN_TOKENS long.
+SYNC_TOKENS = 8
+MAX_SPAN_TOKENS = 64
+# Divergence points are grouped in windows of this many tokens to find where most prompts part.
+CLUSTER_TOKENS = 16
+TEXT_CHARS = 40
+
+REASONS = ("new", "different_salt", "shorter_than_block", "partial_block", "evicted")
+REASON_LABELS = {
+    "new": "new (never seen)",
+    "different_salt": "different salt or LoRA",
+    "shorter_than_block": "shorter than one block",
+    "partial_block": "partial block (tail, last token)",
+    "evicted": "evicted (capacity)",
+}
+KINDS = {
+    "varying": "a short span differs, then the prompts agree again",
+    "inserted": "one prompt has extra tokens (a section added, dropped or reordered), then they agree again",
+    "differs": "the prompts differ from here on",
+}
+
+Decode = Callable[[Sequence[int]], str]
+
+
+@dataclass(frozen=True, slots=True)
+class ExplainConfig:
+    """``capacity_tokens`` turns on the replay through a real manager of that many tokens (whole blocks)."""
+
+    block_size: int = 16
+    capacity_tokens: int | None = None
+    eviction_policy: str = "lru"
+    hash_algo: str = "sha256"
+    window_tokens: int = 8
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.capacity_tokens is not None and self.capacity_tokens < self.block_size:
+            raise ValueError(f"capacity_tokens must hold at least one block of {self.block_size} tokens")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"unknown eviction policy {self.eviction_policy!r}; choose from {list(EVICTION_POLICIES)}")
+        if self.hash_algo not in HASH_ALGOS:
+            raise ValueError(f"unknown hash algorithm {self.hash_algo!r}; choose from {list(HASH_ALGOS)}")
+        if self.window_tokens <= 0:
+            raise ValueError(f"window_tokens must be positive, got {self.window_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class Divergence:
+    """Where a prompt parts from the earlier prompt it shares most with (token ``index`` differs).
+
+    For ``varying`` and ``inserted`` the differing tokens are ``[index, span_end)`` in this prompt and
+    ``[index, other_span_end)`` in the other; after them the two agree again.
+    """
+
+    index: int
+    kind: str
+    shared_text: str
+    this_text: str
+    other_text: str
+    span_end: int | None = None
+    other_span_end: int | None = None
+
+
+@dataclass(slots=True)
+class RequestExplanation:
+    index: int
+    line: int
+    prompt_tokens: int
+    cache_salt: str | None
+    lora_name: str | None
+    match_line: int | None  # the earlier request of the same namespace sharing the longest prefix
+    shared_tokens: int
+    infinite_hit: int  # token-exact, unlimited cache
+    block_hit: int  # whole blocks, unlimited cache
+    missed: dict[str, int]
+    divergence: Divergence | None = None
+    capacity_hit: int | None = None
+    live_cached: int | None = None  # what a running server holds now (explain --base-url)
+
+    @property
+    def reason(self) -> str:
+        """The reason of the first missed token (every prompt misses at least its last token)."""
+        return next(r for r in _BY_POSITION if self.missed[r])
+
+
+# Missed tokens lie in this order in a prompt: evicted, then new or salted, then the tail.
+_BY_POSITION = ("evicted", "new", "different_salt", "shorter_than_block", "partial_block")
+
+
+@dataclass(slots=True)
+class DivergenceSummary:
+    """Where most prompts part from earlier ones: ``count`` of ``total`` divergences lie in tokens ``start``-``end``."""
+
+    start: int
+    end: int
+    count: int
+    total: int
+    kind: str
+    example_line: int
+    other_line: int
+    shared_text: str
+    this_text: str
+    other_text: str
+    fix: str
+    varying_span: tuple[int, int] | None = None  # in the example prompt
+    varying_text: str | None = None
+    prompts_rewritten: int = 0
+    fixed_block_hit_rate: float | None = None  # the log's hit rate with the varying span moved to the end
+
+
+@dataclass(slots=True)
+class Explanation:
+    config: ExplainConfig
+    requests: list[RequestExplanation]
+    prompt_tokens: int
+    infinite_hit_rate: float
+    block_hit_rate: float
+    missed: dict[str, int]
+    divergence: DivergenceSummary | None
+    capacity_hit_rate: float | None = None
+    live_hit_rate: float | None = None
+
+    @property
+    def alignment_loss(self) -> float:
+        """Hit rate an infinite cache loses to whole-block reuse."""
+        return self.infinite_hit_rate - self.block_hit_rate
+
+
+def explain(
+    prompts: Sequence[Prompt], config: ExplainConfig, decode: Decode, live_cached: Sequence[int] | None = None
+) -> Explanation:
+    """The whole report for ``prompts`` in log order; ``live_cached`` is a server's current hit per prompt."""
+    if not prompts:
+        raise ValueError("no prompts to explain")
+    arrays = [np.asarray(p.token_ids, dtype=np.int64) for p in prompts]
+    same = _longest_shared_prefixes(prompts, arrays, by_namespace=True)
+    anywhere = _longest_shared_prefixes(prompts, arrays, by_namespace=False)
+    capacity_hits = _replay(prompts, config) if config.capacity_tokens is not None else None
+    block_size = config.block_size
+    requests = []
+    for i, prompt in enumerate(prompts):
+        shared, match = same[i]
+        num_tokens = len(prompt.token_ids)
+        block_hit = _block_hit(shared, num_tokens, block_size)
+        capacity_hit = None if capacity_hits is None else capacity_hits[i]
+        explanation = RequestExplanation(
+            index=i,
+            line=prompt.line,
+            prompt_tokens=num_tokens,
+            cache_salt=prompt.cache_salt,
+            lora_name=prompt.lora_name,
+            match_line=None if match is None else prompts[match].line,
+            shared_tokens=shared,
+            infinite_hit=min(shared, num_tokens - 1),
+            block_hit=block_hit,
+            missed=_missed(num_tokens, block_size, block_hit, anywhere[i][0], capacity_hit),
+            capacity_hit=capacity_hit,
+            live_cached=None if live_cached is None else live_cached[i],
+        )
+        if match is not None and shared < min(num_tokens, len(prompts[match].token_ids)):
+            explanation.divergence = _divergence(prompt.token_ids, prompts[match].token_ids, shared, config, decode)
+        requests.append(explanation)
+    total = sum(r.prompt_tokens for r in requests)
+    return Explanation(
+        config=config,
+        requests=requests,
+        prompt_tokens=total,
+        infinite_hit_rate=sum(r.infinite_hit for r in requests) / total,
+        block_hit_rate=sum(r.block_hit for r in requests) / total,
+        missed={reason: sum(r.missed[reason] for r in requests) for reason in REASONS},
+        divergence=_summarize_divergences(prompts, requests, config, decode),
+        capacity_hit_rate=None if capacity_hits is None else sum(capacity_hits) / total,
+        live_hit_rate=None if live_cached is None else sum(live_cached) / total,
+    )
+
+
+def block_hit_rate(prompts: Sequence[Prompt], block_size: int) -> float:
+    """The token hit rate of an unlimited cache reusing whole blocks, prompts in order."""
+    arrays = [np.asarray(p.token_ids, dtype=np.int64) for p in prompts]
+    shared = _longest_shared_prefixes(prompts, arrays, by_namespace=True)
+    hits = sum(_block_hit(n, len(p.token_ids), block_size) for (n, _), p in zip(shared, prompts, strict=True))
+    return hits / sum(len(p.token_ids) for p in prompts)
+
+
+def _block_hit(shared: int, num_tokens: int, block_size: int) -> int:
+    return min(shared // block_size * block_size, hittable_tokens(num_tokens, block_size))
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
+def _longest_shared_prefixes(
+    prompts: Sequence[Prompt], arrays: Sequence[np.ndarray], by_namespace: bool
+) -> list[tuple[int, int | None]]:
+    """For each prompt, the longest prefix it shares with an earlier one, and that one's index (None: nothing).
+
+    Earlier prompts are kept sorted; the longest common prefix with any of them is with one of the two
+    neighbours of the new prompt in that order. Ties go to the most recent request.
+    """
+    sorted_keys: dict[object, list[tuple[tuple[int, ...], int]]] = {}
+    out: list[tuple[int, int | None]] = []
+    for i, prompt in enumerate(prompts):
+        keys = sorted_keys.setdefault(prompt.namespace if by_namespace else None, [])
+        key = (tuple(prompt.token_ids), i)
+        position = bisect.bisect_left(keys, key)
+        best, match = 0, None
+        for _, j in keys[max(0, position - 1) : position + 1]:
+            shared = _common_prefix(arrays[i], arrays[j])
+            if shared > best or (shared == best and shared > 0 and j > match):
+                best, match = shared, j
+        out.append((best, match))
+        keys.insert(position, key)
+    return out
+
+
+def _missed(
+    num_tokens: int, block_size: int, block_hit: int, shared_anywhere: int, capacity_hit: int | None
+) -> dict[str, int]:
+    missed = dict.fromkeys(REASONS, 0)
+    hittable_end = hittable_tokens(num_tokens, block_size)
+    if block_hit < hittable_end:
+        other_namespace_has_next_block = shared_anywhere >= block_hit + block_size
+        missed["different_salt" if other_namespace_has_next_block else "new"] = hittable_end - block_hit
+    missed["shorter_than_block" if hittable_end == 0 else "partial_block"] = num_tokens - max(block_hit, hittable_end)
+    if capacity_hit is not None:
+        missed["evicted"] = block_hit - capacity_hit
+    return missed
+
+
+def _replay(prompts: Sequence[Prompt], config: ExplainConfig) -> list[int]:
+    """Each prompt's hit in a real manager of ``capacity_tokens``, one request at a time, in log order."""
+    manager = KVCacheManager(
+        num_blocks=config.capacity_tokens // config.block_size,
+        block_size=config.block_size,
+        hash_algo=config.hash_algo,
+        eviction_policy=config.eviction_policy,
+    )
+    arrivals = (
+        Arrival(float(i), Request(str(i), p.token_ids, cache_salt=p.cache_salt, lora_name=p.lora_name), 0)
+        for i, p in enumerate(prompts)
+    )
+    return admit_in_order(manager, arrivals, in_flight=1, cost=CostModel())
+
+
+def _resync(a: Sequence[int], b: Sequence[int], start: int) -> tuple[int, int] | None:
+    """The first offsets (x, y) after ``start`` where ``a`` and ``b`` agree again for SYNC_TOKENS tokens."""
+    grams: dict[tuple[int, ...], int] = {}
+    for y in range(min(MAX_SPAN_TOKENS, len(b) - start - SYNC_TOKENS) + 1):
+        grams.setdefault(tuple(b[start + y : start + y + SYNC_TOKENS]), y)
+    for x in range(min(MAX_SPAN_TOKENS, len(a) - start - SYNC_TOKENS) + 1):
+        y = grams.get(tuple(a[start + x : start + x + SYNC_TOKENS]))
+        if y is not None:
+            return x, y
+    return None
+
+
+def _divergence(tokens: list[int], other: list[int], index: int, config: ExplainConfig, decode: Decode) -> Divergence:
+    window = config.window_tokens
+    offsets = _resync(tokens, other, index)
+    kind = "differs" if offsets is None else "varying" if min(offsets) > 0 else "inserted"
+    return Divergence(
+        index=index,
+        kind=kind,
+        shared_text=_clip(decode(tokens[max(0, index - window) : index]), from_end=True),
+        this_text=_clip(decode(tokens[index : index + window])),
+        other_text=_clip(decode(other[index : index + window])),
+        span_end=None if offsets is None else index + offsets[0],
+        other_span_end=None if offsets is None else index + offsets[1],
+    )
+
+
+def _clip(text: str, from_end: bool = False) -> str:
+    text = text.replace("\r", "\\r").replace("\n", "\\n").replace("\t", "\\t")
+    if len(text) <= TEXT_CHARS:
+        return text
+    return "…" + text[-TEXT_CHARS:] if from_end else text[:TEXT_CHARS] + "…"
+
+
+def _summarize_divergences(
+    prompts: Sequence[Prompt], requests: Sequence[RequestExplanation], config: ExplainConfig, decode: Decode
+) -> DivergenceSummary | None:
+    """The window of CLUSTER_TOKENS tokens where most divergences lie, what kind they are, and the fix."""
+    parted = sorted((r for r in requests if r.divergence is not None), key=lambda r: r.divergence.index)
+    if not parted:
+        return None
+    best_start, best_count, end = 0, 0, 0
+    for start in range(len(parted)):
+        while end < len(parted) and parted[end].divergence.index < parted[start].divergence.index + CLUSTER_TOKENS:
+            end += 1
+        if end - start > best_count:
+            best_start, best_count = start, end - start
+    cluster = parted[best_start : best_start + best_count]
+    kind = Counter(r.divergence.kind for r in cluster).most_common(1)[0][0]
+    example = min((r for r in cluster if r.divergence.kind == kind), key=lambda r: (r.divergence.index, r.index))
+    summary = DivergenceSummary(
+        start=cluster[0].divergence.index,
+        end=cluster[-1].divergence.index,
+        count=len(cluster),
+        total=len(parted),
+        kind=kind,
+        example_line=example.line,
+        other_line=example.match_line,
+        shared_text=example.divergence.shared_text,
+        this_text=example.divergence.this_text,
+        other_text=example.divergence.other_text,
+        fix=_FIXES[kind],
+    )
+    if kind == "varying":
+        _fix_varying_span(summary, prompts, example, cluster, config, decode)
+    return summary
+
+
+_FIXES = {
+    "varying": "move what changes after what stays: put the varying part at the end of the prompt (or into the "
+    "last user message), so the stable text before and after it forms one shared prefix",
+    "inserted": "keep the sections in one fixed order, and put sections only some prompts have after those "
+    "every prompt has",
+    "differs": "nothing to move: the prompts share everything before this point and differ after it (their own "
+    "content), so that is where caching is expected to stop",
+}
+
+
+def _fix_varying_span(
+    summary: DivergenceSummary,
+    prompts: Sequence[Prompt],
+    example: RequestExplanation,
+    cluster: Sequence[RequestExplanation],
+    config: ExplainConfig,
+    decode: Decode,
+) -> None:
+    """Move the varying span to the end of every prompt that has it, and recompute the block hit rate.
+
+    The span starts at the example's divergence point and ends where the example agrees again with each
+    of the cluster's prompts that share its head (the union of the differing spans, so a field whose
+    leading characters happen to match is still moved whole). Any prompt with the same head that has
+    the example's next SYNC_TOKENS tokens soon after is rewritten; the rest are left as they are.
+    """
+    tokens = prompts[example.index].token_ids
+    start = example.divergence.index
+    head = tokens[:start]
+    end = example.divergence.span_end
+    for member in cluster:
+        other = prompts[member.index].token_ids
+        if member is not example and other[:start] == head:
+            offsets = _resync(tokens, other, start)
+            if offsets is not None:
+                end = max(end, start + offsets[0])
+    anchor = tokens[end : end + SYNC_TOKENS]
+    rewritten = []
+    for prompt in prompts:
+        moved = _move_to_end(prompt.token_ids, head, anchor)
+        summary.prompts_rewritten += moved is not None
+        rewritten.append(prompt if moved is None else replace(prompt, token_ids=moved))
+    summary.varying_span = (start, end)
+    summary.varying_text = _clip(decode(tokens[start:end]))
+    summary.fixed_block_hit_rate = block_hit_rate(rewritten, config.block_size)
+
+
+def _move_to_end(tokens: list[int], head: list[int], anchor: list[int]) -> list[int] | None:
+    """``tokens`` with the span between ``head`` and the next occurrence of ``anchor`` moved to the end."""
+    start = len(head)
+    if tokens[:start] != head or len(anchor) < SYNC_TOKENS:
+        return None
+    for position in range(start + 1, min(start + MAX_SPAN_TOKENS, len(tokens) - SYNC_TOKENS) + 1):
+        if tokens[position : position + SYNC_TOKENS] == anchor:
+            return tokens[:start] + tokens[position:] + tokens[start:position]
+    return None

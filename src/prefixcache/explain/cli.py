@@ -1,0 +1,100 @@
+"""``prefixcache explain LOG``: why the prompts of a request log hit or miss the prefix cache.
+
+Reads JSON lines (OpenAI completion or chat bodies, or {"prompt": ...} / {"prompt_token_ids": [...]};
+``cache_salt`` honoured) and, without running the model, reports the hit rate an infinite cache would
+give, token-exact and in whole blocks, where prompts part from earlier ones and why, what would fix it,
+and missed tokens by reason. ``--capacity-tokens`` replays the log through the real cache manager to
+count evictions; ``--base-url`` tokenizes through a running server and adds what its cache holds now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from prefixcache.core import EVICTION_POLICIES, HASH_ALGOS
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("log", type=Path, help="JSON-lines request log")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", help="tokenizer of this HF checkpoint or .gguf file (default: the default model)")
+    source.add_argument("--base-url", help="a running prefixcache server: its tokenizer and its cache now")
+    parser.add_argument("--api-key", help="Bearer key for --base-url")
+    parser.add_argument(
+        "--block-size", type=_positive_int, help=f"engine block size (default {DEFAULT_BLOCK_SIZE}, or the server's)"
+    )
+    parser.add_argument("--capacity-tokens", type=_positive_int, help="replay through a cache of this many tokens")
+    parser.add_argument("--eviction-policy", choices=list(EVICTION_POLICIES), default="lru")
+    parser.add_argument("--hash-algo", choices=HASH_ALGOS, default="sha256")
+    parser.add_argument("--window", type=_positive_int, default=8, help="tokens of text shown each side of a split")
+    parser.add_argument("--rows", type=int, default=30, help="requests listed in the table (all are in --json)")
+    parser.add_argument("--json", type=Path, help="write the whole report as JSON here")
+    parser.add_argument("--plot", type=Path, help="write a PNG: how far each request shares, where prompts part")
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add ``explain`` to the ``prefixcache`` subcommands."""
+    parser = commands.add_parser("explain", help="why the prompts of a request log miss the prefix cache",
+                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    add_arguments(parser)
+    parser.set_defaults(func=lambda args: run(parser, args))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="prefixcache explain", description=__doc__)
+    add_arguments(parser)
+    run(parser, parser.parse_args(argv))
+
+
+def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The command: read, tokenize, explain, print; a bad line is reported and skipped."""
+    from prefixcache.explain.analysis import ExplainConfig, explain
+    from prefixcache.explain.log import read_log
+    from prefixcache.explain.report import format_report, to_json, write_plot
+    from prefixcache.explain.sources import through_server, through_tokenizer
+
+    try:
+        bodies, errors = read_log(args.log)
+    except OSError as exc:
+        parser.error(f"cannot read {args.log}: {exc}")
+    if args.base_url:
+        prompts, token_errors, decode, live_cached, server_block_size = through_server(
+            bodies, args.base_url, args.api_key
+        )
+        source = f"{args.log} (tokenized by {args.base_url})"
+    else:
+        prompts, token_errors, decode, name = through_tokenizer(bodies, args.model)
+        live_cached, server_block_size = None, None
+        source = f"{args.log} (tokenizer: {name})"
+    errors = sorted(errors + token_errors, key=lambda e: e.line)
+    if not prompts:
+        for error in errors:
+            print(f"line {error.line}: {error.message}")
+        raise SystemExit(f"prefixcache explain: {args.log} holds no usable request")
+    try:
+        config = ExplainConfig(
+            block_size=args.block_size or server_block_size or DEFAULT_BLOCK_SIZE,
+            capacity_tokens=args.capacity_tokens,
+            eviction_policy=args.eviction_policy,
+            hash_algo=args.hash_algo,
+            window_tokens=args.window,
+        )
+        explanation = explain(prompts, config, decode, live_cached)
+    except ValueError as exc:  # a bad setting, or a prompt larger than --capacity-tokens
+        parser.error(str(exc))
+    print(format_report(explanation, source, errors, args.rows))
+    if args.json is not None:
+        args.json.write_text(json.dumps(to_json(explanation, source, errors), indent=2, ensure_ascii=False) + "\n")
+    if args.plot is not None:
+        write_plot(explanation, args.plot, str(args.log.name))

@@ -1,0 +1,175 @@
+"""The explanation as a terminal report, as JSON, and as a picture."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from prefixcache.explain.analysis import KINDS, REASON_LABELS, REASONS, Explanation, RequestExplanation
+from prefixcache.explain.log import LineError
+
+LABEL_WIDTH = 34
+
+
+def format_report(explanation: Explanation, source: str, errors: list[LineError], max_rows: int) -> str:
+    config = explanation.config
+    block = f"{config.block_size}-token blocks"
+    lines = [
+        f"{source}: {len(explanation.requests):,} requests"
+        + (f" ({len(errors)} bad lines skipped)" if errors else "")
+        + f", {explanation.prompt_tokens:,} prompt tokens; {block}; requests in log order, each finished before"
+        " the next, prompts only",
+        "",
+        "hit rate (prompt tokens reused / prompt tokens)",
+        _rate_line("infinite cache, token-exact", explanation.infinite_hit_rate),
+        _rate_line(f"infinite cache, {block}", explanation.block_hit_rate)
+        + f"   (alignment loss {explanation.alignment_loss:.3f})",
+    ]
+    if explanation.capacity_hit_rate is not None:
+        capacity = f"{config.capacity_tokens:,}-token cache ({config.eviction_policy})"
+        lines.append(_rate_line(capacity, explanation.capacity_hit_rate) + "   (replayed through KVCacheManager)")
+    if explanation.live_hit_rate is not None:
+        lines.append(_rate_line("the server's cache now", explanation.live_hit_rate))
+    lines += ["", "missed prompt tokens by reason"]
+    for reason in REASONS:
+        if reason == "evicted" and explanation.capacity_hit_rate is None:
+            continue
+        count = explanation.missed[reason]
+        lines.append(f"  {REASON_LABELS[reason]:<{LABEL_WIDTH}}{count:>10,}  {count / explanation.prompt_tokens:6.1%}")
+    lines += ["", "where prompts part from the earlier prompt they share most with"]
+    lines += _divergence_lines(explanation)
+    lines += ["", f"requests (first {min(max_rows, len(explanation.requests))} of {len(explanation.requests):,})"]
+    lines += _request_rows(explanation, max_rows)
+    if errors:
+        lines += ["", "skipped lines"] + [f"  line {e.line}: {e.message}" for e in errors]
+    return "\n".join(lines)
+
+
+def _rate_line(label: str, rate: float) -> str:
+    return f"  {label:<{LABEL_WIDTH}}{rate:10.3f}"
+
+
+def _divergence_lines(explanation: Explanation) -> list[str]:
+    summary = explanation.divergence
+    if summary is None:
+        return ["  none: no prompt shares a prefix with an earlier one and then differs"]
+    span = f"token {summary.start}" if summary.start == summary.end else f"tokens {summary.start}–{summary.end}"
+    lines = [
+        f"  {summary.count / summary.total:.0%} of divergences ({summary.count} of {summary.total}) start at {span}:"
+        f" {KINDS[summary.kind]}",
+        f"    shared       `{summary.shared_text}`",
+        f"    line {summary.example_line:<7} `{summary.this_text}`",
+        f"    line {summary.other_line:<7} `{summary.other_text}`",
+        f"  fix: {summary.fix}",
+    ]
+    if summary.fixed_block_hit_rate is not None:
+        start, end = summary.varying_span
+        lines.append(
+            f"  moving tokens {start}–{end} (`{summary.varying_text}` in line {summary.example_line}) to the end of "
+            f"the {summary.prompts_rewritten} prompts that have them: hit rate {summary.fixed_block_hit_rate:.3f} at "
+            f"{explanation.config.block_size}-token blocks (now {explanation.block_hit_rate:.3f})"
+        )
+    return lines
+
+
+def _request_rows(explanation: Explanation, max_rows: int) -> list[str]:
+    capacity = explanation.capacity_hit_rate is not None
+    live = explanation.live_hit_rate is not None
+    header = f"  {'line':>6} {'tokens':>7} {'infinite':>8} {'blocks':>7}"
+    header += f" {'cache':>6}" * capacity + f" {'server':>6}" * live
+    header += f"  {'first miss':<18} {'shares with':>11} {'tokens':>6}  parts at"
+    rows = [header]
+    for r in explanation.requests[:max_rows]:
+        row = f"  {r.line:>6} {r.prompt_tokens:>7} {_rate(r.infinite_hit, r):>8} {_rate(r.block_hit, r):>7}"
+        if capacity:
+            row += f" {_rate(r.capacity_hit, r):>6}"
+        if live:
+            row += f" {_rate(r.live_cached, r):>6}"
+        match = "—" if r.match_line is None else f"line {r.match_line}"
+        row += f"  {r.reason:<18} {match:>11} {r.shared_tokens:>6}  "
+        if r.divergence is not None:
+            d = r.divergence
+            row += f"{d.index}: `{d.this_text[:24]}` / `{d.other_text[:24]}`"
+        elif r.match_line is not None and r.shared_tokens == r.prompt_tokens:
+            row += "repeats it"
+        elif r.match_line is not None:
+            row += "extends it"
+        rows.append(row)
+    return rows
+
+
+def _rate(tokens: int, request: RequestExplanation) -> str:
+    return f"{tokens / request.prompt_tokens:.2f}"
+
+
+def to_json(explanation: Explanation, source: str, errors: list[LineError]) -> dict[str, Any]:
+    return {
+        "source": source,
+        "config": asdict(explanation.config),
+        "num_requests": len(explanation.requests),
+        "prompt_tokens": explanation.prompt_tokens,
+        "hit_rate": {
+            "infinite_token_exact": explanation.infinite_hit_rate,
+            "infinite_blocks": explanation.block_hit_rate,
+            "alignment_loss": explanation.alignment_loss,
+            "capacity": explanation.capacity_hit_rate,
+            "server_now": explanation.live_hit_rate,
+        },
+        "missed_tokens": explanation.missed,
+        "divergence": None if explanation.divergence is None else asdict(explanation.divergence),
+        "requests": [{**asdict(r), "reason": r.reason} for r in explanation.requests],
+        "errors": [asdict(e) for e in errors],
+    }
+
+
+def write_plot(explanation: Explanation, path: Path, title: str) -> None:
+    """One bar per request (log order, top down) along the token axis: what an infinite cache reuses in whole
+    blocks, what block alignment loses, what a finite cache lost to eviction, and what is computed; a tick
+    marks where the prompt parts from the earlier one. Below, where prompts part, as a histogram."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    requests = explanation.requests
+    capacity = explanation.capacity_hit_rate is not None
+    fig = Figure(figsize=(10, 7.5))
+    FigureCanvasAgg(fig)
+    bars, histogram = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])
+    y = list(range(len(requests)))
+    reused = [r.capacity_hit if capacity else r.block_hit for r in requests]
+    evicted = [r.block_hit - reused[i] for i, r in enumerate(requests)]
+    aligned = [r.infinite_hit - r.block_hit for r in requests]
+    computed = [r.prompt_tokens - r.infinite_hit for r in requests]
+    height = 1.0 if len(requests) > 60 else 0.8
+    left = [0] * len(requests)
+    segments = [
+        (reused, "#2e7d32", f"reused ({explanation.config.capacity_tokens:,}-token cache)" if capacity else "reused"),
+        (evicted, "#ef6c00", "evicted (an infinite cache would reuse)"),
+        (aligned, "#a5d6a7", "shared but not a whole block"),
+        (computed, "#bdbdbd", "computed"),
+    ]
+    for widths, color, label in segments:
+        if any(widths):
+            bars.barh(y, widths, left=left, height=height, color=color, label=label, linewidth=0)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    parted = [(r.divergence.index, i) for i, r in enumerate(requests) if r.divergence is not None]
+    if parted:
+        bars.scatter(*zip(*parted, strict=True), marker="|", color="#c62828", s=60, label="parts from earlier prompt")
+    bars.invert_yaxis()
+    bars.set_ylabel("request (log order)")
+    bars.legend(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=3, fontsize="small", frameon=False)
+    fig.suptitle(f"{title}: how far each prompt shares a prefix with an earlier one, and where it parts")
+    summary = explanation.divergence
+    if parted:
+        histogram.hist([p for p, _ in parted], bins=min(100, max(10, len(parted))), color="#c62828")
+        if summary is not None:
+            histogram.axvspan(summary.start - 0.5, summary.end + 0.5, color="#c62828", alpha=0.15)
+            text = f"{summary.count / summary.total:.0%} part at tokens {summary.start}–{summary.end}"
+            if summary.fixed_block_hit_rate is not None:
+                text += f"\nvarying span moved to the end: hit rate {explanation.block_hit_rate:.2f} → "
+                text += f"{summary.fixed_block_hit_rate:.2f}"
+            histogram.annotate(text, xy=(0.99, 0.95), xycoords="axes fraction", ha="right", va="top", fontsize="small")
+    histogram.set_xlabel("token index")
+    histogram.set_ylabel("divergences")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
