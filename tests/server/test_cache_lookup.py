@@ -1,8 +1,11 @@
 """``POST /v1/cache/lookup`` and the missed-token counters, against a real server (4-token blocks)."""
 
+import json
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from prefixcache.cli import main
 from tests.server.harness import delta, random_prompt, scrape
 
 MISSED = "prefixcache:prefix_cache_missed_tokens_total"
@@ -90,3 +93,29 @@ def test_bad_lookup_bodies_are_clear_400s(server):
         assert response.status_code == 400, body
         assert message in response.json()["error"]["message"], response.json()
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_explain_reads_a_log_through_the_server(server, tmp_path, capsys):
+    """--base-url: the server tokenizes (its chat template) and reports what its cache holds now."""
+    system = "Request {rid}. You are a helpful assistant. Answer briefly and truthfully."
+    bodies = [
+        {"messages": [{"role": "system", "content": system.format(rid=rid)}, {"role": "user", "content": "Hi"}]}
+        for rid in ("a17", "b42", "c99", "d05")
+    ]
+    httpx.post(
+        f"{server.url}/v1/chat/completions", json={**bodies[0], "max_tokens": 1, "temperature": 0}, timeout=60
+    ).raise_for_status()
+    log = tmp_path / "log.jsonl"
+    log.write_text("\n".join([json.dumps(bodies[0]), json.dumps({"prompt": ""}), *map(json.dumps, bodies[1:])]) + "\n")
+    out_json = tmp_path / "report.json"
+    main(["explain", str(log), "--base-url", server.url, "--json", str(out_json)])
+    printed = capsys.readouterr().out
+    report = json.loads(out_json.read_text())
+    assert report["config"]["block_size"] == 4  # the server's
+    first, second = report["requests"][0]["live_cached"], report["requests"][1]["live_cached"]
+    assert first > second  # the server has run the first prompt, not the second
+    assert report["errors"] == [{"line": 2, "message": report["errors"][0]["message"]}]
+    assert "empty" in report["errors"][0]["message"]
+    divergence = report["divergence"]
+    assert divergence["kind"] == "varying" and divergence["shared_text"].endswith("Request")
+    assert "the server's cache now" in printed

@@ -1,0 +1,167 @@
+"""What explain computes from prompts alone: hit rates, matches, divergence points, reasons, the fix."""
+
+import random
+
+import pytest
+
+from prefixcache.core import KVCacheManager
+from prefixcache.explain.analysis import ExplainConfig, block_hit_rate, explain
+from prefixcache.explain.log import Prompt
+from tests.core.conftest import admit, make_request
+from tests.explain.conftest import decode_ids, prompts_of
+
+HEAD = list(range(1000, 1020))  # 20 stable tokens before the varying field
+STABLE = list(range(2000, 2040))  # 40 stable tokens after it
+QUESTIONS = [list(range(3000 + 100 * q, 3000 + 100 * q + 12)) for q in range(3)]
+
+
+def stamped(i: int) -> list[int]:
+    """HEAD, a 3-token field that differs from every other prompt's in its first token, STABLE, a question."""
+    return HEAD + [5000 + i, 6000 + i % 2, 7000 + i] + STABLE + QUESTIONS[i % 3]
+
+
+def test_a_varying_field_is_found_at_its_position_and_the_fix_is_computed():
+    prompts = prompts_of([stamped(i) for i in range(12)])
+    result = explain(prompts, ExplainConfig(block_size=16), decode_ids)
+    summary = result.divergence
+    assert (summary.start, summary.end, summary.count, summary.total) == (20, 20, 11, 11)
+    assert summary.kind == "varying"
+    assert summary.varying_span == (20, 23)
+    assert summary.varying_text == "5001 6001 7001"  # the example is the first prompt parting there
+    assert summary.shared_text.endswith("1019") and summary.this_text.startswith("5001")
+    moved = prompts_of([HEAD + STABLE + QUESTIONS[i % 3] + [5000 + i, 6000 + i % 2, 7000 + i] for i in range(12)])
+    assert summary.prompts_rewritten == 12
+    assert summary.fixed_block_hit_rate == pytest.approx(block_hit_rate(moved, 16))
+    assert summary.fixed_block_hit_rate > 3 * result.block_hit_rate
+    for request in result.requests[1:]:
+        assert request.shared_tokens == 20
+        assert request.divergence.index == 20 and request.divergence.kind == "varying"
+        assert (request.divergence.span_end, request.divergence.other_span_end) == (23, 23)
+
+
+def test_each_request_names_the_earlier_one_it_shares_most_with_however_far_back():
+    a, b = HEAD + STABLE, HEAD + QUESTIONS[0] + STABLE
+    prompts = prompts_of([a, b, list(range(9000, 9030)), a[:50] + [1, 2, 3], b + [4]])
+    result = explain(prompts, ExplainConfig(block_size=16), decode_ids)
+    assert [r.match_line for r in result.requests] == [None, 1, None, 1, 2]
+    assert [r.shared_tokens for r in result.requests] == [0, 20, 0, 50, len(b)]
+    fourth = result.requests[3]
+    assert fourth.divergence.index == 50
+    assert fourth.divergence.this_text == "1 2 3" and fourth.divergence.other_text.startswith("2030 2031")
+    assert result.requests[4].divergence is None  # it extends the second prompt: nothing parts
+
+
+def test_reordered_sections_are_told_apart_from_a_varying_field():
+    sections = [list(range(s, s + 20)) for s in (10_000, 11_000, 12_000)]
+    orders = [(0, 1, 2), (0, 2, 1), (1, 0, 2), (1, 2, 0)]
+    prompts = prompts_of([HEAD + [t for k in order for t in sections[k]] + [i] for i, order in enumerate(orders)])
+    result = explain(prompts, ExplainConfig(block_size=16), decode_ids)
+    second, third, fourth = result.requests[1:]
+    assert (second.divergence.index, second.divergence.kind) == (40, "inserted")
+    assert (second.divergence.span_end, second.divergence.other_span_end) == (40, 60)  # the other has section 1 first
+    assert (third.match_line, third.shared_tokens, third.divergence.kind) == (2, 20, "inserted")  # ties: most recent
+    assert (fourth.match_line, fourth.divergence.index) == (3, 40)
+    assert (result.divergence.start, result.divergence.count, result.divergence.kind) == (40, 2, "inserted")
+    assert "fixed order" in result.divergence.fix
+    assert result.divergence.fixed_block_hit_rate is None
+
+
+def test_prompts_that_differ_after_a_shared_prefix_need_no_fix():
+    prompts = prompts_of([HEAD + STABLE + [40_000 + 100 * i + k for k in range(30)] for i in range(5)])
+    result = explain(prompts, ExplainConfig(block_size=16), decode_ids)
+    assert (result.divergence.start, result.divergence.kind) == (60, "differs")
+    assert "nothing to move" in result.divergence.fix
+
+
+def test_block_alignment_and_partial_blocks_are_counted_exactly():
+    first = list(range(100, 140))  # 40 tokens
+    second = first[:37] + list(range(500, 510))  # shares 37 tokens, 47 in all
+    short = list(range(800, 810))  # 10 tokens: shorter than one block
+    result = explain(prompts_of([first, second, short, short]), ExplainConfig(block_size=16), decode_ids)
+    one, two, _, four = result.requests
+    assert (two.infinite_hit, two.block_hit) == (37, 32)
+    assert two.missed == {"new": 0, "different_salt": 0, "shorter_than_block": 0, "partial_block": 15, "evicted": 0}
+    assert one.missed["new"] == 32 and one.missed["partial_block"] == 8
+    assert (four.infinite_hit, four.block_hit) == (9, 0)
+    assert four.missed["shorter_than_block"] == 10 and four.reason == "shorter_than_block"
+    total = 40 + 47 + 10 + 10
+    assert result.infinite_hit_rate == pytest.approx((37 + 9) / total)
+    assert result.block_hit_rate == pytest.approx(32 / total)
+    assert result.alignment_loss == pytest.approx((37 + 9 - 32) / total)
+    assert sum(result.missed.values()) + 32 == total
+
+
+def test_salts_keep_namespaces_apart_and_name_the_reason():
+    prompt = list(range(100, 150))
+    result = explain(
+        prompts_of([prompt, prompt, prompt, prompt], salts=[None, "b", "b", None]), ExplainConfig(), decode_ids
+    )
+    assert [r.block_hit for r in result.requests] == [0, 0, 48, 48]
+    assert result.requests[1].reason == "different_salt" and result.requests[1].match_line is None
+    assert result.requests[1].missed["different_salt"] == 48
+    assert result.requests[2].match_line == 2 and result.requests[3].match_line == 1
+    adapter = explain([Prompt(1, prompt), Prompt(2, prompt, lora_name="adapter")], ExplainConfig(), decode_ids)
+    assert adapter.requests[1].reason == "different_salt" and adapter.requests[1].block_hit == 0
+
+
+def test_a_small_cache_tells_evicted_from_new_on_a_known_sequence():
+    """64-token cache (4 blocks): A, then B evicts A's blocks, then A again: an infinite cache would hit."""
+    a, b = list(range(100, 149)), list(range(500, 549))  # 49 tokens: 3 full blocks and one token
+    result = explain(prompts_of([a, a, b, a]), ExplainConfig(block_size=16, capacity_tokens=64), decode_ids)
+    assert [r.block_hit for r in result.requests] == [0, 48, 0, 48]
+    assert [r.capacity_hit for r in result.requests] == [0, 48, 0, 0]
+    assert [r.reason for r in result.requests] == ["new", "partial_block", "new", "evicted"]
+    assert result.requests[3].missed["evicted"] == 48
+    assert result.capacity_hit_rate == pytest.approx(48 / (4 * 49))
+    big = explain(prompts_of([a, a, b, a]), ExplainConfig(block_size=16, capacity_tokens=4096), decode_ids)
+    assert [r.capacity_hit for r in big.requests] == [r.block_hit for r in big.requests]
+
+
+def test_the_replay_matches_the_managers_own_hits():
+    rng = random.Random(3)
+    bases = [[rng.randrange(1, 50) for _ in range(40)] for _ in range(4)]
+    token_lists = [rng.choice(bases)[: rng.randrange(20, 41)] + [rng.randrange(1, 50)] for _ in range(30)]
+    result = explain(prompts_of(token_lists), ExplainConfig(block_size=8, capacity_tokens=96), decode_ids)
+    manager = KVCacheManager(num_blocks=12, block_size=8)
+    for i, tokens in enumerate(token_lists):
+        found = manager.lookup(tokens)
+        assert result.requests[i].capacity_hit == found.cached_tokens
+        request = make_request(tokens)
+        admit(manager, request)
+        manager.free(request)
+
+
+def test_shared_prefixes_agree_with_a_brute_force_search():
+    rng = random.Random(7)
+    token_lists = [[rng.randrange(3) for _ in range(rng.randrange(1, 12))] for _ in range(80)]
+    salts = [rng.choice([None, "x"]) for _ in token_lists]
+    result = explain(prompts_of(token_lists, salts), ExplainConfig(block_size=2), decode_ids)
+    for i, request in enumerate(result.requests):
+        best = 0
+        for j in range(i):
+            if salts[j] == salts[i]:
+                a, b = token_lists[i], token_lists[j]
+                best = max(best, next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b))))
+        assert request.shared_tokens == best
+        if request.match_line is not None:
+            other = token_lists[request.match_line - 1]
+            assert token_lists[i][:best] == other[:best]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"block_size": 0}, "block_size"),
+        ({"capacity_tokens": 8}, "capacity_tokens"),
+        ({"eviction_policy": "fifo"}, "eviction policy"),
+        ({"hash_algo": "md5"}, "hash algorithm"),
+    ],
+)
+def test_bad_settings_are_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ExplainConfig(**kwargs)
+
+
+def test_a_prompt_larger_than_the_cache_is_a_clear_error():
+    with pytest.raises(ValueError, match="more than the capacity"):
+        explain(prompts_of([list(range(100))]), ExplainConfig(block_size=16, capacity_tokens=32), decode_ids)

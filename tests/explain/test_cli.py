@@ -1,0 +1,100 @@
+"""``prefixcache explain`` end to end on the tiny checkpoint's tokenizer: the report, --json and --plot."""
+
+import json
+import random
+
+import pytest
+
+from prefixcache.cli import main
+from prefixcache.engine.prompts import encode_chat
+from prefixcache.explain.log import Prompt
+from tests.helpers import build_tokenizer
+
+SYSTEM = "Current time: 14:{minute:02d}:{second:02d}. You are a helpful assistant. Answer briefly and truthfully."
+QUESTIONS = ["The quick brown fox?", "Why cache prefixes?", "Name a lazy dog."]
+
+
+def chat_body(i: int, rng: random.Random) -> dict:
+    system = SYSTEM.format(minute=10 + i, second=rng.randrange(60))
+    return {
+        "model": "tiny",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": QUESTIONS[i % 3]}],
+    }
+
+
+def stamped_log(path, num_requests: int = 24, bad_lines=()) -> list[dict]:
+    rng = random.Random(0)
+    bodies = [chat_body(i, rng) for i in range(num_requests)]
+    lines = [json.dumps(b) for b in bodies]
+    for position, text in bad_lines:
+        lines.insert(position - 1, text)
+    path.write_text("\n".join(lines) + "\n")
+    return bodies
+
+
+def token_after(tokenizer, body: dict, text: str) -> int:
+    """Index of the first token after ``text`` in the templated prompt."""
+    ids = encode_chat(tokenizer, body["messages"])
+    return next(k for k in range(len(ids)) if tokenizer.decode(ids[:k]).endswith(text))
+
+
+def test_the_report_names_the_timestamp_its_position_and_the_fix(tmp_path, tiny_llama_dir, capsys):
+    log = tmp_path / "requests.jsonl"
+    bodies = stamped_log(log, bad_lines=[(3, "{oops"), (9, json.dumps({"prompt": ""}))])
+    position = token_after(build_tokenizer(), bodies[0], "Current time: 14:")
+    out_json, out_png = tmp_path / "report.json", tmp_path / "report.png"
+    main(["explain", str(log), "--model", str(tiny_llama_dir), "--window", "24", "--json", str(out_json),
+          "--plot", str(out_png), "--capacity-tokens", "4096"])  # fmt: skip
+    printed = capsys.readouterr().out
+    report = json.loads(out_json.read_text())
+    divergence = report["divergence"]
+    # Minutes 10..33: a request parts at the first minute digit from those of another decade, else at the second.
+    assert (divergence["start"], divergence["end"]) == (position, position + 1)
+    assert divergence["count"] == divergence["total"] == 23
+    assert divergence["kind"] == "varying"
+    assert divergence["shared_text"].endswith("Current time: 14:")
+    assert divergence["varying_text"][:2].isdigit() and divergence["varying_span"][0] == position
+    assert divergence["fixed_block_hit_rate"] > 2 * report["hit_rate"]["infinite_blocks"]
+    assert f"100% of divergences (23 of 23) start at tokens {position}–{position + 1}" in printed
+    assert "Current time: 14:" in printed and "move what changes after what stays" in printed
+    assert f"hit rate {divergence['fixed_block_hit_rate']:.3f} at 16-token blocks" in printed
+    assert report["num_requests"] == 24 and report["missed_tokens"]["evicted"] == 0
+    assert [e["line"] for e in report["errors"]] == [3, 9]
+    assert "line 3: not JSON" in printed and "line 9: the prompt is empty" in printed
+    assert out_png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_moving_the_reported_span_gives_the_reported_hit_rate(tmp_path, tiny_llama_dir, capsys):
+    """The rate is computed on the rewritten prompts: moving the same tokens by hand gives the same number."""
+    from prefixcache.explain.analysis import block_hit_rate
+
+    log = tmp_path / "requests.jsonl"
+    bodies = stamped_log(log, num_requests=9)
+    out_json = tmp_path / "report.json"
+    main(["explain", str(log), "--model", str(tiny_llama_dir), "--json", str(out_json)])
+    report = json.loads(out_json.read_text())
+    start = report["divergence"]["varying_span"][0]
+    tokenizer = build_tokenizer()
+    moved = []
+    for line, body in enumerate(bodies, start=1):
+        ids = encode_chat(tokenizer, body["messages"])
+        end = token_after(tokenizer, body, body["messages"][0]["content"][: len("Current time: 14:00:00")])
+        moved.append(Prompt(line, ids[:start] + ids[end:] + ids[start:end]))
+    assert report["divergence"]["fixed_block_hit_rate"] == pytest.approx(block_hit_rate(moved, 16))
+
+
+def test_a_log_without_a_usable_line_exits_with_the_reasons(tmp_path, tiny_llama_dir, capsys):
+    log = tmp_path / "bad.jsonl"
+    log.write_text("nope\n" + json.dumps({"prompt_token_ids": []}) + "\n")
+    with pytest.raises(SystemExit, match="no usable request"):
+        main(["explain", str(log), "--model", str(tiny_llama_dir)])
+    printed = capsys.readouterr().out
+    assert "line 1: not JSON" in printed and "line 2: prompt_token_ids must be" in printed
+
+
+def test_a_prompt_larger_than_the_capacity_is_a_usage_error(tmp_path, tiny_llama_dir, capsys):
+    log = tmp_path / "requests.jsonl"
+    stamped_log(log, num_requests=2)
+    with pytest.raises(SystemExit):
+        main(["explain", str(log), "--model", str(tiny_llama_dir), "--capacity-tokens", "16"])
+    assert "more than the capacity" in capsys.readouterr().err

@@ -1,0 +1,102 @@
+"""Reading request logs: every body shape the server takes, and bad lines reported by number, never fatal."""
+
+import copy
+import json
+
+import pytest
+
+from prefixcache.engine.prompts import encode_chat, encode_text
+from prefixcache.explain.log import read_log, token_ids_of, tokenize_log
+
+GOOD = [
+    {"model": "m", "prompt": "The quick brown fox", "max_tokens": 5, "n": 3},
+    {"prompt": [5, 6, 7], "cache_salt": "tenant"},
+    {"prompt_token_ids": [8, 9], "prompt": None},
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+        ]
+    },
+    {"prompt": "lazy dog", "lora_name": "adapter"},
+]
+BAD = {
+    "{not json": "not JSON",
+    "[1, 2]": "a JSON list",
+    json.dumps({"max_tokens": 3}): "no prompt",
+    json.dumps({"prompt": ""}): "empty",
+    json.dumps({"prompt": ["a", "b"]}): "token ids",
+    json.dumps({"prompt_token_ids": [1, -2]}): "token ids",
+    json.dumps({"prompt_token_ids": [True, 2]}): "token ids",
+    json.dumps({"prompt": 3}): "string or a list",
+    json.dumps({"prompt": "x", "cache_salt": ""}): "cache_salt",
+    json.dumps({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}): "both prompt and messages",
+    json.dumps({"messages": []}): "non-empty list",
+    json.dumps({"messages": [{"content": "no role"}]}): "bad message",
+}
+
+
+def write_log(path, good, bad):
+    """Good and bad lines interleaved, plus a blank line; returns the line numbers of the bad ones."""
+    lines, bad_lines = [], {}
+    bad_items = list(bad.items())
+    for i in range(max(len(good), len(bad_items))):
+        if i < len(good):
+            lines.append(json.dumps(good[i]))
+        if i < len(bad_items):
+            lines.append(bad_items[i][0])
+            bad_lines[len(lines)] = bad_items[i][1]
+    lines.insert(2, "   ")
+    bad_lines = {n + (n > 2): message for n, message in bad_lines.items()}
+    path.write_text("\n".join(lines) + "\n")
+    return bad_lines
+
+
+def test_every_body_shape_is_read_as_the_engine_would_tokenize_it(tmp_path, tokenizer):
+    path = tmp_path / "log.jsonl"
+    write_log(path, GOOD, {})
+    bodies, errors = read_log(path)
+    prompts, token_errors = tokenize_log(bodies, lambda body: token_ids_of(body, tokenizer))
+    assert errors == token_errors == []
+    assert [p.token_ids for p in prompts] == [
+        encode_text(tokenizer, "The quick brown fox"),
+        [5, 6, 7],
+        [8, 9],
+        encode_chat(tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]),
+        encode_text(tokenizer, "lazy dog"),
+    ]
+    assert [p.namespace for p in prompts] == [
+        (None, None),
+        ("tenant", None),
+        (None, None),
+        (None, None),
+        (None, "adapter"),
+    ]
+    assert [p.line for p in prompts] == [1, 2, 4, 5, 6]  # line 3 is blank
+
+
+def test_bad_lines_are_reported_with_their_number_and_skipped(tmp_path, tokenizer):
+    path = tmp_path / "log.jsonl"
+    bad_lines = write_log(path, GOOD, BAD)
+    bodies, errors = read_log(path)
+    prompts, token_errors = tokenize_log(bodies, lambda body: token_ids_of(body, tokenizer))
+    assert len(prompts) == len(GOOD)
+    reported = {e.line: e.message for e in errors + token_errors}
+    assert sorted(reported) == sorted(bad_lines)
+    for line, expected in bad_lines.items():
+        assert expected in reported[line], (line, reported[line])
+
+
+def test_a_template_that_fails_is_a_bad_line(tmp_path, tokenizer):
+    failing = copy.deepcopy(tokenizer)
+    failing.chat_template = "{{ raise_exception('no system role') }}"
+    logged = tmp_path / "log.jsonl"
+    logged.write_text(json.dumps({"messages": [{"role": "system", "content": "x"}]}) + "\n")
+    bodies, _ = read_log(logged)
+    prompts, errors = tokenize_log(bodies, lambda body: token_ids_of(body, failing))
+    assert prompts == [] and errors[0].line == 1 and "no system role" in errors[0].message
+
+
+def test_a_missing_file_is_an_os_error(tmp_path):
+    with pytest.raises(OSError):
+        read_log(tmp_path / "missing.jsonl")
