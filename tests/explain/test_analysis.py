@@ -165,3 +165,18 @@ def test_bad_settings_are_clear_errors(kwargs, message):
 def test_a_prompt_larger_than_the_cache_is_a_clear_error():
     with pytest.raises(ValueError, match="more than the capacity"):
         explain(prompts_of([list(range(100))]), ExplainConfig(block_size=16, capacity_tokens=32), decode_ids)
+
+
+def test_every_system_prompt_with_a_varying_field_gets_it_moved():
+    """Two system prompts, their fields at tokens 20 and 25: the computed fix moves both."""
+    other_head = list(range(8000, 8025))
+
+    def field(i: int) -> list[int]:
+        return [5000 + i, 6000 + i % 2, 7000 + i]
+
+    token_lists = [(HEAD if i % 2 else other_head) + field(i) + STABLE + QUESTIONS[i % 3] for i in range(16)]
+    result = explain(prompts_of(token_lists), ExplainConfig(block_size=16), decode_ids)
+    summary = result.divergence
+    assert (summary.start, summary.end, summary.kind, summary.prompts_rewritten) == (20, 25, "varying", 16)
+    moved = [(HEAD if i % 2 else other_head) + STABLE + QUESTIONS[i % 3] + field(i) for i in range(16)]
+    assert summary.fixed_block_hit_rate == pytest.approx(block_hit_rate(prompts_of(moved), 16))

@@ -52,8 +52,9 @@ def test_the_report_names_the_timestamp_its_position_and_the_fix(tmp_path, tiny_
     assert (divergence["start"], divergence["end"]) == (position, position + 1)
     assert divergence["count"] == divergence["total"] == 23
     assert divergence["kind"] == "varying"
-    assert divergence["shared_text"].endswith("Current time: 14:")
-    assert divergence["varying_text"][:2].isdigit() and divergence["varying_span"][0] == position
+    assert divergence["shared_text"].endswith("Current time: 14:")  # the whole "MM:SS" moves
+    assert divergence["varying_span"] == [position, position + 5]
+    assert divergence["varying_text"] == divergence["this_text"][:5] and divergence["prompts_rewritten"] == 24
     assert divergence["fixed_block_hit_rate"] > 2 * report["hit_rate"]["infinite_blocks"]
     assert f"100% of divergences (23 of 23) start at tokens {position}–{position + 1}" in printed
     assert "Current time: 14:" in printed and "move what changes after what stays" in printed

@@ -38,6 +38,8 @@ from prefixcache.explain.log import Prompt
 # Two prompts "agree again" when SYNC_TOKENS tokens match; a varying field is at most MAX_SPAN_TOKENS long.
 SYNC_TOKENS = 8
 MAX_SPAN_TOKENS = 64
+# How many prompts sharing a head are compared to find where a varying span ends.
+MAX_RESYNC_PROMPTS = 200
 # Divergence points are grouped in windows of this many tokens to find where most prompts part.
 CLUSTER_TOKENS = 16
 TEXT_CHARS = 40
@@ -332,7 +334,12 @@ def _summarize_divergences(
             best_start, best_count = start, end - start
     cluster = parted[best_start : best_start + best_count]
     kind = Counter(r.divergence.kind for r in cluster).most_common(1)[0][0]
-    example = min((r for r in cluster if r.divergence.kind == kind), key=lambda r: (r.divergence.index, r.index))
+    groups: dict[tuple[int, ...], list[RequestExplanation]] = {}  # by the tokens before the split, log order
+    for r in sorted(cluster, key=lambda r: r.index):
+        if r.divergence.kind == kind:
+            groups.setdefault(tuple(prompts[r.index].token_ids[: r.divergence.index]), []).append(r)
+    fix = _fix_varying_spans(prompts, groups, config.block_size) if kind == "varying" else None
+    example = fix.example if fix is not None else max(groups.values(), key=len)[0]
     summary = DivergenceSummary(
         start=cluster[0].divergence.index,
         end=cluster[-1].divergence.index,
@@ -346,8 +353,11 @@ def _summarize_divergences(
         other_text=example.divergence.other_text,
         fix=_FIXES[kind],
     )
-    if kind == "varying":
-        _fix_varying_span(summary, prompts, example, cluster, config, decode)
+    if fix is not None:
+        summary.varying_span = fix.span
+        summary.varying_text = _clip(decode(prompts[example.index].token_ids[fix.span[0] : fix.span[1]]))
+        summary.prompts_rewritten = fix.prompts_rewritten
+        summary.fixed_block_hit_rate = fix.block_hit_rate
     return summary
 
 
@@ -361,46 +371,65 @@ _FIXES = {
 }
 
 
-def _fix_varying_span(
-    summary: DivergenceSummary,
-    prompts: Sequence[Prompt],
-    example: RequestExplanation,
-    cluster: Sequence[RequestExplanation],
-    config: ExplainConfig,
-    decode: Decode,
-) -> None:
-    """Move the varying span to the end of every prompt that has it, and recompute the block hit rate.
+@dataclass(frozen=True, slots=True)
+class _VaryingFix:
+    """The log with its varying spans moved to the end: its block hit rate, and the span that moved most often."""
 
-    The span starts at the example's divergence point and ends where the example agrees again with each
-    of the cluster's prompts that share its head (the union of the differing spans, so a field whose
-    leading characters happen to match is still moved whole). Any prompt with the same head that has
-    the example's next SYNC_TOKENS tokens soon after is rewritten; the rest are left as they are.
+    block_hit_rate: float
+    prompts_rewritten: int
+    example: RequestExplanation
+    span: tuple[int, int]
+
+
+def _fix_varying_spans(
+    prompts: Sequence[Prompt], groups: dict[tuple[int, ...], list[RequestExplanation]], block_size: int
+) -> _VaryingFix:
+    """Move each varying span to the end of every prompt that has it, and recompute the block hit rate.
+
+    Prompts parting at the same point after the same head (the tokens before it) form a group. Its span
+    starts there and ends where the group's first prompt agrees again with the prompts sharing its head
+    (the union of the differing spans, so a field whose leading characters happen to match is still
+    moved whole). Every prompt with that head in which the span's continuation (the next SYNC_TOKENS
+    tokens) follows soon after has the span moved to its end. Shorter heads go first; a prompt is
+    rewritten at most once; prompts of no group stay as they are.
     """
-    tokens = prompts[example.index].token_ids
-    start = example.divergence.index
-    head = tokens[:start]
-    end = example.divergence.span_end
-    for member in cluster:
-        other = prompts[member.index].token_ids
-        if member is not example and other[:start] == head:
-            offsets = _resync(tokens, other, start)
+    by_head_at: dict[int, dict[tuple[int, ...], list[int]]] = {}
+    moved: dict[int, list[int]] = {}
+    most: tuple[int, RequestExplanation, tuple[int, int]] | None = None  # (prompts moved, example, span)
+    for head, group in sorted(groups.items(), key=lambda item: len(item[0])):
+        start = len(head)
+        if start not in by_head_at:
+            by_head_at[start] = _prompts_by_head(prompts, start)
+        sharing = by_head_at[start][head]
+        tokens = prompts[group[0].index].token_ids
+        end = group[0].divergence.span_end
+        for i in sharing[:MAX_RESYNC_PROMPTS]:
+            offsets = _resync(tokens, prompts[i].token_ids, start)
             if offsets is not None:
                 end = max(end, start + offsets[0])
-    anchor = tokens[end : end + SYNC_TOKENS]
-    rewritten = []
-    for prompt in prompts:
-        moved = _move_to_end(prompt.token_ids, head, anchor)
-        summary.prompts_rewritten += moved is not None
-        rewritten.append(prompt if moved is None else replace(prompt, token_ids=moved))
-    summary.varying_span = (start, end)
-    summary.varying_text = _clip(decode(tokens[start:end]))
-    summary.fixed_block_hit_rate = block_hit_rate(rewritten, config.block_size)
+        anchor = tokens[end : end + SYNC_TOKENS]
+        num_moved = len(moved)
+        for i in sharing:
+            if i not in moved:
+                rewritten = _move_to_end(prompts[i].token_ids, start, anchor)
+                if rewritten is not None:
+                    moved[i] = rewritten
+        if most is None or len(moved) - num_moved > most[0]:
+            most = (len(moved) - num_moved, group[0], (start, end))
+    fixed = [replace(p, token_ids=moved[i]) if i in moved else p for i, p in enumerate(prompts)]
+    return _VaryingFix(block_hit_rate(fixed, block_size), len(moved), most[1], most[2])
 
 
-def _move_to_end(tokens: list[int], head: list[int], anchor: list[int]) -> list[int] | None:
-    """``tokens`` with the span between ``head`` and the next occurrence of ``anchor`` moved to the end."""
-    start = len(head)
-    if tokens[:start] != head or len(anchor) < SYNC_TOKENS:
+def _prompts_by_head(prompts: Sequence[Prompt], length: int) -> dict[tuple[int, ...], list[int]]:
+    heads: dict[tuple[int, ...], list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        heads.setdefault(tuple(prompt.token_ids[:length]), []).append(i)
+    return heads
+
+
+def _move_to_end(tokens: list[int], start: int, anchor: list[int]) -> list[int] | None:
+    """``tokens`` with the span from ``start`` to the next occurrence of ``anchor`` moved to the end."""
+    if len(anchor) < SYNC_TOKENS:
         return None
     for position in range(start + 1, min(start + MAX_SPAN_TOKENS, len(tokens) - SYNC_TOKENS) + 1):
         if tokens[position : position + SYNC_TOKENS] == anchor:

@@ -66,9 +66,10 @@ def _divergence_lines(explanation: Explanation) -> list[str]:
     if summary.fixed_block_hit_rate is not None:
         start, end = summary.varying_span
         lines.append(
-            f"  moving tokens {start}–{end} (`{summary.varying_text}` in line {summary.example_line}) to the end of "
-            f"the {summary.prompts_rewritten} prompts that have them: hit rate {summary.fixed_block_hit_rate:.3f} at "
-            f"{explanation.config.block_size}-token blocks (now {explanation.block_hit_rate:.3f})"
+            f"  with the varying span (tokens {start}–{end} in line {summary.example_line}: `{summary.varying_text}`) "
+            f"moved to the end of the {summary.prompts_rewritten} prompts that have it: hit rate "
+            f"{summary.fixed_block_hit_rate:.3f} at {explanation.config.block_size}-token blocks "
+            f"(now {explanation.block_hit_rate:.3f})"
         )
     return lines
 
