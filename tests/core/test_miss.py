@@ -32,14 +32,18 @@ def assert_reasons_add_up(mgr: KVCacheManager) -> None:
     assert stats.queries == stats.hits + stats.copied_tokens + sum(stats.missed_tokens.values())
 
 
-def test_record_keeps_the_last_evictions_and_a_repeat_moves_to_the_newest_end():
+def test_record_remembers_at_least_the_last_capacity_evictions_and_at_most_twice_that():
     record = EvictedHashes(capacity=3)
     record.blocks_removed([b"a", b"b"])
-    record.blocks_removed([b"c", b"a"])
-    assert list(record) == [b"b", b"c", b"a"]
-    record.blocks_removed([b"d"])
-    assert list(record) == [b"c", b"a", b"d"]
-    assert b"b" not in record and b"d" in record
+    record.blocks_removed([b"c"])
+    record.blocks_removed([b"d", b"e"])
+    assert set(record) == {b"a", b"b", b"c", b"d", b"e"}
+    record.blocks_removed([b"a"])  # evicted again: remembered anew; b and c have seen 4 later evictions
+    assert set(record) == {b"a", b"d", b"e"}
+    record.blocks_removed([b"f", b"g", b"h"])
+    assert b"a" not in record and set(record) == {b"f", b"g", b"h"}
+    record.cache_cleared()
+    assert len(record) == 0
 
 
 def test_record_of_size_zero_keeps_nothing_and_a_negative_size_is_refused():
@@ -86,8 +90,8 @@ def test_evictions_older_than_the_record_count_as_new():
     mgr = KVCacheManager(num_blocks=4, block_size=BLOCK_SIZE, evicted_record_size=2)
     prompt = unique_tokens(5, 0)  # one full block
     run(mgr, prompt)
-    run(mgr, unique_tokens(4 * BLOCK_SIZE, 1000))  # evicts the prompt's block, caches four filler blocks
-    run(mgr, unique_tokens(4 * BLOCK_SIZE, 2000))  # evicts the four filler blocks: the record keeps two
+    for start in (1000, 2000, 3000):  # each filler evicts every block the one before cached
+        run(mgr, unique_tokens(4 * BLOCK_SIZE, start))
     assert mgr.block_hashes(make_request(prompt))[0] not in mgr.evicted
     before = mgr.stats.missed_tokens["new"]
     run(mgr, prompt)

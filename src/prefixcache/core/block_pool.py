@@ -64,6 +64,13 @@ class BlockPoolListener:
         """Every cached hash was dropped at once (reset)."""
 
 
+def _overriding(listeners: list[BlockPoolListener], event: str) -> list[BlockPoolListener]:
+    """The listeners that override ``event``: the hot paths skip what no one listens to (a call per reused
+    block, building ``StoredBlocks``)."""
+    default = getattr(BlockPoolListener, event)
+    return [listener for listener in listeners if getattr(type(listener), event) is not default]
+
+
 class BlockPool:
     """Hands out blocks, takes them back, and keeps the prefix index.
 
@@ -87,10 +94,16 @@ class BlockPool:
         self.uncached_free: deque[Block] = deque(self.blocks)
         self.evictable: EvictionPolicy = make_eviction_policy(eviction_policy)
         self.cached: dict[BlockHash, Block | dict[int, Block]] = {}
-        self.listeners: list[BlockPoolListener] = list(listeners)
+        self.listeners: list[BlockPoolListener] = []
+        for listener in listeners:
+            self.add_listener(listener)
 
     def add_listener(self, listener: BlockPoolListener) -> None:
         self.listeners.append(listener)
+        self._on_stored = _overriding(self.listeners, "blocks_stored")
+        self._on_removed = _overriding(self.listeners, "blocks_removed")
+        self._on_reused = _overriding(self.listeners, "block_reused")
+        self._on_cleared = _overriding(self.listeners, "cache_cleared")
 
     @property
     def num_free_blocks(self) -> int:
@@ -112,20 +125,20 @@ class BlockPool:
 
     def get_new_blocks(self, num_blocks: int) -> list[Block]:
         """Pop ``num_blocks`` free blocks (caller checked there are enough), evicting cached ones last."""
-        uncached, evictable, listeners = self.uncached_free, self.evictable, self.listeners
+        uncached, evictable, on_reused = self.uncached_free, self.evictable, self._on_reused
         out: list[Block] = []
         removed: list[BlockHash] = []
         for _ in range(num_blocks):
             block = uncached.popleft() if uncached else evictable.pop()
             if block.block_hash is not None and self._drop_from_index(block):
                 removed.append(block.block_hash)
-            for listener in listeners:
+            for listener in on_reused:
                 listener.block_reused(block)
             block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
         if removed:
-            for listener in listeners:
+            for listener in self._on_removed:
                 listener.blocks_removed(removed)
         return out
 
@@ -161,7 +174,7 @@ class BlockPool:
                     runs[-1] = (runs[-1][0], i + 1)
                 else:
                     runs.append((i, i + 1))
-        if not self.listeners:
+        if not self._on_stored:
             return
         for first, last in runs:
             stored = StoredBlocks(
@@ -172,7 +185,7 @@ class BlockPool:
                 lora_name=request.lora_name,
                 extra_keys=[request.block_extra_keys(k, block_size) for k in range(first, last)],
             )
-            for listener in self.listeners:
+            for listener in self._on_stored:
                 listener.blocks_stored(stored)
 
     def free_blocks(self, blocks: Iterable[Block]) -> None:
@@ -195,7 +208,7 @@ class BlockPool:
         self.cached.clear()
         self.evictable.clear()
         self.uncached_free = deque(self.blocks)
-        for listener in self.listeners:
+        for listener in self._on_cleared:
             listener.cache_cleared()
         return True
 

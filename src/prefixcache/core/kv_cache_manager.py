@@ -14,7 +14,6 @@ from prefixcache.core.miss import (
     PrefixLookup,
     first_miss_reason,
     hittable_tokens,
-    missed_tokens_by_reason,
 )
 from prefixcache.core.request import MultiModalFeature, Request
 from prefixcache.core.sub_block import CopyOp, SubBlockIndex
@@ -54,9 +53,10 @@ class KVCacheManager:
 
     ``get_computed_blocks`` looks a prompt up without changing anything; ``allocate_slots`` admits
     it (taking references on the hit blocks) and grows its table; ``free`` gives the blocks back.
-    Allocation that does not fit returns None and changes nothing. ``evicted_record_size`` bounds the
-    record of recently evicted hashes that tells an ``evicted`` miss from a ``new`` one (default: as
-    many hashes as the pool has blocks; 0 counts every such miss as ``new``).
+    Allocation that does not fit returns None and changes nothing. The record of recently evicted
+    hashes, which tells an ``evicted`` miss from a ``new`` one, remembers at least the last
+    ``evicted_record_size`` of them (default: as many as the pool has blocks; 0 counts every such
+    miss as ``new``).
     """
 
     def __init__(
@@ -188,7 +188,8 @@ class KVCacheManager:
         request = Request("lookup", token_ids, cache_salt=cache_salt, lora_name=lora_name, mm_features=mm_features)
         _, num_cached = self.get_computed_blocks(request)
         num_copied = num_cached % self.block_size
-        missed = self._missed_tokens(request, num_cached - num_copied, num_copied)
+        missed = dict.fromkeys(MISS_REASONS, 0)
+        self._count_missed(missed, request, num_cached - num_copied, num_copied)
         return PrefixLookup(
             prompt_tokens=request.num_tokens,
             cached_tokens=num_cached,
@@ -349,18 +350,25 @@ class KVCacheManager:
         stats.queries += request.num_tokens
         stats.hits += num_hit_tokens
         stats.copied_tokens += num_copied_tokens
-        for reason, num_missed in self._missed_tokens(request, num_hit_tokens, num_copied_tokens).items():
-            stats.missed_tokens[reason] += num_missed
+        self._count_missed(stats.missed_tokens, request, num_hit_tokens, num_copied_tokens)
 
-    def _missed_tokens(self, request: Request, num_hit_tokens: int, num_copied_tokens: int) -> dict[str, int]:
-        """The request's missed prompt tokens by reason, given what its lookup found (prefixcache.core.miss)."""
+    def _count_missed(
+        self, missed: dict[str, int], request: Request, num_hit_tokens: int, num_copied_tokens: int
+    ) -> None:
+        """Add the request's missed prompt tokens to ``missed`` by reason, given what its lookup found.
+
+        The reasons are defined in :mod:`prefixcache.core.miss`.
+        """
+        num_tokens = request.num_tokens
         if not self.enable_caching or request.skip_reading_prefix_cache:
-            return {**dict.fromkeys(MISS_REASONS, 0), "skipped": request.num_tokens}
+            missed["skipped"] += num_tokens
+            return
         cached_end = num_hit_tokens + num_copied_tokens
-        evicted = False
-        if cached_end < hittable_tokens(request.num_tokens, self.block_size):
-            evicted = self.block_hashes(request)[num_hit_tokens // self.block_size] in self.evicted
-        return missed_tokens_by_reason(request.num_tokens, self.block_size, cached_end, evicted)
+        hittable_end = hittable_tokens(num_tokens, self.block_size)
+        if cached_end < hittable_end:
+            first_missing = self.block_hashes(request)[num_hit_tokens // self.block_size]
+            missed["evicted" if first_missing in self.evicted else "new"] += hittable_end - cached_end
+        missed["partial_block"] += num_tokens - max(cached_end, hittable_end)
 
     def _cache_full_blocks(self, request: Request, table: list[Block], num_full: int) -> None:
         start = self._num_cached_blocks[request.request_id]

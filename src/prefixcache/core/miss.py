@@ -4,11 +4,12 @@ A missed prompt token has exactly one reason, so the reasons of a request add up
 minus the tokens it reused (shared blocks plus sub-block copies):
 
 ``partial_block``
-    Tokens after the last block a lookup may return, ``(P - 1) // B * B`` for a prompt of ``P``
-    tokens in blocks of ``B``: the tail that does not fill a block, or, when the prompt ends on a block
-    boundary, its whole last block, because the last prompt token is always computed (its logits are
-    needed) and the cache is looked up by whole blocks. Between 1 and ``B`` tokens a request, minus
-    any of them a sub-block copy reused. No cache size helps; a shorter block size does.
+    Tokens from index ``(P - 1) // B * B`` on, for a prompt of ``P`` tokens in blocks of ``B``: after
+    the last whole block a lookup may return. That is the tail that does not fill a block or, when the
+    prompt ends on a block boundary, its whole last block, because the last prompt token is always
+    computed (its logits are needed) and the cache is looked up by whole blocks. Between 1 and ``B``
+    tokens a request, minus any of them a sub-block copy reused. No cache size helps; a shorter block
+    size does.
 ``evicted``
     The hittable tokens after the cached prefix, when the first missing block's hash was evicted from
     the pool recently (it is in :class:`EvictedHashes`): a larger cache would have served at least
@@ -24,7 +25,6 @@ minus the tokens it reused (shared blocks plus sub-block copies):
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -35,59 +35,49 @@ MISS_REASONS = ("new", "evicted", "partial_block", "skipped")
 
 
 class EvictedHashes(BlockPoolListener):
-    """The last ``capacity`` block hashes the pool evicted (their last copy reused), oldest first.
+    """The block hashes the pool evicted lately (their last copy reused): at least the last ``capacity``.
 
-    A hash evicted again moves to the newest end. Hashes cached again are left in place: a hash that
-    is looked up and missing can only have left by a later eviction or a reset, so a stale entry never
-    mislabels a miss; it only ages out. A reset clears the record (see the module docstring).
+    Two generations of sets: new hashes go into the current one, which becomes the previous one (and
+    the previous one is dropped) once it holds ``capacity`` hashes. So a hash is remembered for at least
+    ``capacity`` and at most ``2 * capacity`` distinct evictions after its last, at one set insertion
+    an eviction (an ordered dictionary costs three times that on the allocation path). Hashes cached
+    again are left in place: a hash that is looked up and missing can only have left by a later
+    eviction or a reset, so a stale entry never mislabels a miss. A reset clears the record (see the
+    module docstring).
     """
 
     def __init__(self, capacity: int) -> None:
         if capacity < 0:
             raise ValueError(f"the evicted-hash record's capacity must be >= 0, got {capacity}")
         self.capacity = capacity
-        self._hashes: OrderedDict[BlockHash, None] = OrderedDict()
+        self._current: set[BlockHash] = set()
+        self._previous: set[BlockHash] = set()
 
     def __contains__(self, block_hash: BlockHash) -> bool:
-        return block_hash in self._hashes
+        return block_hash in self._current or block_hash in self._previous
 
     def __len__(self) -> int:
-        return len(self._hashes)
+        return len(self._current | self._previous)
 
     def __iter__(self):
-        return iter(self._hashes)
+        return iter(self._current | self._previous)
 
     def blocks_removed(self, block_hashes: list[BlockHash]) -> None:
         if not self.capacity:
             return
-        hashes = self._hashes
-        for block_hash in block_hashes:
-            hashes[block_hash] = None
-            hashes.move_to_end(block_hash)
-        while len(hashes) > self.capacity:
-            hashes.popitem(last=False)
+        current = self._current
+        current.update(block_hashes)
+        if len(current) >= self.capacity:
+            self._previous, self._current = current, set()
 
     def cache_cleared(self) -> None:
-        self._hashes.clear()
+        self._current.clear()
+        self._previous.clear()
 
 
 def hittable_tokens(num_tokens: int, block_size: int) -> int:
     """Prompt tokens a block-granular lookup may return: whole blocks, leaving the last token to compute."""
     return (num_tokens - 1) // block_size * block_size
-
-
-def missed_tokens_by_reason(num_tokens: int, block_size: int, cached_end: int, evicted: bool) -> dict[str, int]:
-    """Split the ``num_tokens - cached_end`` missed tokens of a prompt read from the cache.
-
-    ``evicted`` tells whether the first missing block's hash was evicted recently; it is ignored when
-    no hittable token was missed.
-    """
-    hittable_end = hittable_tokens(num_tokens, block_size)
-    missed = dict.fromkeys(MISS_REASONS, 0)
-    if cached_end < hittable_end:
-        missed["evicted" if evicted else "new"] = hittable_end - cached_end
-    missed["partial_block"] = num_tokens - max(cached_end, hittable_end)
-    return missed
 
 
 def first_miss_reason(missed: dict[str, int]) -> str:
