@@ -25,6 +25,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("log", type=Path, help="JSON-lines request log")
     source = parser.add_mutually_exclusive_group()
@@ -38,7 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eviction-policy", choices=list(EVICTION_POLICIES), default="lru")
     parser.add_argument("--hash-algo", choices=HASH_ALGOS, default="sha256")
     parser.add_argument("--window", type=_positive_int, default=8, help="tokens of text shown each side of a split")
-    parser.add_argument("--rows", type=int, default=30, help="requests listed in the table (all are in --json)")
+    parser.add_argument(
+        "--rows", type=_non_negative_int, default=30, help="requests listed in the table (all are in --json)"
+    )
     parser.add_argument("--json", type=Path, help="write the whole report as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG: how far each request shares, where prompts part")
 
