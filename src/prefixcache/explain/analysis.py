@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -33,7 +33,7 @@ import numpy as np
 from prefixcache.bench.trace import Arrival, CostModel, admit_in_order
 from prefixcache.core import EVICTION_POLICIES, HASH_ALGOS, KVCacheManager, Request
 from prefixcache.core.miss import hittable_tokens
-from prefixcache.explain.log import Prompt
+from prefixcache.explain.log import Decode, Prompt
 
 # Two prompts "agree again" when SYNC_TOKENS tokens match; a varying field is at most MAX_SPAN_TOKENS long.
 SYNC_TOKENS = 8
@@ -57,8 +57,6 @@ KINDS = {
     "inserted": "one prompt has extra tokens (a section added, dropped or reordered), then they agree again",
     "differs": "the prompts differ from here on",
 }
-
-Decode = Callable[[Sequence[int]], str]
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ with its number and skipped.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,9 @@ from pydantic import ValidationError
 
 from prefixcache.engine.prompts import encode_chat, encode_text
 from prefixcache.server.protocol import ChatMessage
+
+# Token ids to readable text: the tokenizer's decode, or the texts a server returned for each token.
+Decode = Callable[[Sequence[int]], str]
 
 
 @dataclass(frozen=True, slots=True)

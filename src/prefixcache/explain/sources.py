@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from prefixcache.explain.log import LineError, LoggedBody, Prompt, namespace_of, token_ids_of, tokenize_log
-
-Decode = Callable[[Sequence[int]], str]
+from prefixcache.explain.log import Decode, LineError, LoggedBody, Prompt, namespace_of, token_ids_of, tokenize_log
 
 
 def through_tokenizer(
