@@ -13,7 +13,11 @@ from prefixcache.core.sub_block import CopyOp, SubBlockIndex
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    """Counted once per request, when it is admitted: prompt tokens looked up, and found in the cache."""
+    """Counted once per request, when it is admitted: prompt tokens looked up, and not computed.
+
+    ``hits`` are the prompt tokens whose K/V was reused, from shared blocks or copied from a sub-block
+    match (``copied_tokens`` of them); this is the one definition of a hit everywhere in prefixcache.
+    """
 
     requests: int = 0
     queries: int = 0
@@ -22,13 +26,7 @@ class PrefixCacheStats:
 
     @property
     def hit_rate(self) -> float:
-        """Prompt tokens found in shared cached blocks, over prompt tokens looked up."""
         return self.hits / self.queries if self.queries else 0.0
-
-    @property
-    def reuse_rate(self) -> float:
-        """Prompt tokens not computed: shared-block hits plus tokens copied from sub-block matches."""
-        return (self.hits + self.copied_tokens) / self.queries if self.queries else 0.0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -299,7 +297,7 @@ class KVCacheManager:
         request.counted_in_stats = True
         self.stats.requests += 1
         self.stats.queries += request.num_tokens
-        self.stats.hits += num_hit_tokens
+        self.stats.hits += num_hit_tokens + num_copied_tokens
         self.stats.copied_tokens += num_copied_tokens
 
     def _cache_full_blocks(self, request: Request, table: list[Block], num_full: int) -> None:
