@@ -6,7 +6,7 @@ import random
 import pytest
 
 from prefixcache.cli import main
-from prefixcache.engine.prompts import encode_chat
+from prefixcache.engine.input_processor import encode_chat
 from prefixcache.explain.log import Prompt
 from tests.helpers import build_tokenizer
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from prefixcache.engine.prompts import encode_chat, encode_text
+from prefixcache.engine.input_processor import encode_chat, encode_text
 from prefixcache.explain.log import read_log, token_ids_of, tokenize_log
 
 GOOD = [

@@ -21,10 +21,12 @@ from prefixcache.core.sub_block import CopyOp, SubBlockIndex
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    """Counted once per request, when it is admitted: prompt tokens looked up, found, and missed by reason.
+    """Counted once per request, when it is admitted: prompt tokens looked up, not computed, and missed.
 
-    ``queries == hits + copied_tokens + sum(missed_tokens.values())``; the reasons are defined in
-    :mod:`prefixcache.core.miss`.
+    ``hits`` are the prompt tokens whose K/V was reused, from shared blocks or copied from a sub-block
+    match (``copied_tokens`` of them); this is the one definition of a hit everywhere in prefixcache.
+    Every other prompt token is missed for one reason (:mod:`prefixcache.core.miss`), so
+    ``queries == hits + sum(missed_tokens.values())``.
     """
 
     requests: int = 0
@@ -35,13 +37,7 @@ class PrefixCacheStats:
 
     @property
     def hit_rate(self) -> float:
-        """Prompt tokens found in shared cached blocks, over prompt tokens looked up."""
         return self.hits / self.queries if self.queries else 0.0
-
-    @property
-    def reuse_rate(self) -> float:
-        """Prompt tokens not computed: shared-block hits plus tokens copied from sub-block matches."""
-        return (self.hits + self.copied_tokens) / self.queries if self.queries else 0.0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -194,12 +190,10 @@ class KVCacheManager:
             prompt_tokens=request.num_tokens,
             cached_tokens=num_cached,
             cached_prefix_end=num_cached,
-            hit_tokens=num_cached - num_copied,
             copied_tokens=num_copied,
             block_size=self.block_size,
             first_miss_reason=first_miss_reason(missed),
             missed_tokens=missed,
-            prompt_token_ids=request.prompt_token_ids,
         )
 
     def allocate_slots(
@@ -348,7 +342,7 @@ class KVCacheManager:
         stats = self.stats
         stats.requests += 1
         stats.queries += request.num_tokens
-        stats.hits += num_hit_tokens
+        stats.hits += num_hit_tokens + num_copied_tokens
         stats.copied_tokens += num_copied_tokens
         self._count_missed(stats.missed_tokens, request, num_hit_tokens, num_copied_tokens)
 

@@ -25,8 +25,7 @@ minus the tokens it reused (shared blocks plus sub-block copies):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from prefixcache.core.block_pool import BlockPoolListener
 from prefixcache.core.hashing import BlockHash
@@ -92,23 +91,15 @@ def first_miss_reason(missed: dict[str, int]) -> str:
 class PrefixLookup:
     """What the cache holds of one prompt right now, as admitting it would find it.
 
-    The cached tokens always form a prefix, so ``cached_prefix_end`` is the index of the first token to
-    compute. ``hit_tokens`` are in shared full blocks, ``copied_tokens`` would be copied from a sub-block
-    match. ``missed_tokens`` has one entry per reason in ``MISS_REASONS``.
+    ``cached_tokens`` would not be computed (shared blocks, and ``copied_tokens`` of them copied from a
+    sub-block match). They always form a prefix, so ``cached_prefix_end`` is the index of the first
+    token to compute. ``missed_tokens`` has one entry per reason in ``MISS_REASONS``.
     """
 
     prompt_tokens: int
     cached_tokens: int
     cached_prefix_end: int
-    hit_tokens: int
     copied_tokens: int
     block_size: int
     first_miss_reason: str
     missed_tokens: dict[str, int]
-    prompt_token_ids: list[int] = field(repr=False)
-
-    def to_dict(self, with_token_ids: bool = False) -> dict[str, Any]:
-        data = asdict(self)
-        if not with_token_ids:
-            del data["prompt_token_ids"]
-        return data

@@ -18,7 +18,7 @@ from typing import Any
 from jinja2 import TemplateError
 from pydantic import ValidationError
 
-from prefixcache.engine.prompts import encode_chat, encode_text
+from prefixcache.engine.input_processor import encode_chat, encode_text
 from prefixcache.server.protocol import ChatMessage
 
 # Token ids to readable text: the tokenizer's decode, or the texts a server returned for each token.

@@ -12,10 +12,11 @@ def through_tokenizer(
     bodies: Sequence[LoggedBody], model: str | None
 ) -> tuple[list[Prompt], list[LineError], Decode, str]:
     """Tokenize with the model's own tokenizer (no weights loaded)."""
-    from prefixcache.model.loader import load_tokenizer
+    from prefixcache.model.loader import load_tokenizer, resolve_model
 
     try:
-        tokenizer, name = load_tokenizer(model)
+        model_dir, name = resolve_model(model)
+        tokenizer = load_tokenizer(model_dir)
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"prefixcache explain: {exc}") from exc
     prompts, errors = tokenize_log(bodies, lambda body: token_ids_of(body, tokenizer))

@@ -8,6 +8,7 @@ A request whose client goes away is aborted, so its KV blocks are freed at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import secrets
@@ -28,8 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from prefixcache.engine import RequestOutput
-from prefixcache.engine.llm_engine import PromptInput
-from prefixcache.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from prefixcache.engine.input_processor import PromptInput
+from prefixcache.server.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from prefixcache.server.protocol import (
     CacheLookupRequest,
     ChatCompletionRequest,
@@ -211,12 +212,12 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     return _error_response(400, message, param=locations[0].split(".")[0])
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
-    """The app around a not-yet-started engine; the app's lifespan starts and stops its loop."""
+def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
+    """The app around a not-yet-started engine; the app's lifespan starts its core process and stops it."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.start()
+        await engine.start()
         log_task = None
         if settings.log_stats_interval:
             log_task = asyncio.create_task(_log_stats_every(engine, settings.log_stats_interval))
@@ -246,7 +247,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(EngineDeadError)
     async def _engine_error(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return _error_response(500, str(exc), type="server_error")
+        return _error_response(503, str(exc), type="server_error", code="engine_unavailable")
 
     def model_name(requested: str | None) -> str:
         if requested is None:
@@ -295,7 +296,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         # Unset: generate up to the context; at least 1, so an overlong prompt gets the context error.
-        max_tokens = requested if requested is not None else max(1, engine.engine.max_model_len - len(prompt_ids))
+        max_tokens = requested if requested is not None else max(1, engine.info.max_model_len - len(prompt_ids))
         prompt = {"prompt": None, "prompt_token_ids": prompt_ids}
         return await generate(request, body, name, prompt, max_tokens, CHAT)
 
@@ -305,19 +306,18 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         try:
             prompt: PromptInput = body.prompt
             if body.messages is not None:
-                ids = await engine.apply_chat_template([m.template_dict() for m in body.messages])
-                prompt = {"prompt": None, "prompt_token_ids": ids}
-            found = await engine.lookup(prompt, body.cache_salt)
+                prompt = await engine.apply_chat_template([m.template_dict() for m in body.messages])
+            token_ids, found = await engine.lookup(prompt, body.cache_salt)
         except (ValueError, TemplateError) as exc:
             raise APIError(400, str(exc)) from exc
-        answer = found.to_dict(with_token_ids=body.return_token_ids)
+        answer = dataclasses.asdict(found)
         if body.return_token_ids:
-            answer["prompt_token_texts"] = await engine.token_texts(found.prompt_token_ids)
+            answer["prompt_token_ids"] = token_ids
+            answer["prompt_token_texts"] = await engine.token_texts(token_ids)
         return answer
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        loaded = engine.engine.loaded
         return {
             "object": "list",
             "data": [
@@ -326,9 +326,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                     "object": "model",
                     "created": started,
                     "owned_by": "prefixcache",
-                    "root": str(loaded.model_dir),
-                    "max_model_len": engine.engine.max_model_len,
-                    "vocab_size": engine.engine.vocab_size,
+                    "root": name,
+                    "max_model_len": engine.info.max_model_len,
+                    "vocab_size": engine.info.vocab_size,
                 }
                 for name in settings.served_model_names
             ],
@@ -336,11 +336,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.is_running else 503)
+        return Response(status_code=200 if engine.accepting else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        engine.metrics.update(await engine.stats())
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     if settings.enable_reset_prefix_cache:
@@ -353,9 +352,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     return app
 
 
-async def _log_stats_every(engine: AsyncEngine, interval: float) -> None:
+async def _log_stats_every(engine: AsyncLLM, interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
-        stats = await engine.stats()
-        engine.metrics.update(stats)
-        engine.metrics.log_stats(stats, time.monotonic())
+        if engine.latest_stats is not None:
+            engine.metrics.log_stats(engine.latest_stats, time.monotonic())
