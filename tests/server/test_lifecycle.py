@@ -6,18 +6,15 @@ and checks that no process is left behind.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import threading
 import time
-from dataclasses import dataclass, field
 
 import httpx
 import psutil
 import pytest
 
-from tests.server.harness import ServerProcess, random_prompt
+from tests.server.harness import ServerProcess, start_streams
 
 ARGS = ["--block-size", "4", "--num-blocks", "1024", "--max-model-len", "1024", "--disable-uvicorn-access-log"]
 
@@ -44,51 +41,6 @@ def core_process(server: ServerProcess) -> psutil.Process:
     children = psutil.Process(server.process.pid).children()
     [core] = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
     return core
-
-
-@dataclass
-class StreamResult:
-    events: list[dict] = field(default_factory=list)
-    done: bool = False
-    first_token: threading.Event = field(default_factory=threading.Event)
-    ended_at: float | None = None
-    error: BaseException | None = None
-
-
-def stream_completion(url: str, seed: str, max_tokens: int, result: StreamResult) -> None:
-    body = {
-        "prompt": random_prompt(seed, 12),
-        "max_tokens": max_tokens,
-        "stream": True,
-        "ignore_eos": True,
-        "temperature": 0,
-    }
-    try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
-            for line in response.iter_lines():
-                if line == "data: [DONE]":
-                    result.done = True
-                elif line.startswith("data: "):
-                    result.events.append(json.loads(line.removeprefix("data: ")))
-                    result.first_token.set()
-    except httpx.HTTPError as exc:
-        result.error = exc
-    finally:
-        result.ended_at = time.monotonic()
-        result.first_token.set()
-
-
-def start_streams(url: str, count: int, max_tokens: int) -> tuple[list[StreamResult], list[threading.Thread]]:
-    results = [StreamResult() for _ in range(count)]
-    threads = [
-        threading.Thread(target=stream_completion, args=(url, f"life-{i}-{time.time()}", max_tokens, r))
-        for i, r in enumerate(results)
-    ]
-    for thread in threads:
-        thread.start()
-    for result in results:
-        assert result.first_token.wait(30), "no first token"
-    return results, threads
 
 
 def wait_exit(server: ServerProcess, timeout: float) -> int:

@@ -124,12 +124,16 @@ class EngineCore:
             self.manager.index_written_sub_blocks()
             for chunk in step.chunks:
                 request = chunk.request
+                error = result.errors.get(request.request_id)
+                if error is not None:
+                    outputs.append(self._fail(request, error))
+                    continue
                 logprobs = result.prompt_logprobs.get(request.request_id)
                 if logprobs is not None:
                     request.prompt_logprobs = logprobs if chunk.start == 0 else request.prompt_logprobs + logprobs
                 token = result.sampled.get(request.request_id)
                 if token is not None:
-                    outputs.append(self._append_token(request, token))
+                    outputs.append(self._append_token(request, token, result.logprobs.get(request.request_id)))
         return self.outputs(outputs)
 
     def outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
@@ -157,7 +161,15 @@ class EngineCore:
             block_size=self.manager.block_size,
         )
 
-    def _append_token(self, request: EngineRequest, token: int) -> EngineCoreOutput:
+    def _fail(self, request: EngineRequest, error: str) -> EngineCoreOutput:
+        """End one request that failed on its own (its blocks hold valid K/V: the forward pass succeeded)."""
+        self._finish(request, RequestStatus.ABORTED)
+        num_cached = request.num_cached_tokens or 0
+        return EngineCoreOutput(request.request_id, [], num_cached, finish_reason="abort", error=error)
+
+    def _append_token(
+        self, request: EngineRequest, token: int, logprobs: dict[int, float] | None = None
+    ) -> EngineCoreOutput:
         """Add the sampled token and decide, on tokens alone, whether it ends the request."""
         first = request.num_output_tokens == 0
         request.append_output_token_ids([token])
@@ -176,6 +188,7 @@ class EngineCore:
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             prompt_logprobs=request.prompt_logprobs if first else None,
+            logprobs=None if logprobs is None else [logprobs],
         )
         if finish_reason is not None:
             self._finish(request, RequestStatus.FINISHED)
