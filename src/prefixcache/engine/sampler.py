@@ -104,11 +104,12 @@ def _apply_penalties(logits: torch.Tensor, request: SamplingRequest) -> torch.Te
     """vLLM's penalties, in place on one row: repetition over prompt and output, the others over the output."""
     p = request.sampling_params
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted({*request.prompt_token_ids, *request.output_token_ids}), device=logits.device)
+        seen_ids = sorted({*request.prompt_token_ids, *request.output_token_ids})
+        seen = torch.tensor(seen_ids, dtype=torch.long, device=logits.device)
         values = logits[seen]
         logits[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
     if (p.frequency_penalty or p.presence_penalty) and request.output_token_ids:
-        generated = torch.tensor(request.output_token_ids, device=logits.device)
+        generated = torch.tensor(request.output_token_ids, dtype=torch.long, device=logits.device)
         ids, counts = generated.unique(return_counts=True)
         logits[ids] -= p.frequency_penalty * counts + p.presence_penalty
     return logits
