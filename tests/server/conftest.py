@@ -5,10 +5,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.harness import API_KEY, OTHER_API_KEY, ServerProcess
-
-# 4-token blocks make "more than one block" cheap; a 256-token context makes "too long" cheap.
-SERVER_ARGS = ["--block-size", "4", "--num-blocks", "512", "--max-model-len", "256", "--disable-uvicorn-access-log"]
+from tests.server.harness import API_KEY, OTHER_API_KEY, SERVER_ARGS, ServerProcess
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 API_KEY = "test-key"
 OTHER_API_KEY = "other-test-key"  # a second tenant of the secured server
+# 4-token blocks make "more than one block" cheap; a 256-token context makes "too long" cheap.
+SERVER_ARGS = ["--block-size", "4", "--num-blocks", "512", "--max-model-len", "256", "--disable-uvicorn-access-log"]
 _READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
 
 
