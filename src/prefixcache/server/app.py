@@ -111,6 +111,10 @@ class _RequestStreamingResponse(StreamingResponse):
             self._stream.abort()
 
 
+def _token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
@@ -313,15 +317,21 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         choices = [shaper.choice(index, output) for index, output in sorted(finals.items())]
         return JSONResponse({**base, "object": endpoint.object, "choices": choices, "usage": usage(finals, body.n)})
 
-    def shaper_for(endpoint: Endpoint, num_logprobs: int | None, echo: bool = False) -> ChoiceShaper:
-        return ChoiceShaper(endpoint, engine.token_text, num_logprobs, echo, engine.tokenizer.decode)
+    def shaper_for(
+        body: CompletionRequest | ChatCompletionRequest,
+        endpoint: Endpoint,
+        num_logprobs: int | None,
+        echo: bool = False,
+    ) -> ChoiceShaper:
+        token_text = _token_id_text if body.return_tokens_as_token_ids else engine.token_text
+        return ChoiceShaper(endpoint, token_text, num_logprobs, echo, engine.tokenizer.decode)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         # echo with logprobs also returns the prompt's (which computes the whole prompt: no cache read)
         prompt_logprobs = body.logprobs if body.echo else None
-        shaper = shaper_for(COMPLETION, body.logprobs, body.echo)
+        shaper = shaper_for(body, COMPLETION, body.logprobs, body.echo)
         return await generate(request, body, model_name(body.model), body.prompts, max_tokens, shaper, prompt_logprobs)
 
     @app.post("/v1/chat/completions")
@@ -332,7 +342,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         # Unset: generate up to the context; at least 1, so an overlong prompt gets the context error.
         max_tokens = requested if requested is not None else max(1, engine.info.max_model_len - len(prompt_ids))
         prompt = {"prompt": None, "prompt_token_ids": prompt_ids}
-        return await generate(request, body, name, [prompt], max_tokens, shaper_for(CHAT, body.num_logprobs))
+        return await generate(request, body, name, [prompt], max_tokens, shaper_for(body, CHAT, body.num_logprobs))
 
     async def apply_chat_template(messages: list[Any], add_generation_prompt: bool = True) -> list[int]:
         try:

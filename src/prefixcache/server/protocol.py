@@ -47,7 +47,9 @@ class StreamOptions(_Body):
 
 class _GenerationRequest(_Body):
     """Fields common to both endpoints; ``top_k``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
-    ``include_stop_str_in_output`` and ``cache_salt`` are vLLM's extensions."""
+    ``include_stop_str_in_output``, ``return_tokens_as_token_ids`` (log-probabilities name tokens
+    ``token_id:<id>``, exact where one token's text is a fragment of a character) and ``cache_salt`` are vLLM's
+    extensions."""
 
     model: Text | None = None
     temperature: float | None = None
@@ -65,6 +67,7 @@ class _GenerationRequest(_Body):
     user: Text | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False
     cache_salt: Text | None = None
 
     @field_validator("n")
