@@ -27,6 +27,7 @@ BAD = [
     ("top_p", 1.01),
     ("top_k", -1),
     ("top_k", 2.0),
+    ("top_k", 2**31),
     ("seed", MAX_SEED + 1),
     ("seed", MIN_SEED - 1),
     ("seed", 1.0),
@@ -77,7 +78,7 @@ def test_valid_extremes_are_accepted():
         logprobs=20,
         prompt_logprobs=0,
         stop=tuple("x" * 512 for _ in range(32)),
-        top_k=10**30,
+        top_k=2**31 - 1,
     )
     assert params.has_penalties
     assert params.stop_holdback == 511

@@ -60,6 +60,7 @@ HOSTILE = [
     ('"top_p": 0', "top_p"),
     ('"top_p": 1.5', "top_p"),
     ('"top_k": -2', "top_k"),
+    ('"top_k": 1000000000000000000000000000000', "top_k"),  # would not fit a message to the engine core
     ('"seed": 18446744073709551616', "seed"),  # 2**64
     ('"seed": -9223372036854775809', "seed"),  # -2**63 - 1
     ('"max_tokens": 100000000000000000000', None),  # beyond the context

@@ -14,6 +14,7 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 512  # a stream holds back this many characters, and each is searched for every step
 MAX_STOP_TOKEN_IDS = 1024
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes (negatives wrap modulo 2**64)
+MAX_TOP_K = 2**31 - 1  # any top_k from the vocabulary size up keeps every token; bounded so it fits a message
 MAX_PENALTY = 2.0  # OpenAI's range for frequency and presence penalties is [-2, 2]
 
 
@@ -67,7 +68,7 @@ class SamplingParams:
         _check_number("top_p", self.top_p, 0.0, 1.0)
         if self.top_p == 0:
             raise InvalidParameter("top_p", "top_p must be in (0, 1], got 0")
-        _check_int("top_k", self.top_k, 0)
+        _check_int("top_k", self.top_k, 0, MAX_TOP_K)
         if self.seed is not None:
             _check_int("seed", self.seed, MIN_SEED, MAX_SEED)
         _check_number("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
