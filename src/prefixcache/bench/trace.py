@@ -337,6 +337,10 @@ class HeldCache:
         self.tokens_in_flight += tokens
         return num_cached
 
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
     def drain(self) -> None:
         """Free everything still in flight."""
         while self._in_flight:

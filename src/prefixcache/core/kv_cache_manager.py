@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from prefixcache.core.block_pool import Block, BlockPool
 from prefixcache.core.eviction import EvictionPolicy
-from prefixcache.core.hashing import BlockHash, root_hash, warn_if_unsafe
+from prefixcache.core.hashing import BlockHash, resolve_hash_seed, root_hash, warn_if_unsafe
 from prefixcache.core.request import Request
 from prefixcache.core.sub_block import CopyOp, SubBlockIndex
 
@@ -64,7 +64,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
-        self.root_hash = root_hash(hash_algo, hash_seed)
+        self.hash_seed = resolve_hash_seed(hash_seed)
+        self.root_hash = root_hash(hash_algo, self.hash_seed)
         if enable_caching:
             warn_if_unsafe(hash_algo)
         self._hash_key = (hash_algo, self.root_hash, block_size)

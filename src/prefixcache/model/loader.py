@@ -66,10 +66,7 @@ def load_model(
     for an unsupported architecture or dtype.
     """
     torch_dtype = _parse_dtype(dtype)
-    # Never reach the hub (transformers reads these when it is first imported, which happens lazily below);
-    # every call also passes local_files_only=True.
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    _stay_offline()
     model_dir, name = _resolve(model)
     start = time.perf_counter()
     config = _read_config(model_dir)
@@ -90,6 +87,24 @@ def load_model(
         time.perf_counter() - start,
     )
     return LoadedModel(model=net, config=config, tokenizer=tokenizer, model_dir=model_dir, name=name)
+
+
+def load_tokenizer(model: str | os.PathLike[str] | None = None) -> tuple[Any, str]:
+    """Only the tokenizer of ``model`` (anything :func:`load_model` accepts) and the model's name.
+
+    For processes that tokenize like the engine without running it (the router). Same errors as
+    :func:`load_model`.
+    """
+    _stay_offline()
+    model_dir, name = _resolve(model)
+    return _load_tokenizer(model_dir), name
+
+
+def _stay_offline() -> None:
+    """Never reach the hub: transformers reads these when it is first imported, which happens lazily;
+    every call also passes local_files_only=True."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 
 def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
