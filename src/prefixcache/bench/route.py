@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ from prefixcache.bench.trace import (
 )
 from prefixcache.core import KVCacheManager
 from prefixcache.router.index import IndexListener, PrefixIndex
-from prefixcache.router.policy import POLICIES, Candidate, RoutingPolicy, make_policy
+from prefixcache.router.policy import DEFAULT_PREFIX_WEIGHT, POLICIES, Candidate, RoutingPolicy, make_policy
 from prefixcache.router.wire import external_block_hash
 
 SINGLE = "single"
@@ -244,7 +245,7 @@ def _add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engines", type=_positive_int, default=4, help="number of engines (default 4)")
     parser.add_argument("--capacity-tokens", type=_positive_int, default=1_000_000, help="cache size of each engine")
     parser.add_argument("--policy", type=_policy_list, default=list(POLICIES), help="comma-separated policies")
-    parser.add_argument("--prefix-weight", type=float, default=1.0, help="the prefix policy's cost weight")
+    parser.add_argument("--prefix-weight", type=float, default=DEFAULT_PREFIX_WEIGHT, help="the prefix cost weight")
     parser.add_argument("--block-size", type=_positive_int, default=TRACE_BLOCK_TOKENS, help="must divide 512")
     parser.add_argument("--max-requests", type=_positive_int, help="replay only the first N requests")
     default_cost = CostModel()
@@ -255,6 +256,33 @@ def _add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, help="write a PNG of hit rate and requests per engine here")
 
 
+def _add_live_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="HF checkpoint dir or .gguf for every engine (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--engines", type=_positive_int, default=2)
+    parser.add_argument("--tenants", type=_positive_int, default=8)
+    parser.add_argument("--system-len", type=_positive_int, default=1024, help="tokens of each tenant's system prompt")
+    parser.add_argument("--user-len", type=_positive_int, default=32, help="own tokens of each request")
+    parser.add_argument("--output-len", type=_positive_int, default=8)
+    parser.add_argument("--num-requests", type=_positive_int, default=64)
+    parser.add_argument("--request-rate", type=float, default=1.0, help="requests/s, Poisson")
+    parser.add_argument("--block-size", type=_positive_int, default=16)
+    parser.add_argument("--num-blocks", type=_positive_int, help="KV blocks per engine (default: share + 2 tenants)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--policy", type=_policy_list, default=list(POLICIES), help="comma-separated policies")
+    parser.add_argument("--prefix-weight", type=float, default=DEFAULT_PREFIX_WEIGHT, help="the prefix cost weight")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a process to come up")
+    parser.add_argument("--json", type=Path, help="write the results as JSON here")
+    parser.add_argument("--plot", type=Path, help="write a PNG of hit rate and TTFT per policy here")
+
+
+def _run_live(args: argparse.Namespace) -> list[dict]:
+    from prefixcache.bench.route_live import run_live
+
+    return run_live(args)
+
+
 def register(bench_subparsers: argparse._SubParsersAction) -> None:
     """Add ``route sim`` and ``route live`` to the ``prefixcache bench`` subcommands."""
     route = bench_subparsers.add_parser("route", help="routing policies over several engines", description=__doc__)
@@ -262,3 +290,14 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     sim = modes.add_parser("sim", help="simulate N engines on a Mooncake trace", description=__doc__)
     _add_sim_arguments(sim)
     sim.set_defaults(func=lambda args: _run_sim(sim, args))
+    live = modes.add_parser("live", help="N serve processes and the router on loopback", description=__doc__)
+    _add_live_arguments(live)
+    live.set_defaults(func=_run_live)
+
+
+def main(argv: list[str] | None = None) -> list:
+    """``prefixcache bench route ...`` on its own (``argv`` starts with ``sim`` or ``live``)."""
+    parser = argparse.ArgumentParser(prog="prefixcache bench")
+    register(parser.add_subparsers(dest="bench", required=True))
+    args = parser.parse_args(["route", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
