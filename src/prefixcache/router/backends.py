@@ -1,8 +1,8 @@
 """The backends behind the router: what each one hashes like, whether it is in the rotation, its load.
 
 A backend enters the rotation once ``/health`` answers 200 and its ``/v1/cache/config`` hashes
-like the others (the first backend learned sets the reference; one that differs is refused and
-re-examined at each health check). It leaves when health checks fail ``failures_to_down`` times in a
+like the others (the first listed backend that answers sets the reference; one that differs is
+refused and re-examined at each health check). It leaves when health checks fail ``failures_to_down`` times in a
 row, or at once when a request cannot reach it; leaving drops its index entries, since they may be
 stale by the time it returns.
 """
@@ -93,7 +93,8 @@ class BackendPool:
     async def start(self) -> None:
         """Probe every backend once and start the health checks; raises BackendRefusedError on a mismatch."""
         self._context = zmq.asyncio.Context()
-        await asyncio.gather(*(self.probe(b) for b in self.backends))
+        for backend in self.backends:  # in order: the first one that answers sets the reference
+            await self.probe(backend)
         refused = [f"{b.url}: {b.refused}" for b in self.backends if b.refused]
         if refused:
             await self.stop()
