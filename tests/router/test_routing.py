@@ -195,3 +195,18 @@ def test_failing_health_checks_take_a_backend_out_and_a_changed_one_stays_out(ba
     wait_until(lambda: refused.refused is not None, what="b refused")
     assert refused.refused == "hash_seed is 'another-seed', the other backends use 'router-tests'"
     assert {served_by(complete(r)) for _ in range(3)} == {a.url}
+
+
+def test_a_router_started_late_learns_the_cache_from_the_replay_and_counts_what_is_gone(backend, publisher, router):
+    pub = publisher()
+    hashes = event_hashes(PROMPT[:16])
+    for h in hashes:  # published before any router listened
+        pub.publish([stored([h])], lose=True)
+    del pub.buffer[0]  # the replay buffer no longer reaches back to the first batch
+    a = backend("a", pub)
+    r = router([a])
+    wait_until(lambda: index_blocks(r, a) == 3, what="the replayed blocks")
+    assert metric(r, "batches_dropped_total", a) == 1
+    pub.publish([stored(event_hashes(PROMPT[:4]))])  # live again, in sequence: nothing more is lost
+    wait_until(lambda: index_blocks(r, a) == 4, what="the live batch")
+    assert metric(r, "batches_dropped_total", a) == 1

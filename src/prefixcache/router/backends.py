@@ -51,7 +51,6 @@ class HealthSettings:
 @dataclass(slots=True, eq=False)
 class Backend:
     url: str
-    config: CacheConfig | None = None
     up: bool = False
     refused: str | None = None
     failures: int = 0
@@ -159,7 +158,6 @@ class BackendPool:
         if backend.refused:
             logger.error("backend %s refused: %s", backend.url, backend.refused)
             return
-        backend.config = config
         backend.up = True
         self.metrics.backend_up.labels(backend.url).set(1)
         logger.info("backend %s joins the rotation (%s)", backend.url, _events_text(config))

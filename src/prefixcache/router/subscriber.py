@@ -95,6 +95,7 @@ class EventSubscriber:
                     await self.deliver(*decoded)
         except Exception:
             logger.exception("%s: KV event subscriber failed; the backend is routed by load from now on", self.backend)
+            self.index.clear(self.backend)
             raise
         finally:
             sub.close()
@@ -154,8 +155,11 @@ class EventSubscriber:
                 if decode_seq(frames[1]) == END_OF_REPLAY:
                     return
                 decoded = self._decode(frames[1], frames[2])
-                if decoded is not None and (self.next_seq is None or decoded[0] >= self.next_seq):
-                    self._apply(*decoded)
+                if decoded is None or (self.next_seq is not None and decoded[0] < self.next_seq):
+                    continue
+                if self.next_seq is None and decoded[0] > start:  # the buffer no longer reaches back to start
+                    self.metrics.batches_dropped.labels(self.backend).inc(decoded[0] - start)
+                self._apply(*decoded)
         finally:
             dealer.close()
 
