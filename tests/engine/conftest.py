@@ -31,5 +31,5 @@ def make_llm(tiny_loaded, tiny_llama_dir):
 def assert_no_leaks(llm: LLM) -> None:
     engine = llm.engine
     assert not engine.has_unfinished_requests()
-    assert engine.manager.num_free_blocks == engine.manager.num_blocks, "blocks leaked"
-    engine.manager.check_invariants()
+    assert engine.core.manager.num_free_blocks == engine.core.manager.num_blocks, "blocks leaked"
+    engine.core.manager.check_invariants()

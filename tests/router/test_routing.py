@@ -72,7 +72,7 @@ def test_salts_isolate_in_the_index(backend, publisher, router):
 def test_text_and_chat_prompts_are_tokenized_and_hashed_like_the_engine(backend, publisher, router, tiny_llama_dir):
     from prefixcache.model.loader import load_tokenizer
 
-    tokenizer, _ = load_tokenizer(tiny_llama_dir)
+    tokenizer = load_tokenizer(tiny_llama_dir)
     messages = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hi"}]
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     chat_ids = list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)

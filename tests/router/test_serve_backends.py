@@ -51,7 +51,7 @@ def servers(tiny_llama_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama_dir):
-    return load_tokenizer(tiny_llama_dir)[0]
+    return load_tokenizer(tiny_llama_dir)
 
 
 def test_the_server_tells_how_it_keys_its_cache(servers, tiny_llama_dir):

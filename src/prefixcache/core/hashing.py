@@ -73,12 +73,12 @@ def _check_algo(algo: str) -> None:
 
 
 def resolve_hash_seed(seed: str | None = None) -> str:
-    """The seed string in effect: the argument, else ``$PREFIXCACHE_HASH_SEED``, else the default."""
+    """The seed in force: the argument, else ``$PREFIXCACHE_HASH_SEED``, else the default."""
     return os.environ.get(HASH_SEED_ENV, DEFAULT_HASH_SEED) if seed is None else seed
 
 
 def root_hash(algo: str, seed: str | None = None) -> BlockHash:
-    """The parent of every chain's first block: ``H(seed)``, seed as :func:`resolve_hash_seed` picks it."""
+    """The parent of every chain's first block: ``H(seed)``, seed from the argument, env or default."""
     _check_algo(algo)
     return BlockHash(_DIGESTS[algo](resolve_hash_seed(seed).encode()))
 

@@ -6,14 +6,18 @@ from dataclasses import dataclass
 
 from prefixcache.core.block_pool import Block, BlockPool
 from prefixcache.core.eviction import EvictionPolicy
-from prefixcache.core.hashing import BlockHash, resolve_hash_seed, root_hash, warn_if_unsafe
+from prefixcache.core.hashing import BlockHash, root_hash, warn_if_unsafe
 from prefixcache.core.request import Request
 from prefixcache.core.sub_block import CopyOp, SubBlockIndex
 
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    """Counted once per request, when it is admitted: prompt tokens looked up, and found in the cache."""
+    """Counted once per request, when it is admitted: prompt tokens looked up, and not computed.
+
+    ``hits`` are the prompt tokens whose K/V was reused, from shared blocks or copied from a sub-block
+    match (``copied_tokens`` of them); this is the one definition of a hit everywhere in prefixcache.
+    """
 
     requests: int = 0
     queries: int = 0
@@ -22,13 +26,7 @@ class PrefixCacheStats:
 
     @property
     def hit_rate(self) -> float:
-        """Prompt tokens found in shared cached blocks, over prompt tokens looked up."""
         return self.hits / self.queries if self.queries else 0.0
-
-    @property
-    def reuse_rate(self) -> float:
-        """Prompt tokens not computed: shared-block hits plus tokens copied from sub-block matches."""
-        return (self.hits + self.copied_tokens) / self.queries if self.queries else 0.0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -64,8 +62,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
-        self.hash_seed = resolve_hash_seed(hash_seed)
-        self.root_hash = root_hash(hash_algo, self.hash_seed)
+        self.root_hash = root_hash(hash_algo, hash_seed)
         if enable_caching:
             warn_if_unsafe(hash_algo)
         self._hash_key = (hash_algo, self.root_hash, block_size)
@@ -283,7 +280,7 @@ class KVCacheManager:
         request.counted_in_stats = True
         self.stats.requests += 1
         self.stats.queries += request.num_tokens
-        self.stats.hits += num_hit_tokens
+        self.stats.hits += num_hit_tokens + num_copied_tokens
         self.stats.copied_tokens += num_copied_tokens
 
     def _cache_full_blocks(self, request: Request, table: list[Block], num_full: int) -> None:

@@ -58,7 +58,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from prefixcache.model.loader import load_tokenizer
+    from prefixcache.model.loader import load_tokenizer, resolve_model
     from prefixcache.router.app import RouterSettings, build_app
     from prefixcache.router.backends import HealthSettings
 
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> None:
             ),
             request_timeout=args.request_timeout,
         )
-        tokenizer = load_tokenizer(args.tokenizer)[0] if args.policy == "prefix" else None
+        tokenizer = load_tokenizer(resolve_model(args.tokenizer)[0]) if args.policy == "prefix" else None
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"prefixcache router: {exc}") from exc
     level = min(logging.INFO, logging.getLogger().getEffectiveLevel())

@@ -1,6 +1,6 @@
 """A request body as the engine will see it: prompt token ids and the block hashes the index is keyed by.
 
-Tokenized exactly as the server does it: a text prompt without special tokens, token ids as given,
+Tokenized by the server's own functions: a text prompt without special tokens, token ids as given,
 chat messages through the model's chat template with the generation prompt. Hashed with the
 engine's own code (``Request.hash_blocks``: chained, with the cache salt and LoRA keys), then put in
 the integer form the KV events carry.
@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from prefixcache.core import Request
 from prefixcache.core.hashing import root_hash
+from prefixcache.engine.input_processor import chat_token_ids, tokenize_prompt
 from prefixcache.router.backend_config import CacheConfig
 from prefixcache.router.wire import external_block_hash
 from prefixcache.server.protocol import ChatMessage
@@ -41,15 +42,18 @@ class PromptHasher:
         self.root = root_hash(config.hash_algo, config.hash_seed)
 
     def token_ids(self, body: dict[str, Any], chat: bool) -> list[int] | None:
-        """The prompt's token ids, or None when the body has no prompt the server would accept."""
-        if chat:
-            return self._chat_token_ids(body.get("messages"))
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return prompt
-        return None
+        """The prompt's token ids as the server makes them, or None when it would refuse the body."""
+        try:
+            if chat:
+                messages = body.get("messages")
+                if not isinstance(messages, list):
+                    return None
+                conversation = [ChatMessage.model_validate(m).template_dict() for m in messages]
+                return chat_token_ids(self.tokenizer, conversation)
+            prompt = body.get("prompt")
+            return tokenize_prompt(self.tokenizer, prompt)[1] if isinstance(prompt, str | list) else None
+        except (ValidationError, TemplateError, ValueError, TypeError):
+            return None
 
     def key(self, token_ids: list[int], cache_salt: str | None = None, lora_name: str | None = None) -> PromptKey:
         """Raises ValueError for ids the engine would refuse (empty, negative, too large)."""
@@ -57,16 +61,6 @@ class PromptHasher:
         hittable = (len(token_ids) - 1) // self.block_size
         hashes = request.hash_blocks(self.hash_algo, self.root, 0, hittable, self.block_size)
         return PromptKey(len(token_ids), [external_block_hash(h) for h in hashes])
-
-    def _chat_token_ids(self, messages: Any) -> list[int] | None:
-        if not isinstance(messages, list) or not messages or not getattr(self.tokenizer, "chat_template", None):
-            return None
-        try:
-            conversation = [ChatMessage.model_validate(m).template_dict() for m in messages]
-            ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
-        except (ValidationError, TemplateError, ValueError, TypeError):
-            return None
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def requested_output_tokens(body: dict[str, Any], chat: bool) -> int:

@@ -28,8 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from prefixcache.engine import RequestOutput
-from prefixcache.engine.llm_engine import PromptInput
-from prefixcache.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from prefixcache.engine.input_processor import PromptInput
+from prefixcache.server.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from prefixcache.server.protocol import ChatCompletionRequest, CompletionRequest, error_body, usage
 
 logger = logging.getLogger(__name__)
@@ -205,12 +205,12 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
     return _error_response(400, message, param=locations[0].split(".")[0])
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
-    """The app around a not-yet-started engine; the app's lifespan starts and stops its loop."""
+def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
+    """The app around a not-yet-started engine; the app's lifespan starts its core process and stops it."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.start()
+        await engine.start()
         log_task = None
         if settings.log_stats_interval:
             log_task = asyncio.create_task(_log_stats_every(engine, settings.log_stats_interval))
@@ -240,7 +240,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(EngineDeadError)
     async def _engine_error(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return _error_response(500, str(exc), type="server_error")
+        return _error_response(503, str(exc), type="server_error", code="engine_unavailable")
 
     def model_name(requested: str | None) -> str:
         if requested is None:
@@ -289,13 +289,12 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         # Unset: generate up to the context; at least 1, so an overlong prompt gets the context error.
-        max_tokens = requested if requested is not None else max(1, engine.engine.max_model_len - len(prompt_ids))
+        max_tokens = requested if requested is not None else max(1, engine.info.max_model_len - len(prompt_ids))
         prompt = {"prompt": None, "prompt_token_ids": prompt_ids}
         return await generate(request, body, name, prompt, max_tokens, CHAT)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        loaded = engine.engine.loaded
         return {
             "object": "list",
             "data": [
@@ -304,9 +303,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                     "object": "model",
                     "created": started,
                     "owned_by": "prefixcache",
-                    "root": str(loaded.model_dir),
-                    "max_model_len": engine.engine.max_model_len,
-                    "vocab_size": engine.engine.vocab_size,
+                    "root": name,
+                    "max_model_len": engine.info.max_model_len,
+                    "vocab_size": engine.info.vocab_size,
                 }
                 for name in settings.served_model_names
             ],
@@ -315,16 +314,16 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/v1/cache/config")
     async def cache_config() -> dict[str, Any]:
         """How this server keys its prefix cache and where it publishes KV events: what a router needs."""
-        manager = engine.engine.manager
-        events = getattr(engine.engine.config, "kv_events_config", None)  # None until KV events are merged
+        info = engine.info
+        events = getattr(engine.config, "kv_events_config", None)  # None until KV events are merged
         publishing = events is not None and events.enable_kv_cache_events and events.publisher == "zmq"
         return {
             "model": settings.served_model_names[0],
-            "max_model_len": engine.engine.max_model_len,
-            "block_size": manager.block_size,
-            "hash_algo": manager.hash_algo,
-            "hash_seed": manager.hash_seed,
-            "enable_prefix_caching": manager.enable_caching,
+            "max_model_len": info.max_model_len,
+            "block_size": info.block_size,
+            "hash_algo": info.hash_algo,
+            "hash_seed": info.hash_seed,
+            "enable_prefix_caching": info.enable_prefix_caching,
             "kv_events": (
                 {"endpoint": events.endpoint, "replay_endpoint": events.replay_endpoint, "topic": events.topic}
                 if publishing
@@ -334,11 +333,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.is_running else 503)
+        return Response(status_code=200 if engine.accepting else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        engine.metrics.update(await engine.stats())
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     if settings.enable_reset_prefix_cache:
@@ -351,9 +349,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     return app
 
 
-async def _log_stats_every(engine: AsyncEngine, interval: float) -> None:
+async def _log_stats_every(engine: AsyncLLM, interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
-        stats = await engine.stats()
-        engine.metrics.update(stats)
-        engine.metrics.log_stats(stats, time.monotonic())
+        if engine.latest_stats is not None:
+            engine.metrics.log_stats(engine.latest_stats, time.monotonic())

@@ -38,27 +38,36 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     group.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput / hit-rate log line")
     group.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they are ended (default 30)",
+    )
     parser.set_defaults(func=serve)
 
 
 def serve(args: argparse.Namespace) -> None:
-    # Idle OpenMP threads sleep instead of spinning: the engine shares 2 cores with the HTTP server and
-    # clients, and spinning threads starved them (bench serve at 80% shared: mean TPOT 38.6 -> 32.6 ms,
-    # TTFT 181 -> 151 ms). Set before torch loads; an explicit setting wins.
+    """Exits 0 after a clean shutdown (SIGTERM/SIGINT), 1 when the engine core died or failed to start."""
+    # Idle OpenMP threads sleep instead of spinning, in both processes (the core inherits the environment):
+    # spinning threads starved the HTTP side on 2 cores. Set before torch loads; an explicit setting wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    import uvicorn
+    import dataclasses
 
     from prefixcache.config import EngineConfig
-    from prefixcache.engine import LLMEngine
+    from prefixcache.model.loader import load_tokenizer, resolve_model
     from prefixcache.server.app import LOG_STATS_INTERVAL_S, ServerSettings, build_app
-    from prefixcache.server.async_engine import AsyncEngine
+    from prefixcache.server.async_llm import AsyncLLM
     from prefixcache.server.metrics import ServerMetrics
+    from prefixcache.server.shutdown import DrainingServer
 
     try:
-        engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
+        config = EngineConfig(**engine_kwargs(args))
+        model_dir, model_name = resolve_model(config.model)
+        tokenizer = load_tokenizer(model_dir)
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"prefixcache serve: {exc}") from exc
-    names = tuple(args.served_model_name or [engine.loaded.name])
+    names = tuple(args.served_model_name or [model_name])
     settings = ServerSettings(
         served_model_names=names,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
@@ -69,12 +78,17 @@ def serve(args: argparse.Namespace) -> None:
     # default WARNING level (--disable-log-stats and --disable-uvicorn-access-log quiet the periodic ones).
     level = min(logging.INFO, logging.getLogger().getEffectiveLevel())
     logging.getLogger("prefixcache.server").setLevel(level)
-    app = build_app(AsyncEngine(engine, ServerMetrics(names[0])), settings)
-    uvicorn.run(
-        app,
+    engine = AsyncLLM(dataclasses.replace(config, model=str(model_dir)), tokenizer, ServerMetrics(names[0]))
+    server = DrainingServer(
+        build_app(engine, settings),
+        engine,
+        args.shutdown_timeout,
         host=args.host,
         port=args.port,
         log_level=level,
         access_log=not args.disable_uvicorn_access_log,
-        timeout_graceful_shutdown=5,
     )
+    engine.on_dead = server.exit_soon
+    server.run()
+    if engine.dead or not server.started:
+        raise SystemExit(1)

@@ -1,9 +1,8 @@
 """Prometheus metrics and the periodic stats log line, named like vLLM's (``prefixcache:`` prefix).
 
 Latencies are observed per token as outputs are dispatched. Engine-wide numbers (prefix-cache
-counters, KV usage, queue lengths) are read from ``LLMEngine.stats()`` when scraped or logged; its
-counters are cumulative, so the Prometheus counters are advanced by the difference since the last
-read.
+counters, KV usage, queue lengths) come with every output batch of the engine core; its counters are
+cumulative, so the Prometheus counters are advanced by the difference since the last batch.
 """
 
 from __future__ import annotations
@@ -47,9 +46,11 @@ class ServerMetrics:
             "prefix_cache_queries": counter(
                 "prefix_cache_queries", "Prompt tokens looked up in the prefix cache (once per request)."
             ),
-            "prefix_cache_hits": counter("prefix_cache_hits", "Prompt tokens found in shared cached blocks."),
+            "prefix_cache_hits": counter(
+                "prefix_cache_hits", "Prompt tokens whose K/V was reused (shared blocks and sub-block copies)."
+            ),
             "prefix_cache_copied_tokens": counter(
-                "prefix_cache_copied_tokens", "Prompt tokens reused by copying a sub-block prefix match."
+                "prefix_cache_copied_tokens", "Of the hits, prompt tokens copied from a sub-block prefix match."
             ),
             "num_preemptions": counter("num_preemptions", "Requests preempted because KV blocks ran out."),
         }
