@@ -167,17 +167,19 @@ def plot_sim(results: Sequence[SimResult], path: Path, title: str) -> None:
     FigureCanvasAgg(fig)
     hits, loads = fig.subplots(1, 2)
     hits.bar([r.policy for r in routed], [r.hit_rate for r in routed], color="tab:blue")
+    engines = routed[0].engines if routed else 1
     for r in results:
         if r.policy == SINGLE:
-            hits.axhline(r.hit_rate, linestyle="--", color="black", label=f"one engine, {r.engines}x capacity")
+            hits.axhline(r.hit_rate, linestyle="--", color="black", label=f"one engine, {engines}x capacity")
     hits.axhline(results[0].infinite_hit_rate, linestyle=":", color="gray", label="infinite capacity")
     hits.set_ylabel("prompt token hit rate")
-    hits.set_title(f"hit rate, {routed[0].engines} engines" if routed else "hit rate")
+    hits.set_title(f"hit rate, {engines} engines")
     hits.legend()
     width = 0.8 / max(1, len(routed))
     for k, r in enumerate(routed):
         xs = [e + k * width for e in range(r.engines)]
         loads.bar(xs, r.requests, width=width, label=r.policy)
+    loads.set_xticks([e + width * (len(routed) - 1) / 2 for e in range(engines)], [str(e) for e in range(engines)])
     loads.set_xlabel("engine")
     loads.set_ylabel("requests")
     loads.set_title("requests per engine")
