@@ -295,6 +295,72 @@ def replay(
     return manager.stats.hit_rate
 
 
+class HeldCache:
+    """One manager under the replay's holding rule: an admitted request keeps its blocks until its finish time.
+
+    The cache has its own clock: a request that finds no room waits for the earliest finish, and so
+    does everything behind it on this cache. ``tokens_in_flight`` sums the uncached prompt and output
+    tokens of the admitted requests, the work a router sees queued there.
+    """
+
+    def __init__(self, manager: KVCacheManager, config: ReplayConfig) -> None:
+        self.manager = manager
+        self.config = config
+        self.now = 0.0
+        self.tokens_in_flight = 0
+        self._in_flight: list[tuple[float, int, Request, int]] = []  # (finish time, index, request, tokens)
+
+    def advance(self, now: float) -> None:
+        """Move the clock to ``now`` (never back) and free every request finished by then."""
+        self.now = max(self.now, now)
+        while self._in_flight and self._in_flight[0][0] <= self.now:
+            self._release()
+
+    def admit(self, index: int, record: TraceRequest, request: Request) -> int:
+        """Look ``request`` up and admit it, waiting for room as needed; returns its cached prompt tokens."""
+        manager = self.manager
+        while True:
+            blocks, num_cached = manager.get_computed_blocks(request)
+            num_new = record.input_length - num_cached
+            if manager.allocate_slots(request, num_new, num_cached, blocks, record.output_length) is not None:
+                break
+            if not self._in_flight:
+                raise ValueError(
+                    f"request {index} needs {-(-(record.input_length + record.output_length) // manager.block_size)}"
+                    f" blocks, more than the capacity of {manager.num_blocks}"
+                )
+            self.now = max(self.now, self._in_flight[0][0])
+            self._release()
+        duration = self.config.in_flight or self.config.cost.duration_ms(num_new, record.output_length)
+        tokens = num_new + record.output_length
+        heapq.heappush(self._in_flight, (self.now + duration, index, request, tokens))
+        self.tokens_in_flight += tokens
+        return num_cached
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def drain(self) -> None:
+        """Free everything still in flight."""
+        while self._in_flight:
+            self._release()
+
+    def _release(self) -> None:
+        _, _, request, tokens = heapq.heappop(self._in_flight)
+        self.manager.free(request)
+        self.tokens_in_flight -= tokens
+
+
+def arrival(index: int, record: TraceRequest, config: ReplayConfig) -> float:
+    """A request's arrival on the replay clock: its timestamp, or its index when holding by admissions."""
+    return float(index) if config.in_flight else record.timestamp_ms
+
+
+def trace_request(index: int, record: TraceRequest) -> Request:
+    return Request(str(index), synthetic_tokens(record.hash_ids, record.input_length))
+
+
 def drive(
     manager: KVCacheManager,
     trace: Sequence[TraceRequest],
@@ -308,32 +374,14 @@ def drive(
     With ``in_flight`` the clock counts admissions instead of milliseconds. ``on_request`` sees each
     request's index, record and block hashes before its lookup.
     """
-    in_flight: list[tuple[float, int, Request]] = []  # (finish time, index, request)
-    now = 0.0
+    cache = HeldCache(manager, config)
     for index, record in enumerate(tqdm(trace, desc=desc, unit="req", disable=not progress, leave=False)):
-        now = max(now, float(index) if config.in_flight else record.timestamp_ms)
-        while in_flight and in_flight[0][0] <= now:
-            manager.free(heapq.heappop(in_flight)[2])
-        request = Request(str(index), synthetic_tokens(record.hash_ids, record.input_length))
+        cache.advance(arrival(index, record, config))
+        request = trace_request(index, record)
         if on_request is not None:
             on_request(index, record, manager.block_hashes(request))
-        while True:
-            blocks, num_cached = manager.get_computed_blocks(request)
-            num_new = record.input_length - num_cached
-            if manager.allocate_slots(request, num_new, num_cached, blocks, record.output_length) is not None:
-                break
-            if not in_flight:
-                raise ValueError(
-                    f"request {index} needs {-(-(record.input_length + record.output_length) // manager.block_size)}"
-                    f" blocks, more than the capacity of {manager.num_blocks}"
-                )
-            finish, _, done = heapq.heappop(in_flight)
-            now = max(now, finish)
-            manager.free(done)
-        duration = config.in_flight or config.cost.duration_ms(num_new, record.output_length)
-        heapq.heappush(in_flight, (now + duration, index, request))
-    for _, _, request in in_flight:
-        manager.free(request)
+        cache.admit(index, record, request)
+    cache.drain()
 
 
 @dataclass(frozen=True, slots=True)

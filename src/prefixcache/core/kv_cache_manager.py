@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from prefixcache.core.block_pool import Block, BlockPool
 from prefixcache.core.eviction import EvictionPolicy
-from prefixcache.core.hashing import BlockHash, hash_blocks, root_hash, warn_if_unsafe
+from prefixcache.core.hashing import BlockHash, root_hash, warn_if_unsafe
 from prefixcache.core.request import Request
 from prefixcache.core.sub_block import CopyOp, SubBlockIndex
 
@@ -104,24 +104,7 @@ class KVCacheManager:
         done = len(hashes)
         if num_full > done:
             parent = hashes[-1] if hashes else self.root_hash
-            extra = None
-            if request.has_extra_keys:
-                block_size = self.block_size
-
-                def extra(k: int) -> tuple | None:
-                    return request.block_extra_keys(k, block_size)
-
-            hashes.extend(
-                hash_blocks(
-                    self.hash_algo,
-                    parent,
-                    request.packed_token_ids,
-                    done,
-                    num_full - done,
-                    self.block_size,
-                    extra,
-                )
-            )
+            hashes.extend(request.hash_blocks(self.hash_algo, parent, done, num_full - done, self.block_size))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:

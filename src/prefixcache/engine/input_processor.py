@@ -58,24 +58,33 @@ class InputProcessor:
         return request, text
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """The conversation as prompt token ids, through the model's own chat template."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return chat_token_ids(self.tokenizer, messages, add_generation_prompt)
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), _check_token_ids(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return self._tokenize(prompt["prompt"])
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, list | tuple):
-            return None, _check_token_ids(prompt)
-        raise ValueError(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}")
+        return tokenize_prompt(self.tokenizer, prompt)
+
+
+def tokenize_prompt(tokenizer: Any, prompt: PromptInput) -> tuple[str | None, list[int]]:
+    """The prompt text (None for token ids) and its token ids; the router tokenizes through here too."""
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt, add_special_tokens=False)
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), _check_token_ids(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return tokenize_prompt(tokenizer, prompt["prompt"])
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, list | tuple):
+        return None, _check_token_ids(prompt)
+    raise ValueError(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}")
+
+
+def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    """The conversation as prompt token ids, through the model's own chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def _check_token_ids(token_ids: Any) -> list[int]:

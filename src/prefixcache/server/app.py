@@ -390,6 +390,26 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
             ],
         }
 
+    @app.get("/v1/cache/config")
+    async def cache_config() -> dict[str, Any]:
+        """How this server keys its prefix cache and where it publishes KV events: what a router needs."""
+        info = engine.info
+        events = getattr(engine.config, "kv_events_config", None)  # None until KV events are merged
+        publishing = events is not None and events.enable_kv_cache_events and events.publisher == "zmq"
+        return {
+            "model": settings.served_model_names[0],
+            "max_model_len": info.max_model_len,
+            "block_size": info.block_size,
+            "hash_algo": info.hash_algo,
+            "hash_seed": info.hash_seed,
+            "enable_prefix_caching": info.enable_prefix_caching,
+            "kv_events": (
+                {"endpoint": events.endpoint, "replay_endpoint": events.replay_endpoint, "topic": events.topic}
+                if publishing
+                else None
+            ),
+        }
+
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if engine.accepting else 503)
