@@ -38,6 +38,7 @@ DISABLING_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EAC
 
 class DiskStore(KVStore):
     medium = "DISK"
+    persistent = True
 
     def __init__(self, layout: KVLayout, root: str | os.PathLike, capacity_bytes: int) -> None:
         super().__init__(layout, capacity_bytes)
@@ -105,9 +106,7 @@ class DiskStore(KVStore):
             payload = decode_record(self.layout, block_hash, record)
             if isinstance(payload, BadRecord):
                 self._count_bad(block_hash, payload, str(path))
-                path.unlink(missing_ok=True)
-                self._index_pop(block_hash)
-                self._emit([], [block_hash])
+                self.discard([block_hash])
                 break
             with self._lock:
                 if block_hash in self._index:
@@ -115,6 +114,18 @@ class DiskStore(KVStore):
             self._mark_used(path)
             out.append(payload)
         return out
+
+    def _discard(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        removed = []
+        for block_hash in hashes:
+            path = self.path_of(block_hash)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:
+                self._count_error("delete", "DISK tier: cannot delete %s (%s)", path, exc)
+            if self._index_pop(block_hash):
+                removed.append(block_hash)
+        return removed
 
     def _store(self, items: Sequence[tuple[BlockHash, bytes]]) -> tuple[list[BlockHash], list[BlockHash]]:
         stored: list[BlockHash] = []
@@ -188,12 +199,14 @@ class DiskStore(KVStore):
             self.stats.used_bytes += size
             self.stats.num_blocks += 1
 
-    def _index_pop(self, block_hash: BlockHash) -> None:
+    def _index_pop(self, block_hash: BlockHash) -> bool:
         with self._lock:
             size = self._index.pop(block_hash, None)
-            if size is not None:
-                self.stats.used_bytes -= size
-                self.stats.num_blocks -= 1
+            if size is None:
+                return False
+            self.stats.used_bytes -= size
+            self.stats.num_blocks -= 1
+            return True
 
     def _disable(self, exc: OSError) -> None:
         with self._lock:

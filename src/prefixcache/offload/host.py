@@ -38,6 +38,13 @@ class HostMemoryStore(KVStore):
                 out.append(payload)
         return out
 
+    def _discard(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        with self._lock:
+            removed = [h for h in hashes if self._blocks.pop(h, None) is not None]
+            self.stats.num_blocks = len(self._blocks)
+            self.stats.used_bytes = len(self._blocks) * self.layout.block_bytes
+        return removed
+
     def _store(self, items: Sequence[tuple[BlockHash, bytes]]) -> tuple[list[BlockHash], list[BlockHash]]:
         stored: list[BlockHash] = []
         evicted: list[BlockHash] = []

@@ -75,22 +75,25 @@ end
 return {stored, evicted, total, redis.call('ZCARD', KEYS[1])}
 """
 
-# KEYS: lru, bytes, block keys. Deletes the blocks and gives their bytes back.
+# KEYS: lru, bytes, block keys. Deletes the blocks and gives their bytes back; returns the keys deleted.
 _REMOVE = """
+local removed = {}
 for i = 3, #KEYS do
   local size = redis.call('STRLEN', KEYS[i])
   if size > 0 then
     redis.call('DEL', KEYS[i])
     redis.call('DECRBY', KEYS[2], size)
+    removed[#removed + 1] = KEYS[i]
   end
   redis.call('ZREM', KEYS[1], KEYS[i])
 end
-return 0
+return removed
 """
 
 
 class RedisStore(KVStore):
     medium = "REDIS"
+    persistent = True
 
     def __init__(
         self,
@@ -186,11 +189,15 @@ class RedisStore(KVStore):
             payload = decode_record(self.layout, block_hash, record)
             if isinstance(payload, BadRecord):
                 self._count_bad(block_hash, payload, self.key_of(block_hash))
-                self._call(lambda h=block_hash: self._remove_script(keys=[self._lru, self._bytes, self.key_of(h)]))
-                self._emit([], [block_hash])
+                self.discard([block_hash])
                 break
             out.append(payload)
         return out
+
+    def _discard(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        keys = [self._lru, self._bytes, *(self.key_of(h) for h in hashes)]
+        removed = self._call(lambda: self._remove_script(keys=keys))
+        return [self._hash_of(k) for k in removed or ()]
 
     def _store(self, items: Sequence[tuple[BlockHash, bytes]]) -> tuple[list[BlockHash], list[BlockHash]]:
         keys = [self._lru, self._bytes, self._clock_key, *(self.key_of(h) for h, _ in items)]

@@ -69,6 +69,7 @@ class KVStore(ABC):
     """
 
     medium: str = ""
+    persistent: bool = False  # outlives the process or is shared: gets every block as it is computed
 
     def __init__(self, layout: KVLayout, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:
@@ -119,6 +120,19 @@ class KVStore(ABC):
             self.stats.evictions += len(evicted)
         self._emit(stored, evicted)
 
+    def discard(self, hashes: Sequence[BlockHash]) -> None:
+        """Drop blocks the store holds (a missing one is ignored); listeners hear of the removal."""
+        if not hashes or not self.available:
+            return
+        removed = self._discard(hashes)
+        self._emit([], removed)
+
+    def count_served(self, num_blocks: int, num_tokens: int) -> None:
+        """The connector loaded ``num_blocks`` of this tier's blocks into the device cache, serving ``num_tokens``."""
+        with self._lock:
+            self.stats.blocks_loaded += num_blocks
+            self.stats.hit_tokens += num_tokens
+
     def close(self) -> None:
         """Release connections or handles; the store answers every call as a miss afterwards."""
         with self._lock:
@@ -126,6 +140,10 @@ class KVStore(ABC):
 
     @abstractmethod
     def _load_prefix(self, hashes: Sequence[BlockHash]) -> list[bytes]: ...
+
+    @abstractmethod
+    def _discard(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """Drop the blocks held; returns those that were."""
 
     @abstractmethod
     def _store(self, items: Sequence[tuple[BlockHash, bytes]]) -> tuple[list[BlockHash], list[BlockHash]]:
