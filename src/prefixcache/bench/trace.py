@@ -13,6 +13,10 @@ The token hit rate (prompt tokens found cached / prompt tokens) is reported next
 from the same trace: infinite capacity, which no policy can beat, and Belady's offline rule (evict the
 free block whose next lookup is farthest in the future), replayed through the same manager with the
 same holding. See docs/eviction.md for the exact definitions.
+
+With ``--offload-tokens N`` each policy also runs with a host memory tier of N tokens behind the device
+cache: the real offload connector and host store, with a placeholder payload per block, saving
+write-through or write-back (``--offload-mode``). Its hit rate counts device and tier hits together.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import numpy as np
 from tqdm import tqdm
 
 from prefixcache.core import EVICTION_POLICIES, HASH_ALGOS, Block, BlockHash, KVCacheManager, Request
+from prefixcache.offload import HostMemoryStore, KVLayout
+from prefixcache.offload.connector import OFFLOAD_MODES, WRITE_BACK, OffloadConnector, TierWriter
 
 TRACE_BLOCK_TOKENS = 512
 # Token t of the block with id k is (512 k + t) * _MIX mod 2**32: odd, so a bijection on uint32, and ids
@@ -165,11 +171,17 @@ class ReplayConfig:
     hash_algo: str = "sha256"
     cost: CostModel = CostModel()
     in_flight: int | None = None
+    offload_blocks: int = 0
+    offload_mode: str = WRITE_BACK
 
     def __post_init__(self) -> None:
         _sub_blocks_per_trace_block(self.block_size)
         if self.in_flight is not None and self.in_flight <= 0:
             raise ValueError(f"in_flight must be positive, got {self.in_flight}")
+        if self.offload_blocks < 0:
+            raise ValueError(f"offload_blocks must be >= 0, got {self.offload_blocks}")
+        if self.offload_mode not in OFFLOAD_MODES:
+            raise ValueError(f"offload_mode must be one of {', '.join(OFFLOAD_MODES)}, got {self.offload_mode!r}")
 
 
 class FutureUses:
@@ -278,7 +290,8 @@ def replay(
 ) -> float:
     """The token hit rate of the trace through a ``capacity_blocks`` manager evicting with ``policy``.
 
-    ``policy`` is a name from EVICTION_POLICIES, or BELADY for the offline reference.
+    ``policy`` is a name from EVICTION_POLICIES, or BELADY for the offline reference. With
+    ``config.offload_blocks`` a host tier sits behind the manager and its hits count too.
     """
     eviction_policy: str | BeladyPolicy = policy
     on_request = None
@@ -291,8 +304,28 @@ def replay(
         hash_algo=config.hash_algo,
         eviction_policy=eviction_policy,
     )
-    drive(manager, trace, config, on_request, progress, f"{policy} @ {capacity_blocks * config.block_size:,} tokens")
-    return manager.stats.hit_rate
+    connector = simulated_host_tier(manager, config) if config.offload_blocks else None
+    desc = f"{policy} @ {capacity_blocks * config.block_size:,} tokens"
+    drive(manager, trace, config, on_request, progress, desc, connector)
+    if connector is None:
+        return manager.stats.hit_rate
+    tier_tokens = sum(s.hit_tokens for s in connector.stats())
+    return (manager.stats.hits + tier_tokens) / manager.stats.queries if manager.stats.queries else 0.0
+
+
+def simulated_host_tier(manager: KVCacheManager, config: ReplayConfig) -> OffloadConnector:
+    """The real connector and host store with ``config.offload_blocks`` blocks of a one-value layout."""
+    layout = KVLayout("trace-simulation", "float16", config.block_size, 1, 1, 1, config.hash_algo, manager.root_hash)
+    store = HostMemoryStore(layout, config.offload_blocks * layout.block_bytes)
+    return OffloadConnector(manager, [store], config.offload_mode, TierWriter([store], background=False))
+
+
+def _simulate_transfers(connector: OffloadConnector) -> None:
+    """The worker's part without a model: every block the plan saves is stored with a placeholder payload."""
+    plan = connector.build_plan()
+    placeholder = bytes(connector.stores[0].layout.block_bytes)
+    for save in plan.save_before + plan.save_after:
+        connector.writer.submit(save.tiers, [(save.block_hash, placeholder)])
 
 
 def drive(
@@ -302,11 +335,13 @@ def drive(
     on_request: Callable[[int, TraceRequest, Sequence[BlockHash]], None] | None = None,
     progress: bool = False,
     desc: str = "",
+    connector: OffloadConnector | None = None,
 ) -> None:
     """Admit each request in order, freeing in-flight ones as their time comes or when room is needed.
 
     With ``in_flight`` the clock counts admissions instead of milliseconds. ``on_request`` sees each
-    request's index, record and block hashes before its lookup.
+    request's index, record and block hashes before its lookup. With a ``connector`` the lookup is
+    extended by its tiers, and tokens loaded from them cost nothing, like cached ones.
     """
     in_flight: list[tuple[float, int, Request]] = []  # (finish time, index, request)
     now = 0.0
@@ -319,8 +354,12 @@ def drive(
             on_request(index, record, manager.block_hashes(request))
         while True:
             blocks, num_cached = manager.get_computed_blocks(request)
-            num_new = record.input_length - num_cached
-            if manager.allocate_slots(request, num_new, num_cached, blocks, record.output_length) is not None:
+            num_external = 0
+            if connector is not None:
+                blocks, num_cached, num_external = connector.extend_local_hit(request, blocks, num_cached)
+            num_new = record.input_length - num_cached - num_external
+            scheduled = num_external + num_new
+            if manager.allocate_slots(request, scheduled, num_cached, blocks, record.output_length) is not None:
                 break
             if not in_flight:
                 raise ValueError(
@@ -330,6 +369,9 @@ def drive(
             finish, _, done = heapq.heappop(in_flight)
             now = max(now, finish)
             manager.free(done)
+        if connector is not None:
+            connector.update_state_after_alloc(request, manager.block_ids(request), num_external)
+            _simulate_transfers(connector)
         duration = config.in_flight or config.cost.duration_ms(num_new, record.output_length)
         heapq.heappush(in_flight, (now + duration, index, request))
     for _, _, request in in_flight:
