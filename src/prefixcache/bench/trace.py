@@ -22,6 +22,7 @@ write-through or write-back (``--offload-mode``). Its hit rate counts device and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import heapq
 import json
@@ -380,11 +381,22 @@ def drive(
 
 @dataclass(frozen=True, slots=True)
 class TraceResult:
+    """``offload_tokens`` > 0: a host tier of that size (filled ``offload_mode``) sat behind the device cache;
+    the hit rate counts both, the references are the device cache's alone."""
+
     policy: str
     capacity_tokens: int
     hit_rate: float
     belady_hit_rate: float
     infinite_hit_rate: float
+    offload_tokens: int = 0
+    offload_mode: str | None = None
+
+    @property
+    def label(self) -> str:
+        if not self.offload_tokens:
+            return self.policy
+        return f"{self.policy} + {self.offload_tokens / 1e6:g}M host ({self.offload_mode.replace('_', '-')})"
 
 
 def sweep(
@@ -393,43 +405,56 @@ def sweep(
     policies: Sequence[str],
     config: ReplayConfig = ReplayConfig(),
     progress: bool = False,
+    offload_modes: Sequence[str] | None = None,
 ) -> list[TraceResult]:
-    """Every policy at every capacity, with the Belady reference per capacity and the infinite one."""
+    """Every policy at every capacity, with the Belady reference per capacity and the infinite one.
+
+    With ``config.offload_blocks`` every policy also runs with the host tier, once per mode in
+    ``offload_modes`` (default: ``config.offload_mode``).
+    """
     infinite = infinite_hit_rate(trace, config.block_size)
+    device_only = dataclasses.replace(config, offload_blocks=0)
+    offload_tokens = config.offload_blocks * config.block_size
     results = []
     for capacity in capacities_blocks:
-        belady = replay(trace, capacity, BELADY, config, progress)
+        belady = replay(trace, capacity, BELADY, device_only, progress)
+        capacity_tokens = capacity * config.block_size
         for policy in policies:
-            hit_rate = replay(trace, capacity, policy, config, progress)
-            results.append(TraceResult(policy, capacity * config.block_size, hit_rate, belady, infinite))
+            hit_rate = replay(trace, capacity, policy, device_only, progress)
+            results.append(TraceResult(policy, capacity_tokens, hit_rate, belady, infinite))
+            for mode in (offload_modes or [config.offload_mode]) if config.offload_blocks else ():
+                tiered = dataclasses.replace(config, offload_mode=mode)
+                hit_rate = replay(trace, capacity, policy, tiered, progress)
+                results.append(TraceResult(policy, capacity_tokens, hit_rate, belady, infinite, offload_tokens, mode))
     return results
 
 
 def format_table(results: Sequence[TraceResult]) -> str:
-    lines = [f"{'capacity (tokens)':>18}  {'policy':<8}{'hit rate':>10}{'belady':>10}{'infinite':>10}"]
+    width = max(8, *(len(r.label) + 2 for r in results))
+    lines = [f"{'capacity (tokens)':>18}  {'policy':<{width}}{'hit rate':>10}{'belady':>10}{'infinite':>10}"]
     for r in results:
         lines.append(
-            f"{r.capacity_tokens:>18,}  {r.policy:<8}{r.hit_rate:>10.4f}{r.belady_hit_rate:>10.4f}"
+            f"{r.capacity_tokens:>18,}  {r.label:<{width}}{r.hit_rate:>10.4f}{r.belady_hit_rate:>10.4f}"
             f"{r.infinite_hit_rate:>10.4f}"
         )
     return "\n".join(lines)
 
 
 def write_plot(results: Sequence[TraceResult], path: Path, title: str) -> None:
-    """Hit rate against capacity: one line per policy, Belady dashed, infinite dotted."""
+    """Hit rate against (device) capacity: one line per policy and tier, Belady dashed, infinite dotted."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for policy in dict.fromkeys(r.policy for r in results):
-        points = sorted((r.capacity_tokens / 1e6, r.hit_rate) for r in results if r.policy == policy)
-        ax.plot(*zip(*points, strict=True), marker="o", label=policy)
+    for label in dict.fromkeys(r.label for r in results):
+        points = sorted((r.capacity_tokens / 1e6, r.hit_rate) for r in results if r.label == label)
+        ax.plot(*zip(*points, strict=True), marker="o", label=label)
     belady = sorted({(r.capacity_tokens / 1e6, r.belady_hit_rate) for r in results})
     ax.plot(*zip(*belady, strict=True), linestyle="--", color="black", label="belady (offline)")
     ax.axhline(results[0].infinite_hit_rate, linestyle=":", color="gray", label="infinite capacity")
-    ax.set_xlabel("cache capacity (million tokens)")
+    ax.set_xlabel("device cache capacity (million tokens)")
     ax.set_ylabel("prompt token hit rate")
     ax.set_ylim(bottom=0)
     ax.set_title(title)
@@ -475,6 +500,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-ms-per-token", type=float, default=default_cost.prefill_ms_per_token)
     parser.add_argument("--decode-ms-per-token", type=float, default=default_cost.decode_ms_per_token)
     parser.add_argument("--hash-algo", choices=HASH_ALGOS, default="sha256")
+    parser.add_argument(
+        "--offload-tokens", type=_positive_int, help="also run each policy with a host tier of N tokens behind it"
+    )
+    parser.add_argument(
+        "--offload-mode",
+        type=_name_list,
+        default=[WRITE_BACK],
+        help=f"comma-separated ways to fill the host tier: {', '.join(OFFLOAD_MODES)} (default {WRITE_BACK})",
+    )
     parser.add_argument("--json", type=Path, help="write the results as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG of hit rate against capacity here")
 
@@ -506,6 +540,12 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Trace
         parser.error(f"unknown policy {', '.join(unknown)}; choose from {', '.join(EVICTION_POLICIES)}")
     if TRACE_BLOCK_TOKENS % args.block_size:
         parser.error(f"--block-size must divide {TRACE_BLOCK_TOKENS}, got {args.block_size}")
+    unknown = [m for m in args.offload_mode if m not in OFFLOAD_MODES]
+    if unknown:
+        parser.error(f"unknown offload mode {', '.join(unknown)}; choose from {', '.join(OFFLOAD_MODES)}")
+    offload_blocks = (args.offload_tokens or 0) // args.block_size
+    if args.offload_tokens and not offload_blocks:
+        parser.error(f"--offload-tokens must hold at least one {args.block_size}-token block")
     if args.capacity_blocks is not None:
         capacities = [args.capacity_blocks]
     else:
@@ -517,6 +557,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Trace
         hash_algo=args.hash_algo,
         cost=CostModel(args.prefill_ms_per_token, args.decode_ms_per_token),
         in_flight=args.in_flight,
+        offload_blocks=offload_blocks,
     )
     try:
         trace = load_trace(args.trace, args.max_requests)
@@ -535,7 +576,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Trace
         f"blocks of {config.block_size} tokens; held for {holding}"
     )
     try:
-        results = sweep(trace, capacities, args.policy, config, progress=len(trace) >= 1000)
+        results = sweep(trace, capacities, args.policy, config, len(trace) >= 1000, args.offload_mode)
     except ValueError as exc:  # a request larger than the cache
         parser.error(str(exc))
     print(format_table(results))

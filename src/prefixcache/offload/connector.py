@@ -1,13 +1,13 @@
 """The offload connector: the offload tiers seen from the scheduler, in the spirit of vLLM's KV connector.
 
 Scheduler side, each admission: :meth:`OffloadConnector.extend_local_hit` takes the device cache's hit and
-extends it with the consecutive following blocks the tiers hold (searched host, then disk, then Redis for
-each next block), reading and verifying them at once, so a block that vanishes or fails its checksum later
-can never be loaded as garbage; the scheduler allocates device blocks for them like for new tokens, and
-:meth:`~OffloadConnector.update_state_after_alloc` puts them into this step's plan. At the end of the step
-:meth:`~OffloadConnector.build_plan` hands the worker an :class:`OffloadPlan`: blocks to copy out before
-anything overwrites them (write-back), blocks to load before the forward pass, blocks to copy out after it
-(write-through).
+extends it with the consecutive following blocks the tiers hold (for the next block host, then disk, then
+Redis are asked; the first that holds it supplies as many as it has), reading and verifying them at once,
+so a block that vanishes or fails its checksum later can never be loaded as garbage. The scheduler
+allocates device blocks for them like for new tokens, and :meth:`~OffloadConnector.update_state_after_alloc`
+puts them into this step's plan. At the end of the step :meth:`~OffloadConnector.build_plan` hands the
+worker an :class:`OffloadPlan`: blocks to copy out before anything overwrites them (write-back), blocks to
+load before the forward pass, blocks to copy out after it (write-through).
 
 Which blocks are saved follows the device pool, which the connector watches as a ``BlockPoolListener``.
 Disk and Redis (persistent tiers) always get a block as soon as it is computed (write-through): they exist
@@ -207,7 +207,7 @@ class OffloadConnector(BlockPoolListener, TierEventListener):
             raise ValueError(f"num_computed_tokens must be block-aligned, got {num_computed_tokens}")
         start = num_computed_tokens // self.block_size
         staged = self._staged.get(request.request_id)
-        if staged is None or staged.start != start:
+        if staged is None or staged.start != start or not staged.payloads:
             hashes = self.manager.block_hashes(request)[start : (request.num_tokens - 1) // self.block_size]
             staged = _Staged(start, *self._read_run(hashes))
             self._staged[request.request_id] = staged
@@ -262,7 +262,8 @@ class OffloadConnector(BlockPoolListener, TierEventListener):
             store.close()
 
     def _read_run(self, hashes: Sequence[BlockHash]) -> tuple[list[int], list[bytes]]:
-        """The longest run of ``hashes`` the tiers hold: for each next block, the first tier that has it."""
+        """The longest run of ``hashes`` the tiers hold. Each run starts in the first tier that holds the next
+        block and takes as many consecutive blocks as that tier has (already read: no second look upward)."""
         tiers: list[int] = []
         payloads: list[bytes] = []
         while len(payloads) < len(hashes):
