@@ -354,7 +354,7 @@ def test_command_runs_each_policy_with_and_without_the_tier(tmp_path, capsys):
         ("lru", 29696, "write_through"),
     ]
     assert results[1]["hit_rate"] >= results[0]["hit_rate"]
-    assert "lru + 0.029696M host (write-back)" in capsys.readouterr().out
+    assert "lru + 29,696-token host tier (write-back)" in capsys.readouterr().out
     for bad in (["--offload-mode", "eager"], ["--offload-tokens", "100"]):
         with pytest.raises(SystemExit):
             main(["--trace", str(path), *bad])

@@ -396,7 +396,7 @@ class TraceResult:
     def label(self) -> str:
         if not self.offload_tokens:
             return self.policy
-        return f"{self.policy} + {self.offload_tokens / 1e6:g}M host ({self.offload_mode.replace('_', '-')})"
+        return f"{self.policy} + {self.offload_tokens:,}-token host tier ({self.offload_mode.replace('_', '-')})"
 
 
 def sweep(
