@@ -42,7 +42,8 @@ def admit(manager, connector, request):
     """What the scheduler does: lookup, extend, allocate everything, hand the connector the blocks."""
     blocks, num_cached = manager.get_computed_blocks(request)
     blocks, num_cached, num_external = connector.extend_local_hit(request, blocks, num_cached)
-    new = manager.allocate_slots(request, request.num_tokens - num_cached, num_cached, blocks)
+    num_new = request.num_tokens - num_cached - num_external
+    new = manager.allocate_slots(request, num_new, num_cached, blocks, num_external_tokens=num_external)
     assert new is not None
     connector.update_state_after_alloc(request, manager.block_ids(request), num_external)
     return num_cached, num_external

@@ -308,10 +308,7 @@ def replay(
     connector = simulated_host_tier(manager, config) if config.offload_blocks else None
     desc = f"{policy} @ {capacity_blocks * config.block_size:,} tokens"
     drive(manager, trace, config, on_request, progress, desc, connector)
-    if connector is None:
-        return manager.stats.hit_rate
-    tier_tokens = sum(s.hit_tokens for s in connector.stats())
-    return (manager.stats.hits + tier_tokens) / manager.stats.queries if manager.stats.queries else 0.0
+    return manager.stats.hit_rate
 
 
 def simulated_host_tier(manager: KVCacheManager, config: ReplayConfig) -> OffloadConnector:
@@ -359,8 +356,8 @@ def drive(
             if connector is not None:
                 blocks, num_cached, num_external = connector.extend_local_hit(request, blocks, num_cached)
             num_new = record.input_length - num_cached - num_external
-            scheduled = num_external + num_new
-            if manager.allocate_slots(request, scheduled, num_cached, blocks, record.output_length) is not None:
+            allocated = manager.allocate_slots(request, num_new, num_cached, blocks, record.output_length, num_external)
+            if allocated is not None:
                 break
             if not in_flight:
                 raise ValueError(

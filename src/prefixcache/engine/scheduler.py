@@ -125,7 +125,7 @@ class Scheduler:
                 blocks, num_cached, num_external = self.connector.extend_local_hit(request, blocks, num_cached)
             num_computed = num_cached + num_external
             num_new = min(request.num_tokens - num_computed, budget)
-            if manager.allocate_slots(request, num_external + num_new, num_cached, blocks) is None:
+            if manager.allocate_slots(request, num_new, num_cached, blocks, num_external_tokens=num_external) is None:
                 break
             if self.connector is not None:
                 self.connector.update_state_after_alloc(request, manager.block_ids(request), num_external)
