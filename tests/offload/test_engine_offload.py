@@ -171,7 +171,7 @@ def test_redis_shares_blocks_between_two_engines(make_llm, reference, redis_serv
     assert out.num_cached_tokens == 40 and tier_tokens(second) == {"REDIS": 40}
 
 
-def test_redis_down_serves_without_it_and_uses_it_when_back(make_llm, reference, redis_server):
+def test_redis_down_costs_only_hits(make_llm, reference, redis_server):
     llm = make_llm(kv_offload_redis=redis_server.url)
     redis_server.stop()
     generate(llm, PROMPT)
