@@ -19,8 +19,11 @@ from prefixcache.engine.messages import (
     output_decoder,
 )
 from prefixcache.engine.sampling_params import SamplingParams
+from prefixcache.offload.store import TierStats
 
-STATS = EngineStats(100, 40, 4, 0.4, 0.5, 3, 1, 0.25, 2, 1, 64, 16)
+STATS = EngineStats(
+    100, 40, 4, 0.4, 0.5, 3, 1, 0.25, 2, 1, 64, 16, [TierStats("CPU", 2**20, hits=3, hit_tokens=48, load_seconds=0.5)]
+)
 INPUTS = [
     EngineCoreRequest(
         "req-1",

@@ -24,6 +24,7 @@ from prefixcache.engine.model_runner import ModelRunner
 from prefixcache.engine.request import EngineRequest, RequestStatus
 from prefixcache.engine.scheduler import Scheduler
 from prefixcache.model import LoadedModel, load_model
+from prefixcache.offload.engine import attach_offload
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class EngineCore:
         )
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, dtype, config.device, config.seed)
+        self.offload = attach_offload(self, config, self.scheduler, self.runner)
         self.requests: dict[str, EngineRequest] = {}
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self._recent: deque[tuple[int, int]] = deque(maxlen=ROLLING_WINDOW)
@@ -159,6 +161,7 @@ class EngineCore:
             num_waiting=len(self.scheduler.waiting),
             num_blocks=self.manager.num_blocks,
             block_size=self.manager.block_size,
+            kv_offload=self.offload.stats() if self.offload is not None else [],
         )
 
     def _fail(self, request: EngineRequest, error: str) -> EngineCoreOutput:

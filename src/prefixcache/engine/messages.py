@@ -12,6 +12,7 @@ from typing import Any, Literal
 import msgspec
 
 from prefixcache.engine.sampling_params import SamplingParams
+from prefixcache.offload.store import TierStats
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -65,6 +66,7 @@ class EngineStats(msgspec.Struct, array_like=True, tag=True, frozen=True):
     num_waiting: int
     num_blocks: int
     block_size: int
+    kv_offload: list[TierStats] = []
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True):

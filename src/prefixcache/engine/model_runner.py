@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,9 @@ from prefixcache.core.sub_block import CopyOp
 from prefixcache.engine.sampler import Sampler
 from prefixcache.engine.scheduler import ScheduledChunk, SchedulerOutput
 from prefixcache.model import AttentionMetadata, LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from prefixcache.offload.worker import OffloadWorker
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +34,11 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    """Owns the paged KV cache tensors and the sampler; knows nothing of scheduling or caching policy."""
+    """Owns the paged KV cache tensors and the sampler; knows nothing of scheduling or caching policy.
+
+    ``offload`` (set when KV offload tiers are on) moves blocks between the cache tensors and the tiers
+    around the forward pass.
+    """
 
     def __init__(
         self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: str, seed: int
@@ -40,9 +48,12 @@ class ModelRunner:
         self.device = torch.device(device)
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, dtype, self.device)
         self.sampler = Sampler(seed, self.device)
+        self.offload: OffloadWorker | None = None
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        if self.offload is not None:
+            self.offload.before_forward(step.offload)
         self._copy_blocks(step.copies)
         chunks = step.chunks
         token_ids: list[int] = []
@@ -61,6 +72,8 @@ class ModelRunner:
             self.kv_caches,
             metadata,
         )
+        if self.offload is not None:
+            self.offload.after_forward(step.offload)
         out = ModelRunnerOutput()
         sampling_rows, sampling = [], []
         starts = metadata.query_start_loc.tolist()
