@@ -3,19 +3,7 @@
 import pytest
 
 from prefixcache.core import KVCacheManager
-from tests.core.conftest import BLOCK_SIZE, admit, make_request, unique_tokens
-
-
-def snapshot(mgr: KVCacheManager):
-    pool = mgr.pool
-    return (
-        [(b.block_id, b.ref_cnt, b.block_hash) for b in pool.blocks],
-        [b.block_id for b in pool.uncached_free],
-        [b.block_id for b in pool.evictable],
-        {h: (e.block_id if hasattr(e, "block_id") else tuple(e)) for h, e in pool.cached.items()},
-        {rid: [b.block_id for b in t] for rid, t in mgr._tables.items()},
-        (mgr.stats.requests, mgr.stats.queries, mgr.stats.hits),
-    )
+from tests.core.conftest import BLOCK_SIZE, admit, make_request, manager_state, unique_tokens
 
 
 def test_first_request_takes_exactly_the_blocks_it_needs_in_id_order(manager):
@@ -45,9 +33,9 @@ def test_shared_prefix_hits_full_blocks_and_takes_references(manager):
 
 def test_lookup_changes_no_state(manager):
     admit(manager, make_request(range(12)))
-    before = snapshot(manager)
+    before = manager_state(manager)
     manager.get_computed_blocks(make_request(range(12)))
-    assert snapshot(manager) == before
+    assert manager_state(manager) == before
 
 
 def test_hit_stops_at_first_miss(manager):
@@ -229,13 +217,13 @@ def test_allocation_failure_returns_none_and_changes_nothing():
     big = make_request(list(range(8)) + unique_tokens(12, 50))
     blocks, num_cached = mgr.get_computed_blocks(big)
     assert num_cached == 8
-    before = snapshot(mgr)
+    before = manager_state(mgr)
     assert mgr.allocate_slots(big, 12, num_cached, blocks) is None  # needs 3 new blocks, 2 free
-    assert snapshot(mgr) == before
+    assert manager_state(mgr) == before
     assert big.num_computed_tokens == 0
     b.append_output_token_ids(list(range(9)))
     assert mgr.allocate_slots(b, 9) is None
-    assert snapshot(mgr) == before and b.num_computed_tokens == 12
+    assert manager_state(mgr) == before and b.num_computed_tokens == 12
 
 
 def test_watermark_holds_back_admission_but_not_running_requests():
@@ -284,16 +272,16 @@ def test_preempted_request_hits_its_own_surviving_blocks(manager):
 
 def test_misuse_is_a_clear_error_and_changes_nothing(manager):
     a = make_request(range(9))
-    before = snapshot(manager)
+    before = manager_state(manager)
     with pytest.raises(ValueError, match="has 9"):
         manager.allocate_slots(a, 10)
     with pytest.raises(ValueError, match=">= 0"):
         manager.allocate_slots(a, -1)
     with pytest.raises(ValueError, match="does not match"):
         manager.allocate_slots(a, 5, 4, [])
-    assert snapshot(manager) == before
+    assert manager_state(manager) == before
     manager.free(make_request(range(3)))  # never admitted: nothing to free
-    assert snapshot(manager) == before
+    assert manager_state(manager) == before
 
 
 def test_stale_lookup_is_rejected():
@@ -331,3 +319,34 @@ def test_bad_requests_are_clear_errors():
         make_request([1], cache_salt="")
     with pytest.raises(ValueError, match="request_id"):
         make_request([1], request_id="")
+
+
+def test_external_tokens_get_new_blocks_count_as_hits_and_become_findable():
+    """Blocks loaded from an offload tier: allocated like new tokens, counted like cached ones, then cached."""
+    manager = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
+    first = make_request(unique_tokens(9, 0))
+    admit(manager, first)
+    manager.free(first)
+    request = make_request(unique_tokens(17, 0))
+    blocks, num_cached = manager.get_computed_blocks(request)
+    assert num_cached == 2 * BLOCK_SIZE
+    new = manager.allocate_slots(request, 1, num_cached, blocks, num_external_tokens=2 * BLOCK_SIZE)
+    assert len(new) == 3 and request.num_computed_tokens == 17
+    assert (manager.stats.queries, manager.stats.hits) == (9 + 17, 4 * BLOCK_SIZE)
+    same = make_request(unique_tokens(17, 0))
+    assert manager.get_computed_blocks(same)[1] == 4 * BLOCK_SIZE  # the loaded blocks are cached now
+    manager.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("num_cached", "num_external", "match"),
+    [(0, 3, "whole blocks"), (0, 2 * BLOCK_SIZE + BLOCK_SIZE, "at least one token")],
+)
+def test_external_tokens_misuse_is_refused(num_cached, num_external, match):
+    manager = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
+    request = make_request(unique_tokens(3 * BLOCK_SIZE, 0))
+    with pytest.raises(ValueError, match=match):
+        manager.allocate_slots(request, 0, num_cached, [], num_external_tokens=num_external)
+    assert manager.allocate_slots(request, request.num_tokens, 0, []) is not None
+    with pytest.raises(ValueError, match="already admitted"):
+        manager.allocate_slots(request, 0, num_external_tokens=BLOCK_SIZE)

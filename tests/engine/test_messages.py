@@ -19,9 +19,23 @@ from prefixcache.engine.messages import (
     output_decoder,
 )
 from prefixcache.engine.sampling_params import SamplingParams
+from prefixcache.offload.store import TierStats
 
 STATS = EngineStats(
-    100, 40, 4, {"new": 50, "evicted": 6, "partial_block": 4, "skipped": 0}, 0.4, 0.5, 3, 1, 0.25, 2, 1, 64, 16
+    100,
+    40,
+    4,
+    {"new": 50, "evicted": 6, "partial_block": 4, "skipped": 0},
+    0.4,
+    0.5,
+    3,
+    1,
+    0.25,
+    2,
+    1,
+    64,
+    16,
+    [TierStats("CPU", 2**20, hits=3, hit_tokens=48, load_seconds=0.5)],
 )
 INPUTS = [
     EngineCoreRequest(
@@ -32,6 +46,12 @@ INPUTS = [
         lora_name="adapter",
     ),
     EngineCoreRequest("req-2", [4], SamplingParams(prompt_logprobs=2)),
+    EngineCoreRequest(
+        "req-3",
+        [4],
+        SamplingParams(seed=2**64 - 1, logprobs=5, presence_penalty=-2, frequency_penalty=0.5, repetition_penalty=1.2),
+    ),
+    EngineCoreRequest("req-4", [4], SamplingParams(seed=-(2**63))),
     AbortRequests(["req-1", "req-2"]),
     UtilityCall(3, "reset_prefix_cache"),
     Shutdown(),
@@ -41,7 +61,8 @@ OUTPUTS = [
         [
             EngineCoreOutput("req-1", [42], 16, prompt_logprobs=[None, {5: -0.25, 6: -1.5}]),
             EngineCoreOutput("req-2", [2], 0, finish_reason="stop", stop_reason=2),
-            EngineCoreOutput("req-3", [8], 4, finish_reason="length"),
+            EngineCoreOutput("req-3", [8], 4, finish_reason="length", logprobs=[{8: -0.5, 3: -0.25}]),
+            EngineCoreOutput("req-4", [], 0, finish_reason="abort", error="sampling failed: boom"),
         ],
         timestamp=12.5,
         stats=STATS,

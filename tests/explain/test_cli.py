@@ -6,7 +6,7 @@ import random
 import pytest
 
 from prefixcache.cli import main
-from prefixcache.engine.input_processor import encode_chat
+from prefixcache.engine.input_processor import chat_token_ids
 from prefixcache.explain.log import Prompt
 from tests.helpers import build_tokenizer
 
@@ -34,7 +34,7 @@ def stamped_log(path, num_requests: int = 24, bad_lines=()) -> list[dict]:
 
 def token_after(tokenizer, body: dict, text: str) -> int:
     """Index of the first token after ``text`` in the templated prompt."""
-    ids = encode_chat(tokenizer, body["messages"])
+    ids = chat_token_ids(tokenizer, body["messages"])
     return next(k for k in range(len(ids)) if tokenizer.decode(ids[:k]).endswith(text))
 
 
@@ -78,7 +78,7 @@ def test_moving_the_reported_span_gives_the_reported_hit_rate(tmp_path, tiny_lla
     tokenizer = build_tokenizer()
     moved = []
     for line, body in enumerate(bodies, start=1):
-        ids = encode_chat(tokenizer, body["messages"])
+        ids = chat_token_ids(tokenizer, body["messages"])
         end = token_after(tokenizer, body, body["messages"][0]["content"][: len("Current time: 14:00:00")])
         moved.append(Prompt(line, ids[:start] + ids[end:] + ids[start:end]))
     assert report["divergence"]["fixed_block_hit_rate"] == pytest.approx(block_hit_rate(moved, 16))

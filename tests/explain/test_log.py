@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from prefixcache.engine.input_processor import encode_chat, encode_text
+from prefixcache.engine.input_processor import chat_token_ids, tokenize_prompt
 from prefixcache.explain.log import read_log, token_ids_of, tokenize_log
 
 GOOD = [
@@ -59,11 +59,11 @@ def test_every_body_shape_is_read_as_the_engine_would_tokenize_it(tmp_path, toke
     prompts, token_errors = tokenize_log(bodies, lambda body: token_ids_of(body, tokenizer))
     assert errors == token_errors == []
     assert [p.token_ids for p in prompts] == [
-        encode_text(tokenizer, "The quick brown fox"),
+        tokenize_prompt(tokenizer, "The quick brown fox")[1],
         [5, 6, 7],
         [8, 9],
-        encode_chat(tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]),
-        encode_text(tokenizer, "lazy dog"),
+        chat_token_ids(tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]),
+        tokenize_prompt(tokenizer, "lazy dog")[1],
     ]
     assert [p.namespace for p in prompts] == [
         (None, None),

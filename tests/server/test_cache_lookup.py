@@ -6,7 +6,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixcache.cli import main
-from tests.server.harness import delta, random_prompt, scrape
+from tests.server.harness import API_KEY, OTHER_API_KEY, delta, random_prompt, scrape
 
 MISSED = "prefixcache:prefix_cache_missed_tokens_total"
 
@@ -40,8 +40,10 @@ def test_lookup_predicts_the_hit_of_the_next_request(server):
     assert before["first_miss_reason"] == "new"
     assert before["missed_tokens"] == {"new": 16, "evicted": 0, "partial_block": 2, "skipped": 0}
     complete(server, prompt=prompt)
-    after = lookup(server, prompt=prompt, max_tokens=99, temperature=0.5).json()  # sampling fields are ignored
+    # any completion field is accepted, and the sampling ones are not used
+    after = lookup(server, prompt=[prompt], max_tokens=99, temperature=0.5, n=2, stream=True, echo=True).json()
     assert (after["cached_tokens"], after["first_miss_reason"]) == (16, "partial_block")
+    assert after["cached_tokens_by_tier"] == {"device": 16}  # no offload tiers
     usage = complete(server, prompt=prompt)["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == after["cached_tokens"]
     assert lookup(server, prompt=prompt, cache_salt="another-tenant").json()["cached_tokens"] == 0
@@ -81,18 +83,60 @@ def test_lookups_count_nothing_and_requests_count_missed_tokens_by_reason(server
 
 
 def test_bad_lookup_bodies_are_clear_400s(server):
+    """Refused as the completions and chat endpoints refuse them, plus what only a lookup cannot take."""
     cases = [
         ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "either prompt"),
         ({"max_tokens": 3}, "either prompt"),
-        ({"prompt": ""}, "empty"),
-        ({"prompt": [1, 2], "cache_salt": ""}, "cache_salt"),
-        ({"messages": []}, "messages"),
+        ({"prompt": ""}, "prompt must not be empty"),
+        ({"prompt": ["one", "two"]}, "a lookup takes one prompt"),
+        ({"prompt": [1, 2], "cache_salt": ""}, "cache_salt: cache_salt must be"),
+        ({"prompt": [1, 2], "best_of": 2}, "best_of: unsupported parameter"),
+        ({"prompt": [1, 2], "top_logprobs": 2}, "top_logprobs: unsupported parameter"),  # a chat field
+        ({"prompt": [1, 2], "stream_options": {"include_usage": True}}, "stream_options is only allowed"),
+        ({"prompt": [1, 2], "return_token_ids": "maybe"}, "return_token_ids"),
+        ({"prompt": [10**9]}, "prompt token ids must be in"),
+        ({"prompt": [1] * 257}, "context length of 256"),
+        ({"messages": []}, "messages: messages must not be empty"),
+        ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "messages.0.tool_calls"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs is only allowed"),
     ]
     for body, message in cases:
         response = lookup(server, **body)
         assert response.status_code == 400, body
         assert message in response.json()["error"]["message"], response.json()
+    for content in (b"[1, 2]", b"{not json"):
+        response = httpx.post(f"{server.url}/v1/cache/lookup", content=content, timeout=30)
+        assert response.status_code == 400 and response.json()["error"]["message"]
+    unknown = lookup(server, prompt="hi", model="no-such-model")
+    assert (unknown.status_code, unknown.json()["error"]["code"]) == (404, "model_not_found")
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_a_lookup_sees_only_its_own_tenants_blocks(secured_server):
+    """The tenant's salt comes from the API key, as for generation: a lookup cannot probe another tenant."""
+    url, prompt = secured_server.url, random_prompt("lookup-tenant", 13)
+
+    def cached(key: str, **body) -> int:
+        response = httpx.post(
+            f"{url}/v1/cache/lookup",
+            json={"prompt": prompt, **body},
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=30,
+        )
+        response.raise_for_status()
+        return response.json()["cached_tokens"]
+
+    response = httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": prompt, "max_tokens": 1, "model": "tiny"},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    )
+    response.raise_for_status()
+    assert cached(API_KEY) == 12
+    assert cached(API_KEY, cache_salt="own") == 0  # a salt splits the tenant further
+    assert cached(OTHER_API_KEY) == 0
+    assert httpx.post(f"{url}/v1/cache/lookup", json={"prompt": prompt}, timeout=30).status_code == 401
 
 
 def test_explain_reads_a_log_through_the_server(server, tmp_path, capsys):

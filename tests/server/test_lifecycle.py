@@ -1,4 +1,5 @@
-"""The server and its engine core process: start, stop, drain on SIGTERM, and a core killed under load.
+"""The server and its engine core process: start, stop, drain on SIGTERM (streams and non-streaming requests
+in flight finish, or end with an error after --shutdown-timeout), and a core killed under load.
 
 Each test starts its own server (the shared ones in conftest must survive), streams from it on loopback
 and checks that no process is left behind.
@@ -6,18 +7,16 @@ and checks that no process is left behind.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 
 import httpx
 import psutil
 import pytest
 
-from tests.server.harness import ServerProcess, random_prompt
+from tests.server.harness import ServerProcess, random_prompt, scrape, start_streams
 
 ARGS = ["--block-size", "4", "--num-blocks", "1024", "--max-model-len", "1024", "--disable-uvicorn-access-log"]
 
@@ -44,51 +43,6 @@ def core_process(server: ServerProcess) -> psutil.Process:
     children = psutil.Process(server.process.pid).children()
     [core] = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
     return core
-
-
-@dataclass
-class StreamResult:
-    events: list[dict] = field(default_factory=list)
-    done: bool = False
-    first_token: threading.Event = field(default_factory=threading.Event)
-    ended_at: float | None = None
-    error: BaseException | None = None
-
-
-def stream_completion(url: str, seed: str, max_tokens: int, result: StreamResult) -> None:
-    body = {
-        "prompt": random_prompt(seed, 12),
-        "max_tokens": max_tokens,
-        "stream": True,
-        "ignore_eos": True,
-        "temperature": 0,
-    }
-    try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
-            for line in response.iter_lines():
-                if line == "data: [DONE]":
-                    result.done = True
-                elif line.startswith("data: "):
-                    result.events.append(json.loads(line.removeprefix("data: ")))
-                    result.first_token.set()
-    except httpx.HTTPError as exc:
-        result.error = exc
-    finally:
-        result.ended_at = time.monotonic()
-        result.first_token.set()
-
-
-def start_streams(url: str, count: int, max_tokens: int) -> tuple[list[StreamResult], list[threading.Thread]]:
-    results = [StreamResult() for _ in range(count)]
-    threads = [
-        threading.Thread(target=stream_completion, args=(url, f"life-{i}-{time.time()}", max_tokens, r))
-        for i, r in enumerate(results)
-    ]
-    for thread in threads:
-        thread.start()
-    for result in results:
-        assert result.first_token.wait(30), "no first token"
-    return results, threads
 
 
 def wait_exit(server: ServerProcess, timeout: float) -> int:
@@ -137,10 +91,27 @@ def test_killed_core_fails_every_stream_promptly_and_the_server_exits_non_zero(s
     assert_no_process_left(pids)
 
 
+def start_whole(url: str, max_tokens: int) -> tuple[list[httpx.Response], threading.Thread]:
+    """A non-streaming completion in a thread; returns once the server runs it (its response lands in the list)."""
+    responses: list[httpx.Response] = []
+    body = {"prompt": random_prompt(f"whole-{time.time()}", 12), "max_tokens": max_tokens, "ignore_eos": True}
+    thread = threading.Thread(
+        target=lambda: responses.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60))
+    )
+    running = scrape(url)["prefixcache:num_requests_running"]
+    thread.start()
+    deadline = time.monotonic() + 30
+    while scrape(url)["prefixcache:num_requests_running"] <= running:
+        assert time.monotonic() < deadline, "the non-streaming request never started running"
+        time.sleep(0.02)
+    return responses, thread
+
+
 def test_sigterm_lets_streams_finish_refuses_new_work_and_exits_zero(start_server):
     server = start_server()
     pids = family(server)
     results, threads = start_streams(server.url, 2, max_tokens=400)
+    whole, whole_thread = start_whole(server.url, max_tokens=400)
     server.process.send_signal(signal.SIGTERM)
     time.sleep(0.2)
     assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
@@ -149,9 +120,13 @@ def test_sigterm_lets_streams_finish_refuses_new_work_and_exits_zero(start_serve
     assert "shutting down" in refused.json()["error"]["message"]
     for thread in threads:
         thread.join(60)
+    whole_thread.join(60)
     for result in results:
         assert result.done and result.events[-1]["choices"][0]["finish_reason"] == "length"
         assert sum(len(e["choices"][0]["text"]) > 0 for e in result.events) > 0
+    [response] = whole
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 400
     assert wait_exit(server, 30) == 0, server.log()
     assert_no_process_left(pids)
 
@@ -160,11 +135,14 @@ def test_sigterm_ends_streams_that_outlast_the_shutdown_timeout_with_an_error(st
     server = start_server("--shutdown-timeout", "0.5")
     pids = family(server)
     results, threads = start_streams(server.url, 2, max_tokens=1000)
+    whole, whole_thread = start_whole(server.url, max_tokens=1000)
     server.process.send_signal(signal.SIGTERM)
-    for thread in threads:
+    for thread in [*threads, whole_thread]:
         thread.join(30)
     for result in results:
         assert result.done and "shut down" in result.events[-1]["error"]["message"]
+    [response] = whole
+    assert response.status_code == 503 and "shut down" in response.json()["error"]["message"]
     assert wait_exit(server, 30) == 0, server.log()
     assert_no_process_left(pids)
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from prefixcache.core.block_pool import Block, BlockPool
 from prefixcache.core.eviction import EvictionPolicy
-from prefixcache.core.hashing import BlockHash, hash_blocks, root_hash, warn_if_unsafe
+from prefixcache.core.hashing import BlockHash, root_hash, warn_if_unsafe
 from prefixcache.core.miss import (
     MISS_REASONS,
     EvictedHashes,
@@ -18,15 +18,18 @@ from prefixcache.core.miss import (
 from prefixcache.core.request import MultiModalFeature, Request
 from prefixcache.core.sub_block import CopyOp, SubBlockIndex
 
+# Tokens per tier, "device" first, that admitting a request would find, given the device's hit.
+TierLookup = Callable[[Request, int], dict[str, int]]
+
 
 @dataclass(slots=True)
 class PrefixCacheStats:
     """Counted once per request, when it is admitted: prompt tokens looked up, not computed, and missed.
 
-    ``hits`` are the prompt tokens whose K/V was reused, from shared blocks or copied from a sub-block
-    match (``copied_tokens`` of them); this is the one definition of a hit everywhere in prefixcache.
-    Every other prompt token is missed for one reason (:mod:`prefixcache.core.miss`), so
-    ``queries == hits + sum(missed_tokens.values())``.
+    ``hits`` are the prompt tokens whose K/V was reused, from shared blocks, copied from a sub-block
+    match (``copied_tokens`` of them) or loaded from an offload tier; this is the one definition of a hit
+    everywhere in prefixcache. Every other prompt token is missed for one reason
+    (:mod:`prefixcache.core.miss`), so ``queries == hits + sum(missed_tokens.values())``.
     """
 
     requests: int = 0
@@ -121,24 +124,7 @@ class KVCacheManager:
         done = len(hashes)
         if num_full > done:
             parent = hashes[-1] if hashes else self.root_hash
-            extra = None
-            if request.has_extra_keys:
-                block_size = self.block_size
-
-                def extra(k: int) -> tuple | None:
-                    return request.block_extra_keys(k, block_size)
-
-            hashes.extend(
-                hash_blocks(
-                    self.hash_algo,
-                    parent,
-                    request.packed_token_ids,
-                    done,
-                    num_full - done,
-                    self.block_size,
-                    extra,
-                )
-            )
+            hashes.extend(request.hash_blocks(self.hash_algo, parent, done, num_full - done, self.block_size))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
@@ -175,20 +161,26 @@ class KVCacheManager:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         mm_features: Sequence[MultiModalFeature] = (),
+        tiers: TierLookup | None = None,
     ) -> PrefixLookup:
         """What admitting this prompt now would find cached, and why the rest would miss.
 
-        Changes no state: no reference is taken, no free block moves in the eviction order, nothing is
-        counted in the stats. Raises ValueError for a prompt no request could have (empty, bad ids).
+        ``tiers`` (the offload connector's ``lookup``) extends the device's hit with the blocks the offload
+        tiers hold, as admission would, and splits it by tier. Changes no state: no reference is taken, no
+        free block moves in the eviction order, nothing is counted in the stats. Raises ValueError for a
+        prompt no request could have (empty, bad ids).
         """
         request = Request("lookup", token_ids, cache_salt=cache_salt, lora_name=lora_name, mm_features=mm_features)
         _, num_cached = self.get_computed_blocks(request)
-        num_copied = num_cached % self.block_size
+        by_tier = {"device": num_cached} if tiers is None else tiers(request, num_cached)
+        num_cached = sum(by_tier.values())
+        num_copied = num_cached % self.block_size  # tiers extend only a block-aligned device hit
         missed = dict.fromkeys(MISS_REASONS, 0)
         self._count_missed(missed, request, num_cached - num_copied, num_copied)
         return PrefixLookup(
             prompt_tokens=request.num_tokens,
             cached_tokens=num_cached,
+            cached_tokens_by_tier=by_tier,
             cached_prefix_end=num_cached,
             copied_tokens=num_copied,
             block_size=self.block_size,
@@ -203,22 +195,25 @@ class KVCacheManager:
         num_cached_tokens: int = 0,
         cached_blocks: list[Block] | None = None,
         num_lookahead_tokens: int = 0,
+        num_external_tokens: int = 0,
     ) -> list[Block] | None:
         """Grow the request's table to hold its computed tokens plus ``num_new_tokens`` and lookahead.
 
-        The first call admits the request with the hit from ``get_computed_blocks``. Every block that
-        becomes full is cached. Returns the newly allocated blocks, or None (nothing changed) when
+        The first call admits the request with the hit from ``get_computed_blocks``, extended by
+        ``num_external_tokens`` whose K/V comes from outside the pool (the offload tiers): full blocks
+        right after the cached prefix, which get new blocks like new tokens but count as hits. Every block
+        that becomes full is cached. Returns the newly allocated blocks, or None (nothing changed) when
         they do not fit.
         """
-        if num_new_tokens < 0 or num_lookahead_tokens < 0:
-            raise ValueError("num_new_tokens and num_lookahead_tokens must be >= 0")
+        if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_external_tokens < 0:
+            raise ValueError("num_new_tokens, num_lookahead_tokens and num_external_tokens must be >= 0")
         table = self._tables.get(request.request_id)
         admitting = table is None
         block_size = self.block_size
         if admitting:
             cached_blocks = cached_blocks or []
-            self._check_hit(request, cached_blocks, num_cached_tokens)
-            num_computed = num_cached_tokens
+            self._check_hit(request, cached_blocks, num_cached_tokens, num_external_tokens)
+            num_computed = num_cached_tokens + num_external_tokens
             num_copied = num_cached_tokens % block_size
             copy_source = cached_blocks[-1] if num_copied else None
             cached_blocks = cached_blocks[:-1] if num_copied else cached_blocks
@@ -226,7 +221,7 @@ class KVCacheManager:
             num_to_touch = sum(1 for block in cached_blocks if block.ref_cnt == 0)
             reserve = self.watermark_blocks
         else:
-            if cached_blocks or num_cached_tokens:
+            if cached_blocks or num_cached_tokens or num_external_tokens:
                 raise ValueError(f"request {request.request_id!r} is already admitted; pass no cached blocks")
             num_computed = request.num_computed_tokens
             num_held = len(table)
@@ -246,7 +241,7 @@ class KVCacheManager:
             table = list(cached_blocks)
             self._tables[request.request_id] = table
             self._num_cached_blocks[request.request_id] = len(cached_blocks)
-            self._count_admission(request, num_held * block_size, num_copied)
+            self._count_admission(request, num_held * block_size + num_external_tokens, num_copied)
             if self.sub_blocks is not None:
                 self._sub_block_requests[request.request_id] = request
                 self._sub_block_indexed[request.request_id] = num_held * block_size
@@ -312,15 +307,20 @@ class KVCacheManager:
                     f"{request_id}: block {block.block_id} counted as cached holds no hash"
                 )
 
-    def _check_hit(self, request: Request, cached_blocks: list[Block], num_cached_tokens: int) -> None:
+    def _check_hit(
+        self, request: Request, cached_blocks: list[Block], num_cached_tokens: int, num_external_tokens: int
+    ) -> None:
         num_full, num_copied = divmod(num_cached_tokens, self.block_size)
         copies_ok = num_copied == 0 or (self.sub_blocks is not None and num_copied % self.sub_block_size == 0)
         if len(cached_blocks) != num_full + (num_copied > 0) or not copies_ok:
             raise ValueError(f"num_cached_tokens={num_cached_tokens} does not match {len(cached_blocks)} cached blocks")
+        if num_external_tokens and (num_copied or num_external_tokens % self.block_size):
+            raise ValueError("external tokens must be whole blocks right after a block-aligned cached prefix")
+        num_hit = num_cached_tokens + num_external_tokens
+        if num_hit and num_hit >= request.num_tokens:
+            raise ValueError("the cached prefix must leave at least one token to compute")
         if not cached_blocks:
             return
-        if num_cached_tokens >= request.num_tokens:
-            raise ValueError("the cached prefix must leave at least one token to compute")
         hashes = self.block_hashes(request)
         stale = [b for b, h in zip(cached_blocks[:num_full], hashes, strict=False) if b.block_hash != h]
         if (

@@ -91,13 +91,16 @@ def first_miss_reason(missed: dict[str, int]) -> str:
 class PrefixLookup:
     """What the cache holds of one prompt right now, as admitting it would find it.
 
-    ``cached_tokens`` would not be computed (shared blocks, and ``copied_tokens`` of them copied from a
-    sub-block match). They always form a prefix, so ``cached_prefix_end`` is the index of the first
-    token to compute. ``missed_tokens`` has one entry per reason in ``MISS_REASONS``.
+    ``cached_tokens`` would not be computed (shared blocks, ``copied_tokens`` of them copied from a
+    sub-block match, and blocks the offload tiers would load); ``cached_tokens_by_tier`` splits them
+    between ``device`` and each tier (``CPU``, ``DISK``, ``REDIS``). They always form a prefix, so
+    ``cached_prefix_end`` is the index of the first token to compute. ``missed_tokens`` has one entry per
+    reason in ``MISS_REASONS``.
     """
 
     prompt_tokens: int
     cached_tokens: int
+    cached_tokens_by_tier: dict[str, int]
     cached_prefix_end: int
     copied_tokens: int
     block_size: int

@@ -24,6 +24,7 @@ from prefixcache.engine.model_runner import ModelRunner
 from prefixcache.engine.request import EngineRequest, RequestStatus
 from prefixcache.engine.scheduler import Scheduler
 from prefixcache.model import LoadedModel, load_model
+from prefixcache.offload.engine import attach_offload
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class EngineCore:
         )
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, dtype, config.device, config.seed)
+        self.offload = attach_offload(self, config, self.scheduler, self.runner)
         self.requests: dict[str, EngineRequest] = {}
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self._recent: deque[tuple[int, int]] = deque(maxlen=ROLLING_WINDOW)
@@ -124,12 +126,16 @@ class EngineCore:
             self.manager.index_written_sub_blocks()
             for chunk in step.chunks:
                 request = chunk.request
+                error = result.errors.get(request.request_id)
+                if error is not None:
+                    outputs.append(self._fail(request, error))
+                    continue
                 logprobs = result.prompt_logprobs.get(request.request_id)
                 if logprobs is not None:
                     request.prompt_logprobs = logprobs if chunk.start == 0 else request.prompt_logprobs + logprobs
                 token = result.sampled.get(request.request_id)
                 if token is not None:
-                    outputs.append(self._append_token(request, token))
+                    outputs.append(self._append_token(request, token, result.logprobs.get(request.request_id)))
         return self.outputs(outputs)
 
     def outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
@@ -140,8 +146,10 @@ class EngineCore:
         return self.manager.reset_prefix_cache()
 
     def lookup(self, token_ids: list[int], cache_salt: str | None = None, lora_name: str | None = None) -> PrefixLookup:
-        """What the cache holds of these (validated) prompt tokens now; runs no model and changes nothing."""
-        return self.manager.lookup(token_ids, cache_salt=cache_salt, lora_name=lora_name)
+        """What the cache and the offload tiers hold of these (validated) prompt tokens now; runs no model and
+        changes nothing."""
+        tiers = self.offload.lookup if self.offload is not None else None
+        return self.manager.lookup(token_ids, cache_salt=cache_salt, lora_name=lora_name, tiers=tiers)
 
     def stats(self) -> EngineStats:
         stats = self.manager.stats
@@ -160,9 +168,18 @@ class EngineCore:
             num_waiting=len(self.scheduler.waiting),
             num_blocks=self.manager.num_blocks,
             block_size=self.manager.block_size,
+            kv_offload=self.offload.stats() if self.offload is not None else [],
         )
 
-    def _append_token(self, request: EngineRequest, token: int) -> EngineCoreOutput:
+    def _fail(self, request: EngineRequest, error: str) -> EngineCoreOutput:
+        """End one request that failed on its own (its blocks hold valid K/V: the forward pass succeeded)."""
+        self._finish(request, RequestStatus.ABORTED)
+        num_cached = request.num_cached_tokens or 0
+        return EngineCoreOutput(request.request_id, [], num_cached, finish_reason="abort", error=error)
+
+    def _append_token(
+        self, request: EngineRequest, token: int, logprobs: dict[int, float] | None = None
+    ) -> EngineCoreOutput:
         """Add the sampled token and decide, on tokens alone, whether it ends the request."""
         first = request.num_output_tokens == 0
         request.append_output_token_ids([token])
@@ -181,6 +198,7 @@ class EngineCore:
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             prompt_logprobs=request.prompt_logprobs if first else None,
+            logprobs=None if logprobs is None else [logprobs],
         )
         if finish_reason is not None:
             self._finish(request, RequestStatus.FINISHED)

@@ -116,7 +116,7 @@ def _handle(core: Any, message: CoreInput) -> CoreOutput | None:
             core.add_request(message)
         except ValueError as exc:  # the input processor should have caught it: end the request, not the core
             logger.error("rejected request %s: %s", message.request_id, exc)
-            rejected = EngineCoreOutput(message.request_id, [], 0, finish_reason="abort")
+            rejected = EngineCoreOutput(message.request_id, [], 0, finish_reason="abort", error=str(exc))
             return core.outputs([rejected])
     elif isinstance(message, AbortRequests):
         core.abort_requests(message.request_ids)

@@ -20,13 +20,19 @@ class InputProcessor:
         self.info = info
 
     def prompt_token_ids(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        """The prompt's text (None when it came as token ids) and its token ids, checked against the vocabulary."""
+        """The prompt's text (None when it came as token ids) and its token ids, checked against the vocabulary
+        and the context length."""
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
         vocab_size = self.info.vocab_size
         if any(t < 0 or t >= vocab_size for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        if len(token_ids) > self.info.max_model_len:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) exceeds the model's context length of "
+                f"{self.info.max_model_len} tokens"
+            )
         return text, token_ids
 
     def process(
@@ -64,28 +70,28 @@ class InputProcessor:
         return request, text
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        return encode_chat(self.tokenizer, messages, add_generation_prompt)
+        return chat_token_ids(self.tokenizer, messages, add_generation_prompt)
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, encode_text(self.tokenizer, prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), _check_token_ids(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return self._tokenize(prompt["prompt"])
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, list | tuple):
-            return None, _check_token_ids(prompt)
-        raise ValueError(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}")
+        return tokenize_prompt(self.tokenizer, prompt)
 
 
-def encode_text(tokenizer: Any, text: str) -> list[int]:
-    """A completion prompt's token ids: the text as written, no special tokens added."""
-    return list(tokenizer.encode(text, add_special_tokens=False))
+def tokenize_prompt(tokenizer: Any, prompt: PromptInput) -> tuple[str | None, list[int]]:
+    """The prompt text (None for token ids) and its token ids; the router tokenizes through here too."""
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt, add_special_tokens=False)
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), _check_token_ids(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return tokenize_prompt(tokenizer, prompt["prompt"])
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, list | tuple):
+        return None, _check_token_ids(prompt)
+    raise ValueError(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}")
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
     """The conversation as prompt token ids, through the model's own chat template."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")

@@ -77,8 +77,9 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     def lookup(self, prompt: PromptInput, cache_salt: str | None = None) -> PrefixLookup:
-        """How many of the prompt's tokens are cached now, where the cached prefix ends and why the rest would
-        miss. Runs no model and changes nothing: the eviction order stays as it was."""
+        """How many of the prompt's tokens are cached now (on the device and in each offload tier), where the
+        cached prefix ends and why the rest would miss. Runs no model and changes nothing: the eviction order
+        stays as it was."""
         return self.engine.lookup(prompt, cache_salt)
 
     def stats(self) -> EngineStats:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import msgspec
 
 from prefixcache.engine.sampling_params import SamplingParams
+from prefixcache.offload.store import TierStats
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -66,14 +67,17 @@ class EngineStats(msgspec.Struct, array_like=True, tag=True, frozen=True):
     num_waiting: int
     num_blocks: int
     block_size: int
+    kv_offload: list[TierStats] = []
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True):
     """One request's progress in one step: only the tokens new in this step.
 
     ``finish_reason`` is set on the last output: ``stop`` (EOS or a stop token id, which is then
-    ``stop_reason``), ``length`` (max_tokens or the context length) or ``abort``. ``prompt_logprobs`` comes
-    once, with the first token.
+    ``stop_reason``), ``length`` (max_tokens or the context length) or ``abort``; an ``abort`` that the core
+    decided (the request failed alone, e.g. its sampling raised) carries ``error``. ``logprobs`` has one
+    ``{token id: log-probability}`` per new token (the sampled token first, then the top-k) when the request
+    asked for them. ``prompt_logprobs`` comes once, with the first token.
     """
 
     request_id: str
@@ -82,6 +86,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True):
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    logprobs: list[dict[int, float]] | None = None
+    error: str | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True, frozen=True):

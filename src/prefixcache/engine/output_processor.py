@@ -27,6 +27,7 @@ class _RequestState:
     text: str = ""
     num_emitted_chars: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    logprobs: list[dict[int, float]] | None = None
 
 
 class OutputProcessor:
@@ -41,6 +42,7 @@ class OutputProcessor:
             prompt_token_ids=request.prompt_token_ids,
             params=request.sampling_params,
             detokenizer=IncrementalDetokenizer(self.tokenizer),
+            logprobs=None if request.sampling_params.logprobs is None else [],
         )
 
     def abort_request(self, request_id: str) -> bool:
@@ -75,6 +77,8 @@ class OutputProcessor:
         if output.prompt_logprobs is not None:
             state.prompt_logprobs = output.prompt_logprobs
         state.output_token_ids.extend(output.new_token_ids)
+        if state.logprobs is not None and output.logprobs is not None:
+            state.logprobs.extend(output.logprobs)
         searched_from = len(state.text)
         state.text += state.detokenizer.decode_new(state.output_token_ids)
         finish_reason, stop_reason = output.finish_reason, output.stop_reason
@@ -108,6 +112,8 @@ def _request_output(
         token_ids=list(state.output_token_ids),
         finish_reason=finish_reason,
         stop_reason=stop_reason,
+        logprobs=None if state.logprobs is None else list(state.logprobs),
+        error=output.error,
     )
     return RequestOutput(
         request_id=state.request_id,

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from prefixcache.bench.trace import Arrival, CostModel, admit_in_order
+from prefixcache.bench.trace import HeldCache, ReplayConfig
 from prefixcache.core import EVICTION_POLICIES, HASH_ALGOS, KVCacheManager, Request
 from prefixcache.core.miss import hittable_tokens
 from prefixcache.explain.log import Decode, Prompt
@@ -269,18 +269,24 @@ def _missed(
 
 
 def _replay(prompts: Sequence[Prompt], config: ExplainConfig) -> list[int]:
-    """Each prompt's hit in a real manager of ``capacity_tokens``, one request at a time, in log order."""
+    """Each prompt's hit in a real manager of ``capacity_tokens``, one request at a time, in log order.
+
+    Raises ValueError for a prompt larger than the whole cache, numbered by its log line.
+    """
     manager = KVCacheManager(
         num_blocks=config.capacity_tokens // config.block_size,
         block_size=config.block_size,
         hash_algo=config.hash_algo,
         eviction_policy=config.eviction_policy,
     )
-    arrivals = (
-        Arrival(float(i), Request(str(i), p.token_ids, cache_salt=p.cache_salt, lora_name=p.lora_name), 0)
-        for i, p in enumerate(prompts)
-    )
-    return admit_in_order(manager, arrivals, in_flight=1, cost=CostModel())
+    cache = HeldCache(manager, ReplayConfig(in_flight=1))  # a request is freed when the next one arrives
+    hits = []
+    for i, prompt in enumerate(prompts):
+        cache.advance(float(i))
+        request = Request(str(i), prompt.token_ids, cache_salt=prompt.cache_salt, lora_name=prompt.lora_name)
+        hits.append(cache.admit(prompt.line, request, 0))
+    cache.drain()
+    return hits
 
 
 def _resync(a: Sequence[int], b: Sequence[int], start: int) -> tuple[int, int] | None:

@@ -13,23 +13,10 @@ import argparse
 import json
 from pathlib import Path
 
+from prefixcache.argtypes import non_negative_int, positive_int
 from prefixcache.core import EVICTION_POLICIES, HASH_ALGOS
 
 DEFAULT_BLOCK_SIZE = 16
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,14 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--base-url", help="a running prefixcache server: its tokenizer and its cache now")
     parser.add_argument("--api-key", help="Bearer key for --base-url")
     parser.add_argument(
-        "--block-size", type=_positive_int, help=f"engine block size (default {DEFAULT_BLOCK_SIZE}, or the server's)"
+        "--block-size", type=positive_int, help=f"engine block size (default {DEFAULT_BLOCK_SIZE}, or the server's)"
     )
-    parser.add_argument("--capacity-tokens", type=_positive_int, help="replay through a cache of this many tokens")
+    parser.add_argument("--capacity-tokens", type=positive_int, help="replay through a cache of this many tokens")
     parser.add_argument("--eviction-policy", choices=list(EVICTION_POLICIES), default="lru")
     parser.add_argument("--hash-algo", choices=HASH_ALGOS, default="sha256")
-    parser.add_argument("--window", type=_positive_int, default=8, help="tokens of text shown each side of a split")
+    parser.add_argument("--window", type=positive_int, default=8, help="tokens of text shown each side of a split")
     parser.add_argument(
-        "--rows", type=_non_negative_int, default=30, help="requests listed in the table (all are in --json)"
+        "--rows", type=non_negative_int, default=30, help="requests listed in the table (all are in --json)"
     )
     parser.add_argument("--json", type=Path, help="write the whole report as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG: how far each request shares, where prompts part")

@@ -18,7 +18,7 @@ from typing import Any
 from jinja2 import TemplateError
 from pydantic import ValidationError
 
-from prefixcache.engine.input_processor import encode_chat, encode_text
+from prefixcache.engine.input_processor import chat_token_ids, tokenize_prompt
 from prefixcache.server.protocol import ChatMessage
 
 # Token ids to readable text: the tokenizer's decode, or the texts a server returned for each token.
@@ -101,12 +101,12 @@ def token_ids_of(body: dict[str, Any], tokenizer: Any) -> list[int]:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             raise ValueError(f"bad message ({where}: {first['msg']})") from None
-        return encode_chat(tokenizer, turns)
+        return chat_token_ids(tokenizer, turns)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("the prompt is empty")
-        return encode_text(tokenizer, prompt)
+        return tokenize_prompt(tokenizer, prompt)[1]
     if isinstance(prompt, list):
         return checked_token_ids(prompt, "prompt")
     if prompt is None:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -27,6 +29,7 @@ from prefixcache.engine.messages import (
     AbortRequests,
     EngineCoreFailure,
     EngineCoreOutputs,
+    EngineCoreRequest,
     EngineInfo,
     EngineStats,
     UtilityCall,
@@ -47,32 +50,42 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestStream:
-    """One request's outputs in order. ``abort()`` is idempotent and a no-op once the request finished."""
+    """One API request's outputs, as ``(choice index, RequestOutput)`` in arrival order until every choice ended.
 
-    def __init__(self, engine: AsyncLLM, request_id: str) -> None:
+    A request with several prompts or ``n`` > 1 runs as one core request per choice, ``<id>-<index>``.
+    ``abort()`` stops the choices still running; it is idempotent and a no-op once all finished.
+    """
+
+    def __init__(self, engine: AsyncLLM, request_id: str, core_ids: list[str]) -> None:
         self.request_id = request_id
+        self.indices = {core_id: index for index, core_id in enumerate(core_ids)}
         self.arrival_time = time.monotonic()
-        self.last_token_time: float | None = None
-        self.finished = False
+        self.first_token_time: float | None = None
+        self._last_token_times: dict[str, float] = {}
+        self._unfinished = set(core_ids)
         self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
 
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while True:
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        remaining = len(self.indices)
+        while remaining:
             item = await self._queue.get()
             if isinstance(item, BaseException):
                 raise item
             yield item
-            if item.finished:
-                return
+            remaining -= item[1].finished
 
     def abort(self) -> None:
-        """Stop generating and free the request's blocks (the client went away or the handler failed)."""
-        if not self.finished:
-            self.finished = True
-            self._engine._abort(self.request_id)
+        """Stop generating and free the blocks of every choice still running (client gone, handler failed)."""
+        for core_id in list(self._unfinished):
+            self._unfinished.discard(core_id)
+            self._engine._abort(core_id, self.arrival_time)
 
-    def _put(self, item: RequestOutput | BaseException) -> None:
+    def _put(self, item: tuple[int, RequestOutput] | BaseException) -> None:
         self._queue.put_nowait(item)
 
 
@@ -91,6 +104,7 @@ class AsyncLLM:
         self._core: EngineCoreProcess | None = None
         self._input_processor: InputProcessor | None = None
         self._output_processor = OutputProcessor(tokenizer)
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(self._decode_token)
         self._tokenize_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixcache-tokenize")
         self._streams: dict[str, RequestStream] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
@@ -109,6 +123,7 @@ class AsyncLLM:
 
     @property
     def num_in_flight(self) -> int:
+        """Core requests in flight (a request with n choices counts n)."""
         return len(self._streams)
 
     async def start(self) -> None:
@@ -139,35 +154,64 @@ class AsyncLLM:
         self._tokenize_executor.shutdown(wait=False, cancel_futures=True)
 
     async def add_request(
-        self, prompt: PromptInput, params: SamplingParams, request_id: str, cache_salt: str | None = None
+        self,
+        prompts: Sequence[PromptInput],
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None = None,
+        n: int = 1,
     ) -> RequestStream:
-        """Validate and queue a request; ValueError (nothing queued) for input the engine cannot serve."""
+        """Validate and queue ``n`` choices per prompt; ValueError (nothing queued) for input the engine cannot serve.
+
+        Choice ``p * n + i`` is the i-th sample of prompt p. The n copies of a prompt are queued together, so
+        the later ones share the blocks the first one fills (prefix caching makes n > 1 nearly free); with a
+        seed, copy i draws with ``seed + i`` (vLLM's rule), so the copies differ but stay reproducible.
+        """
         self._check_accepting()
-        request, text = await self._on_worker(self._input_processor.process, prompt, params, request_id, cache_salt)
+        if not prompts or n < 1:
+            raise ValueError("a request needs at least one prompt and n >= 1")
+        core_ids = [f"{request_id}-{index}" for index in range(len(prompts) * n)]
+        if any(core_id in self._streams for core_id in core_ids):
+            raise ValueError(f"a request with id {request_id!r} is already in flight")
+        processed = await self._on_worker(self._process, prompts, params, core_ids, cache_salt, n)
         self._check_accepting()  # the core may have died while the prompt was tokenized
-        stream = RequestStream(self, request_id)
-        self._streams[request_id] = stream
-        self._output_processor.add_request(request, text)
+        if any(core_id in self._streams for core_id in core_ids):  # taken while this one was tokenized
+            raise ValueError(f"a request with id {request_id!r} is already in flight")
+        stream = RequestStream(self, request_id, core_ids)
         try:
-            await self._core.send(request)
+            for request, text in processed:
+                self._streams[request.request_id] = stream
+                self._output_processor.add_request(request, text)
+                await self._core.send(request)
         except BaseException:
             stream.abort()
             raise
         return stream
 
-    async def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    async def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
         self._check_accepting()
-        return await self._on_worker(self._input_processor.apply_chat_template, messages)
+        return await self._on_worker(self._input_processor.apply_chat_template, messages, add_generation_prompt)
 
-    async def tokenize(self, text: str) -> list[int]:
-        return await self._on_worker(self.tokenizer.encode, text, add_special_tokens=False)
+    async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The token ids of ``text``; the default is what the completions endpoint feeds the model."""
+        return await self._on_worker(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await self._on_worker(self.tokenizer.decode, token_ids)
+
+    def _decode_token(self, token_id: int) -> str:
+        """One token alone as text (for log-probabilities; a byte of a multi-byte character shows as U+FFFD)."""
+        return self.tokenizer.decode([token_id])
 
     async def reset_prefix_cache(self) -> bool:
         return await self._call("reset_prefix_cache")
 
     async def lookup(self, prompt: PromptInput, cache_salt: str | None = None) -> tuple[list[int], PrefixLookup]:
-        """The prompt's token ids and what the core's cache holds of them now: the core answers between
-        steps, runs no model and changes nothing. ValueError for a prompt the engine would refuse."""
+        """The prompt's token ids and what the core's cache and offload tiers hold of them now: the core
+        answers between steps, runs no model and changes nothing. ValueError for a prompt the engine would
+        refuse."""
         _, token_ids = await self._on_worker(self._input_processor.prompt_token_ids, prompt)
         found = await self._call("lookup", token_ids, cache_salt)
         return token_ids, msgspec.convert(found, PrefixLookup)
@@ -175,7 +219,7 @@ class AsyncLLM:
     async def token_texts(self, token_ids: list[int]) -> list[str]:
         """Each token decoded on its own; joined, any span reads as text (a character split across tokens
         shows as a replacement character)."""
-        return await self._on_worker(lambda: [self.tokenizer.decode([t]) for t in token_ids])
+        return await self._on_worker(lambda: [self.token_text(t) for t in token_ids])
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is in flight; False if some still are after ``timeout`` seconds."""
@@ -187,7 +231,7 @@ class AsyncLLM:
     def fail_all(self, message: str) -> None:
         """End every in-flight request with an ``EngineDeadError`` carrying ``message``."""
         error = EngineDeadError(message)
-        for stream in list(self._streams.values()):
+        for stream in {id(s): s for s in self._streams.values()}.values():
             stream._put(error)
             stream.abort()
         for future in self._calls.values():
@@ -204,6 +248,25 @@ class AsyncLLM:
     async def _on_worker(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_executor, lambda: fn(*args, **kwargs))
 
+    def _process(
+        self,
+        prompts: Sequence[PromptInput],
+        params: SamplingParams,
+        core_ids: list[str],
+        cache_salt: str | None,
+        n: int,
+    ) -> list[tuple[EngineCoreRequest, str | None]]:
+        """Every choice's core request (each prompt tokenized and validated once); runs on the worker thread."""
+        processed = []
+        for p, prompt in enumerate(prompts):
+            request, text = self._input_processor.process(prompt, params, core_ids[p * n], cache_salt)
+            processed.append((request, text))
+            for i in range(1, n):
+                child_params = params if params.seed is None else replace(params, seed=(params.seed + i) % 2**64)
+                child = msgspec.structs.replace(request, request_id=core_ids[p * n + i], sampling_params=child_params)
+                processed.append((child, text))
+        return processed
+
     async def _call(self, method: str, *args: Any) -> Any:
         if self.dead:
             raise EngineDeadError(self._failure or "the engine core is not running")
@@ -213,11 +276,14 @@ class AsyncLLM:
         await self._core.send(UtilityCall(call_id, method, list(args)))
         return await future
 
-    def _abort(self, request_id: str) -> None:
-        """Forget the request here now; the core frees its blocks when the abort message arrives."""
+    def _abort(self, request_id: str, arrival_time: float) -> None:
+        """Forget the core request here now (counted as finished by ``abort``); the core frees its blocks when
+        the abort message arrives."""
         self._streams.pop(request_id, None)
-        if self._output_processor.abort_request(request_id) and not self.dead and not self._closing:
-            self._send_soon(AbortRequests([request_id]))
+        if self._output_processor.abort_request(request_id):
+            self.metrics.observe_finished("abort", time.monotonic() - arrival_time)
+            if not self.dead and not self._closing:
+                self._send_soon(AbortRequests([request_id]))
 
     def _send_soon(self, message: AbortRequests) -> None:
         task = asyncio.get_running_loop().create_task(self._core.send(message))
@@ -249,20 +315,24 @@ class AsyncLLM:
         if stopped:
             self._send_soon(AbortRequests(stopped))
         for output in outputs:
-            stream = self._streams.get(output.request_id)
+            core_id = output.request_id
+            stream = self._streams.get(core_id)
             if stream is None:
                 continue
             num_new = len(output.new_token_ids)
-            if stream.last_token_time is None:
-                self.metrics.observe_first_token(now - stream.arrival_time, len(output.prompt_token_ids), num_new)
-            else:
-                self.metrics.observe_next_token(now - stream.last_token_time, num_new)
-            stream.last_token_time = now
+            last = stream._last_token_times.get(core_id)
+            if num_new:
+                if last is None:
+                    self.metrics.observe_first_token(now - stream.arrival_time, len(output.prompt_token_ids), num_new)
+                    stream.first_token_time = stream.first_token_time or now
+                else:
+                    self.metrics.observe_next_token(now - last, num_new)
+                stream._last_token_times[core_id] = now
             if output.finished:
-                stream.finished = True
-                del self._streams[output.request_id]
+                stream._unfinished.discard(core_id)
+                del self._streams[core_id]
                 self.metrics.observe_finished(output.outputs[0].finish_reason, now - stream.arrival_time)
-            stream._put(output)
+            stream._put((stream.indices[core_id], output))
         self.latest_stats = batch.stats
         self.metrics.update(batch.stats)
 

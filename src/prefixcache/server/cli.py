@@ -8,10 +8,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Mapping
+from pathlib import Path
 
+from prefixcache.config import parse_memory
 from prefixcache.engine.args import add_engine_args, engine_kwargs
 
 API_KEY_ENV = "PREFIXCACHE_API_KEY"
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # a 128k-token prompt is under 1 MiB, as text or as JSON token ids
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -29,8 +33,28 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--served-model-name", nargs="+", default=None, help="names clients use for the model (default: its name)"
     )
     group.add_argument(
-        "--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set)"
+        "--api-key",
+        action="append",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY'; repeat for several keys, each a tenant with its own prefix "
+        f"cache (default: ${API_KEY_ENV} if neither this nor --api-key-file is given)",
     )
+    group.add_argument(
+        "--api-key-file", type=Path, default=None, help="more API keys, one per line ('#' starts a comment)"
+    )
+    group.add_argument(
+        "--share-cache-across-keys",
+        action="store_true",
+        help="let requests of different API keys share cached prefixes (faster, but each tenant can then tell "
+        "from cached_tokens and latency what the others sent; see the README's Security section)",
+    )
+    group.add_argument(
+        "--max-request-bytes",
+        type=parse_memory,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="refuse request bodies larger than this with 413, e.g. 8MiB (default 8MiB)",
+    )
+    group.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     group.add_argument(
         "--enable-reset-prefix-cache",
         action="store_true",
@@ -45,6 +69,19 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they are ended (default 30)",
     )
     parser.set_defaults(func=serve)
+
+
+def api_keys(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The keys of --api-key and --api-key-file, in order, without repeats; else ${API_KEY_ENV} if set."""
+    keys = list(args.api_key or [])
+    if args.api_key_file is not None:
+        for line in args.api_key_file.read_text().splitlines():
+            key = line.split("#", 1)[0].strip()
+            if key:
+                keys.append(key)
+    if not keys and environ.get(API_KEY_ENV):
+        keys.append(environ[API_KEY_ENV])
+    return tuple(dict.fromkeys(keys))
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -68,12 +105,18 @@ def serve(args: argparse.Namespace) -> None:
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"prefixcache serve: {exc}") from exc
     names = tuple(args.served_model_name or [model_name])
-    settings = ServerSettings(
-        served_model_names=names,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        enable_reset_prefix_cache=args.enable_reset_prefix_cache,
-        log_stats_interval=None if args.disable_log_stats else LOG_STATS_INTERVAL_S,
-    )
+    try:
+        settings = ServerSettings(
+            served_model_names=names,
+            api_keys=api_keys(args, os.environ),
+            share_cache_across_keys=args.share_cache_across_keys,
+            enable_reset_prefix_cache=args.enable_reset_prefix_cache,
+            log_stats_interval=None if args.disable_log_stats else LOG_STATS_INTERVAL_S,
+            max_request_bytes=args.max_request_bytes,
+            log_requests=not args.disable_log_requests,
+        )
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"prefixcache serve: {exc}") from exc
     # The stats line and uvicorn's startup line are the server's heartbeat: shown at INFO even under the CLI's
     # default WARNING level (--disable-log-stats and --disable-uvicorn-access-log quiet the periodic ones).
     level = min(logging.INFO, logging.getLogger().getEffectiveLevel())

@@ -76,7 +76,8 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self._request_success = Counter(
             "prefixcache:request_success",
-            "Requests that finished, by finish reason.",
+            "Requests that finished, by finish reason (abort: the client left, the server shut down, or the "
+            "request failed in the engine).",
             [*label, "finished_reason"],
             registry=registry,
         )
