@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from prefixcache.core import HASH_ALGOS
 from prefixcache.core.eviction import EVICTION_POLICIES
+from prefixcache.kv_events.config import KVEventsConfig
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3}
 _UNITS |= {"kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "tb": 1000**4}
@@ -34,6 +36,7 @@ class EngineConfig:
     ``sub_block_size`` (a divisor of ``block_size``; default: off) also reuses the part of a cached
     prefix that does not fill a whole block, by copying it.
     ``max_model_len`` defaults to the model's context length.
+    ``kv_events_config`` (a config, a dict of its fields or a JSON object string) publishes KV cache events.
     """
 
     model: str | None = None
@@ -51,8 +54,10 @@ class EngineConfig:
     hash_seed: str | None = None
     eviction_policy: str = "lru"
     seed: int = 0
+    kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.coerce(self.kv_events_config))
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.sub_block_size is not None and (self.sub_block_size <= 0 or self.block_size % self.sub_block_size):

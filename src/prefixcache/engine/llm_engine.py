@@ -23,6 +23,7 @@ from prefixcache.engine.outputs import CompletionOutput, RequestOutput
 from prefixcache.engine.request import EngineRequest, RequestStatus
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.scheduler import Scheduler
+from prefixcache.kv_events.sink import KVEventSink
 from prefixcache.model import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, dtype, config.device, config.seed)
+        self.kv_events = KVEventSink.create(config.kv_events_config, self.manager.pool)
         self.requests: dict[str, EngineRequest] = {}
         self._ids = itertools.count()
         self._recent: deque[tuple[int, int]] = deque(maxlen=ROLLING_WINDOW)
@@ -153,6 +155,8 @@ class LLMEngine:
             return []
         result = self.runner.execute(step)
         self.manager.index_written_sub_blocks()
+        if self.kv_events is not None:  # after the forward pass: the announced blocks' K/V is written
+            self.kv_events.publish_pending()
         outputs = []
         for chunk in step.chunks:
             request = chunk.request
@@ -173,7 +177,15 @@ class LLMEngine:
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     def reset_prefix_cache(self) -> bool:
-        return self.manager.reset_prefix_cache()
+        reset = self.manager.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.publish_pending()
+        return reset
+
+    def close(self) -> None:
+        """Release what outlives a step (the KV event publisher's thread and sockets)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def stats(self) -> EngineStats:
         stats = self.manager.stats
