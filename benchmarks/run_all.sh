@@ -2,8 +2,8 @@
 # Reproduce the README's benchmark numbers: prefixcache next to vLLM's CPU build (and transformers) on
 # the same machine, model (SmolLM2-135M-Instruct, bfloat16) and token ids, in one run.
 # Needs `make demo` (or `make test`) once for .venv, and ../shared/peers/vllm-cpu/setup.sh for vLLM.
-# Writes JSON and PNG files to results/. About 20 minutes on 2 cores.
-# Usage: benchmarks/run_all.sh [manager] [trace] [offline] [serve]   (no argument: all of them)
+# Writes JSON and PNG files to results/. About 25 minutes on 2 cores.
+# Usage: benchmarks/run_all.sh [manager] [trace] [offload] [offline] [serve]   (no argument: all of them)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pc=.venv/bin/prefixcache
@@ -12,7 +12,7 @@ out=${RESULTS_DIR:-results}
 mkdir -p "$out"
 model_dir=$(.venv/bin/python -c "from prefixcache.model import load_model; print(load_model(None).model_dir)" 2>/dev/null)
 
-stages=${*:-manager trace offline serve}
+stages=${*:-manager trace offload offline serve}
 want() { [[ " $stages " == *" $1 "* ]]; }
 stage() { printf '\n=== %s (%s)\n' "$1" "$(date +%H:%M:%S)"; }
 
@@ -25,6 +25,16 @@ if want trace; then
   stage "trace: eviction policies vs Belady on the Mooncake conversation trace"
   $pc bench trace --trace ../shared/data/traces/mooncake_conversation_trace.jsonl --policy lru,arc \
     --capacities 500000,1000000,2000000,3000000,5000000,10000000 --json "$out/trace.json" --plot "$out/trace.png"
+fi
+
+if want offload; then
+  for t in conversation synthetic; do
+    stage "offload: 1M device tokens with and without a 10M-token host tier, against single caches ($t trace)"
+    $pc bench trace --trace ../shared/data/traces/mooncake_${t}_trace.jsonl --capacities 1000000 \
+      --offload-tokens 10000000 --offload-mode write_back,write_through --json "$out/offload-$t.json"
+    $pc bench trace --trace ../shared/data/traces/mooncake_${t}_trace.jsonl --capacities 10000000,11000000 \
+      --json "$out/offload-$t-single.json"
+  done
 fi
 
 if want offline; then

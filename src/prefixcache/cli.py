@@ -63,10 +63,12 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from prefixcache.bench import offline
+    from prefixcache.bench import route as bench_route
     from prefixcache.bench import serve as bench_serve
     from prefixcache.bench import trace as bench_trace
     from prefixcache.core import HASH_ALGOS
     from prefixcache.engine.args import add_engine_args
+    from prefixcache.router.cli import register as register_router
     from prefixcache.server.cli import register as register_serve
 
     parser = argparse.ArgumentParser(prog="prefixcache", description=__doc__)
@@ -88,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     offline.register(bench)
     bench_serve.register(bench)
     bench_trace.register(bench)
+    bench_route.register(bench)
 
     generate = commands.add_parser("generate", help="complete prompts on the command line")
     generate.add_argument("prompt", nargs="+", help="one or more prompts")
@@ -106,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     demo.set_defaults(func=_demo)
     register_serve(commands)
+    register_router(commands)
     return parser
 
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixcache.core import HASH_ALGOS
 from prefixcache.core.eviction import EVICTION_POLICIES
 from prefixcache.kv_events.config import KVEventsConfig
+
+if TYPE_CHECKING:
+    from prefixcache.offload.config import OffloadConfig
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3}
 _UNITS |= {"kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "tb": 1000**4}
@@ -37,6 +40,12 @@ class EngineConfig:
     prefix that does not fill a whole block, by copying it.
     ``max_model_len`` defaults to the model's context length.
     ``kv_events_config`` (a config, a dict of its fields or a JSON object string) publishes KV cache events.
+
+    KV offload tiers behind the device cache, any combination, searched in this order:
+    ``kv_offload_cpu`` (host memory, a size such as ``"8GiB"``), ``kv_offload_disk`` (``"PATH[:SIZE]"``,
+    kept across restarts) and ``kv_offload_redis`` (``"redis://HOST:PORT[/DB][?capacity=SIZE]"``, shared by
+    engines). ``kv_offload_mode`` decides how the host tier is filled: ``write_back`` (on eviction from the
+    device) or ``write_through`` (as blocks are computed); disk and Redis are always written through.
     """
 
     model: str | None = None
@@ -55,6 +64,10 @@ class EngineConfig:
     eviction_policy: str = "lru"
     seed: int = 0
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
+    kv_offload_cpu: str | int | None = None
+    kv_offload_disk: str | None = None
+    kv_offload_redis: str | None = None
+    kv_offload_mode: str = "write_back"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_events_config", KVEventsConfig.coerce(self.kv_events_config))
@@ -77,3 +90,12 @@ class EngineConfig:
             raise ValueError(
                 f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction_policy!r}"
             )
+        self.offload_config()
+
+    def offload_config(self) -> OffloadConfig:
+        """The offload options, parsed (``prefixcache.offload.config.OffloadConfig``); ValueError when unreadable."""
+        from prefixcache.offload.config import OffloadConfig
+
+        return OffloadConfig.parse(
+            self.kv_offload_cpu, self.kv_offload_disk, self.kv_offload_redis, self.kv_offload_mode
+        )

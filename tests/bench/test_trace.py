@@ -1,6 +1,7 @@
 """The trace benchmark: parsing, synthetic tokens, the replay and its two references, the command."""
 
 import argparse
+import dataclasses
 import itertools
 import json
 import random
@@ -27,6 +28,7 @@ from prefixcache.bench.trace import (
 )
 from prefixcache.core import EVICTION_POLICIES, KVCacheManager, Request
 from prefixcache.core.block_pool import Block
+from prefixcache.offload.connector import OFFLOAD_MODES, WRITE_BACK, WRITE_THROUGH
 
 TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
 B = 512
@@ -271,7 +273,15 @@ def test_cost_model_and_config_validation():
 # --- the command --------------------------------------------------------------------------------------
 
 
-KEYS = {"policy", "capacity_tokens", "hit_rate", "belady_hit_rate", "infinite_hit_rate"}
+KEYS = {
+    "policy",
+    "capacity_tokens",
+    "hit_rate",
+    "belady_hit_rate",
+    "infinite_hit_rate",
+    "offload_tokens",
+    "offload_mode",
+}
 
 
 def test_command_writes_one_json_object_for_one_run(tmp_path, capsys):
@@ -305,6 +315,50 @@ def test_command_sweeps_capacities_and_policies_and_plots(tmp_path, capsys):
     assert all(set(r) == KEYS for r in results)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "40 requests" in capsys.readouterr().out
+
+
+def test_host_tier_adds_hits_and_a_tier_that_holds_everything_reaches_the_infinite_cache():
+    trace = conversations(300, seed=7)
+    infinite = infinite_hit_rate(trace, B)
+    device = replay(trace, 30, "lru")
+    assert device < infinite
+    for mode in OFFLOAD_MODES:
+        small_tier = replay(trace, 30, "lru", ReplayConfig(offload_blocks=30, offload_mode=mode))
+        assert device < small_tier < infinite, mode
+    # written through, a tier as large as the trace holds every prefix ever computed
+    everything = ReplayConfig(offload_blocks=10**6, offload_mode=WRITE_THROUGH)
+    assert replay(trace, 30, "lru", everything) == pytest.approx(infinite, abs=1e-12)
+
+
+def test_write_back_host_tier_adds_its_capacity_to_the_device():
+    """The tier holds what the device lost, so device + tier hit like one cache of both sizes together."""
+    trace = conversations(300, seed=8)
+    config = ReplayConfig(in_flight=2)
+    tiered = dataclasses.replace(config, offload_blocks=60, offload_mode=WRITE_BACK)
+    assert replay(trace, 30, "lru", tiered) >= 0.95 * replay(trace, 90, "lru", config)
+    through = dataclasses.replace(tiered, offload_mode=WRITE_THROUGH)
+    assert replay(trace, 30, "lru", tiered) > replay(trace, 30, "lru", through)
+
+
+def test_command_runs_each_policy_with_and_without_the_tier(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "t.jsonl", conversations(60, seed=9))
+    out = tmp_path / "r.json"
+    main(
+        ["--trace", str(path), "--capacity-tokens", "15000", "--offload-tokens", "30000"]
+        + ["--offload-mode", "write_back,write_through", "--json", str(out)]
+    )
+    results = json.loads(out.read_text())
+    assert [(r["policy"], r["offload_tokens"], r["offload_mode"]) for r in results] == [
+        ("lru", 0, None),
+        ("lru", 29696, "write_back"),
+        ("lru", 29696, "write_through"),
+    ]
+    assert results[1]["hit_rate"] >= results[0]["hit_rate"]
+    assert "lru + 29,696-token host tier (write-back)" in capsys.readouterr().out
+    for bad in (["--offload-mode", "eager"], ["--offload-tokens", "100"]):
+        with pytest.raises(SystemExit):
+            main(["--trace", str(path), *bad])
+        assert "error" in capsys.readouterr().err
 
 
 def test_register_adds_the_trace_subcommand(tmp_path, capsys):
@@ -352,3 +406,15 @@ def test_conversation_trace_smoke():
     assert 0.1 < infinite < 0.3  # 16.4%: the first minutes share less than the whole trace (37.3%)
     assert infinite >= belady >= max(lru, arc) > 0.03
     assert belady > 2 * lru  # at 1M tokens LRU loses most of what an offline policy keeps
+
+
+def test_conversation_trace_host_tier_adds_up_with_the_device():
+    path = TRACES / "mooncake_conversation_trace.jsonl"
+    if not path.exists():
+        pytest.skip("real Mooncake traces: ../shared/data/traces not found")
+    trace = load_trace(path, max_requests=2000)
+    device = 1_000_000 // B
+    tiered = replay(trace, device, "lru", ReplayConfig(offload_blocks=2_000_000 // B))
+    # 0.147 measured: as much as one 3M-token cache, three times the device alone (0.048)
+    assert tiered >= 0.99 * replay(trace, 3_000_000 // B, "lru")
+    assert tiered > 2 * replay(trace, device, "lru")

@@ -129,15 +129,15 @@ def test_only_full_blocks_are_hashed_and_appends_hash_only_new_blocks(monkeypatc
     first = list(mgr.block_hashes(req))
     assert len(first) == 2
     calls = []
-    import prefixcache.core.kv_cache_manager as kvm
+    import prefixcache.core.request as request_module
 
-    real = kvm.hash_blocks
+    real = request_module.hash_blocks
 
     def spy(algo, parent, packed, start, num, *args):
         calls.append((start, num))
         return real(algo, parent, packed, start, num, *args)
 
-    monkeypatch.setattr(kvm, "hash_blocks", spy)
+    monkeypatch.setattr(request_module, "hash_blocks", spy)
     assert mgr.block_hashes(req) == first
     assert calls == []
     req.append_output_token_ids([1, 2])

@@ -331,3 +331,34 @@ def test_bad_requests_are_clear_errors():
         make_request([1], cache_salt="")
     with pytest.raises(ValueError, match="request_id"):
         make_request([1], request_id="")
+
+
+def test_external_tokens_get_new_blocks_count_as_hits_and_become_findable():
+    """Blocks loaded from an offload tier: allocated like new tokens, counted like cached ones, then cached."""
+    manager = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
+    first = make_request(unique_tokens(9, 0))
+    admit(manager, first)
+    manager.free(first)
+    request = make_request(unique_tokens(17, 0))
+    blocks, num_cached = manager.get_computed_blocks(request)
+    assert num_cached == 2 * BLOCK_SIZE
+    new = manager.allocate_slots(request, 1, num_cached, blocks, num_external_tokens=2 * BLOCK_SIZE)
+    assert len(new) == 3 and request.num_computed_tokens == 17
+    assert (manager.stats.queries, manager.stats.hits) == (9 + 17, 4 * BLOCK_SIZE)
+    same = make_request(unique_tokens(17, 0))
+    assert manager.get_computed_blocks(same)[1] == 4 * BLOCK_SIZE  # the loaded blocks are cached now
+    manager.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("num_cached", "num_external", "match"),
+    [(0, 3, "whole blocks"), (0, 2 * BLOCK_SIZE + BLOCK_SIZE, "at least one token")],
+)
+def test_external_tokens_misuse_is_refused(num_cached, num_external, match):
+    manager = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
+    request = make_request(unique_tokens(3 * BLOCK_SIZE, 0))
+    with pytest.raises(ValueError, match=match):
+        manager.allocate_slots(request, 0, num_cached, [], num_external_tokens=num_external)
+    assert manager.allocate_slots(request, request.num_tokens, 0, []) is not None
+    with pytest.raises(ValueError, match="already admitted"):
+        manager.allocate_slots(request, 0, num_external_tokens=BLOCK_SIZE)

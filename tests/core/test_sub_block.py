@@ -37,8 +37,8 @@ def test_partial_block_prefix_is_reused_by_copy():
     assert mgr.take_copy_ops() == [CopyOp(src=1, dst=2, num_tokens=8)]
     assert mgr.take_copy_ops() == []
     assert mgr.pool.blocks[1].ref_cnt == 1  # the source is only read, never referenced by b
-    assert (mgr.stats.hits, mgr.stats.copied_tokens) == (16, 8)
-    assert mgr.stats.reuse_rate == pytest.approx((16 + 8) / (27 + 28))
+    assert (mgr.stats.hits, mgr.stats.copied_tokens) == (16 + 8, 8)
+    assert mgr.stats.hit_rate == pytest.approx((16 + 8) / (27 + 28))
     mgr.check_invariants()
 
 

@@ -1,14 +1,8 @@
-"""Engine fixtures: one tiny model loaded once, engines built on it per test."""
+"""Engine fixtures: engines built per test on the tiny model loaded once (``tiny_loaded``)."""
 
 import pytest
 
 from prefixcache.engine import LLM
-from prefixcache.model import load_model
-
-
-@pytest.fixture(scope="session")
-def tiny_loaded(tiny_llama_dir):
-    return load_model(str(tiny_llama_dir), dtype="float32", device="cpu")
 
 
 @pytest.fixture
@@ -31,5 +25,5 @@ def make_llm(tiny_loaded, tiny_llama_dir):
 def assert_no_leaks(llm: LLM) -> None:
     engine = llm.engine
     assert not engine.has_unfinished_requests()
-    assert engine.manager.num_free_blocks == engine.manager.num_blocks, "blocks leaked"
-    engine.manager.check_invariants()
+    assert engine.core.manager.num_free_blocks == engine.core.manager.num_blocks, "blocks leaked"
+    engine.core.manager.check_invariants()

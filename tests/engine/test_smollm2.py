@@ -16,4 +16,4 @@ def test_smollm2_answers_a_simple_question():
     again = llm.chat(question, SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)[0]
     assert again.num_cached_tokens > 0  # the system prompt and question come from the prefix cache
     assert again.outputs[0].text == first.outputs[0].text
-    assert llm.engine.manager.num_free_blocks == llm.engine.manager.num_blocks
+    assert llm.engine.core.manager.num_free_blocks == llm.engine.core.manager.num_blocks

@@ -16,7 +16,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 def sampled_logits(llm: LLM, prompt: list[int], monkeypatch) -> tuple[torch.Tensor, list[int], int]:
     """First-token logits, generated tokens and cached tokens of one prompt."""
     captured = []
-    model = llm.engine.runner.model
+    model = llm.engine.core.runner.model
     compute = model.compute_logits
 
     def recording(hidden):

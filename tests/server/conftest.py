@@ -1,13 +1,11 @@
-"""Two real servers on the tiny model, started together once per session: plain, and with auth + reset."""
+"""Two real servers on the tiny model, started together once per session: plain, and with two API keys
+(two tenants) + reset."""
 
 import httpx
 import openai
 import pytest
 
-from tests.server.harness import API_KEY, ServerProcess
-
-# 4-token blocks make "more than one block" cheap; a 256-token context makes "too long" cheap.
-SERVER_ARGS = ["--block-size", "4", "--num-blocks", "512", "--max-model-len", "256", "--disable-uvicorn-access-log"]
+from tests.server.harness import API_KEY, OTHER_API_KEY, SERVER_ARGS, ServerProcess
 
 
 @pytest.fixture(scope="session")
@@ -16,7 +14,11 @@ def _servers(tiny_llama_dir, tmp_path_factory):
     plain = ServerProcess(tiny_llama_dir, SERVER_ARGS, logs / "plain.log")
     secured = ServerProcess(
         tiny_llama_dir,
-        [*SERVER_ARGS, "--api-key", API_KEY, "--enable-reset-prefix-cache", "--served-model-name", "tiny", "alias"],
+        [
+            *SERVER_ARGS,
+            *("--api-key", API_KEY, "--api-key", OTHER_API_KEY),
+            *("--enable-reset-prefix-cache", "--served-model-name", "tiny", "alias"),
+        ],
         logs / "secured.log",
     )
     try:
@@ -36,7 +38,8 @@ def server(_servers) -> ServerProcess:
 
 @pytest.fixture(scope="session")
 def secured_server(_servers) -> ServerProcess:
-    """``--api-key`` and ``--enable-reset-prefix-cache``; served as ``tiny`` and ``alias``."""
+    """``--api-key`` twice (``API_KEY``, ``OTHER_API_KEY``) and ``--enable-reset-prefix-cache``; served as ``tiny``
+    and ``alias``."""
     return _servers[1]
 
 

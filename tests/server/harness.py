@@ -6,18 +6,24 @@ race for a port. Output goes to a log file, which failing tests print.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 API_KEY = "test-key"
+OTHER_API_KEY = "other-test-key"  # a second tenant of the secured server
+# 4-token blocks make "more than one block" cheap; a 256-token context makes "too long" cheap.
+SERVER_ARGS = ["--block-size", "4", "--num-blocks", "512", "--max-model-len", "256", "--disable-uvicorn-access-log"]
 _READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
 
 
@@ -64,13 +70,17 @@ class ServerProcess:
 
 
 def scrape(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
-    """/metrics as {sample name: value}, summed over label sets (e.g. every finish reason)."""
+    """/metrics as {sample name: value}, summed over label sets (e.g. every finish reason), and per label set
+    as ``name{label="value"}`` (labels other than ``model_name``, e.g. ``..._total{finished_reason="abort"}``)."""
     response = httpx.get(f"{url}/metrics", headers=headers, timeout=10)
     response.raise_for_status()
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
             values[sample.name] = values.get(sample.name, 0.0) + sample.value
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "model_name")
+            if labels:
+                values[f"{sample.name}{{{labels}}}"] = sample.value
     return values
 
 
@@ -83,3 +93,54 @@ def random_prompt(seed: int | str, length: int) -> list[int]:
     """Token ids no other test sends (by seed), clear of the tiny tokenizer's special ids 0 and 1."""
     rng = random.Random(seed)
     return [rng.randrange(2, 400) for _ in range(length)]
+
+
+@dataclass
+class StreamResult:
+    """What one streamed completion received: its events (and when each arrived), whether ``[DONE]`` came."""
+
+    events: list[dict] = field(default_factory=list)
+    arrivals: list[float] = field(default_factory=list)
+    done: bool = False
+    first_token: threading.Event = field(default_factory=threading.Event)
+    ended_at: float | None = None
+    error: BaseException | None = None
+
+
+def stream_completion(url: str, seed: str, max_tokens: int, result: StreamResult) -> None:
+    """Stream a greedy completion of a prompt of 12 ids drawn from ``seed`` into ``result`` (run it in a thread)."""
+    body = {
+        "prompt": random_prompt(seed, 12),
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line == "data: [DONE]":
+                    result.done = True
+                elif line.startswith("data: "):
+                    result.events.append(json.loads(line.removeprefix("data: ")))
+                    result.arrivals.append(time.monotonic())
+                    result.first_token.set()
+    except httpx.HTTPError as exc:
+        result.error = exc
+    finally:
+        result.ended_at = time.monotonic()
+        result.first_token.set()
+
+
+def start_streams(url: str, count: int, max_tokens: int) -> tuple[list[StreamResult], list[threading.Thread]]:
+    """``count`` concurrent streams of ``max_tokens`` tokens each, started once each has its first token."""
+    results = [StreamResult() for _ in range(count)]
+    threads = [
+        threading.Thread(target=stream_completion, args=(url, f"life-{i}-{time.time()}", max_tokens, r))
+        for i, r in enumerate(results)
+    ]
+    for thread in threads:
+        thread.start()
+    for result in results:
+        assert result.first_token.wait(30), "no first token"
+    return results, threads

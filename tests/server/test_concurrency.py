@@ -1,5 +1,6 @@
 """Clients that hang up are aborted at once, not run to their max_tokens: in a burst of concurrent streams
-the others still finish, and afterwards nothing runs, waits or holds a KV block."""
+the others still finish, afterwards nothing runs, waits or holds a KV block, and the aborts are counted
+under ``finished_reason="abort"``."""
 
 import asyncio
 import contextlib
@@ -92,7 +93,8 @@ def test_streaming_clients_that_leave_are_aborted_and_their_blocks_freed(server,
     after = wait_until_idle(server.url)
     # All started; only the clients that stayed finished, the others were aborted long before max_tokens.
     assert delta(before, after, "prompt_tokens_total") == 20 * (NUM_FINISHING + NUM_LEAVING)
-    assert delta(before, after, "request_success_total") == NUM_FINISHING
+    assert delta(before, after, 'request_success_total{finished_reason="length"}') == NUM_FINISHING
+    assert delta(before, after, 'request_success_total{finished_reason="abort"}') == NUM_LEAVING
     assert delta(before, after, "generation_tokens_total") < NUM_FINISHING * 24 + NUM_LEAVING * LONG / 2
 
 
@@ -101,5 +103,6 @@ def test_a_non_streaming_client_that_leaves_is_aborted(server, model_name):
     asyncio.run(asyncio.wait_for(leave_while_waiting(server.url, model_name), timeout=30))
     after = wait_until_idle(server.url)
     assert delta(before, after, "prompt_tokens_total") == 20
-    assert delta(before, after, "request_success_total") == 0
+    assert delta(before, after, "request_success_total") == 1
+    assert delta(before, after, 'request_success_total{finished_reason="abort"}') == 1
     assert delta(before, after, "generation_tokens_total") < LONG

@@ -13,11 +13,16 @@ The token hit rate (prompt tokens found cached / prompt tokens) is reported next
 from the same trace: infinite capacity, which no policy can beat, and Belady's offline rule (evict the
 free block whose next lookup is farthest in the future), replayed through the same manager with the
 same holding. See docs/eviction.md for the exact definitions.
+
+With ``--offload-tokens N`` each policy also runs with a host memory tier of N tokens behind the device
+cache: the real offload connector and host store, with a placeholder payload per block, saving
+write-through or write-back (``--offload-mode``). Its hit rate counts device and tier hits together.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import heapq
 import json
@@ -30,6 +35,8 @@ import numpy as np
 from tqdm import tqdm
 
 from prefixcache.core import EVICTION_POLICIES, HASH_ALGOS, Block, BlockHash, KVCacheManager, Request
+from prefixcache.offload import HostMemoryStore, KVLayout
+from prefixcache.offload.connector import OFFLOAD_MODES, WRITE_BACK, OffloadConnector, TierWriter
 
 TRACE_BLOCK_TOKENS = 512
 # Token t of the block with id k is (512 k + t) * _MIX mod 2**32: odd, so a bijection on uint32, and ids
@@ -165,11 +172,17 @@ class ReplayConfig:
     hash_algo: str = "sha256"
     cost: CostModel = CostModel()
     in_flight: int | None = None
+    offload_blocks: int = 0
+    offload_mode: str = WRITE_BACK
 
     def __post_init__(self) -> None:
         _sub_blocks_per_trace_block(self.block_size)
         if self.in_flight is not None and self.in_flight <= 0:
             raise ValueError(f"in_flight must be positive, got {self.in_flight}")
+        if self.offload_blocks < 0:
+            raise ValueError(f"offload_blocks must be >= 0, got {self.offload_blocks}")
+        if self.offload_mode not in OFFLOAD_MODES:
+            raise ValueError(f"offload_mode must be one of {', '.join(OFFLOAD_MODES)}, got {self.offload_mode!r}")
 
 
 class FutureUses:
@@ -278,7 +291,8 @@ def replay(
 ) -> float:
     """The token hit rate of the trace through a ``capacity_blocks`` manager evicting with ``policy``.
 
-    ``policy`` is a name from EVICTION_POLICIES, or BELADY for the offline reference.
+    ``policy`` is a name from EVICTION_POLICIES, or BELADY for the offline reference. With
+    ``config.offload_blocks`` a host tier sits behind the manager and its hits count too.
     """
     eviction_policy: str | BeladyPolicy = policy
     on_request = None
@@ -291,8 +305,101 @@ def replay(
         hash_algo=config.hash_algo,
         eviction_policy=eviction_policy,
     )
-    drive(manager, trace, config, on_request, progress, f"{policy} @ {capacity_blocks * config.block_size:,} tokens")
+    connector = simulated_host_tier(manager, config) if config.offload_blocks else None
+    desc = f"{policy} @ {capacity_blocks * config.block_size:,} tokens"
+    drive(manager, trace, config, on_request, progress, desc, connector)
     return manager.stats.hit_rate
+
+
+class HeldCache:
+    """One manager under the replay's holding rule: an admitted request keeps its blocks until its finish time.
+
+    The cache has its own clock: a request that finds no room waits for the earliest finish, and so
+    does everything behind it on this cache. ``tokens_in_flight`` sums the uncached prompt and output
+    tokens of the admitted requests, the work a router sees queued there.
+    """
+
+    def __init__(
+        self, manager: KVCacheManager, config: ReplayConfig, connector: OffloadConnector | None = None
+    ) -> None:
+        self.manager = manager
+        self.config = config
+        self.connector = connector
+        self.now = 0.0
+        self.tokens_in_flight = 0
+        self._in_flight: list[tuple[float, int, Request, int]] = []  # (finish time, index, request, tokens)
+
+    def advance(self, now: float) -> None:
+        """Move the clock to ``now`` (never back) and free every request finished by then."""
+        self.now = max(self.now, now)
+        while self._in_flight and self._in_flight[0][0] <= self.now:
+            self._release()
+
+    def admit(self, index: int, record: TraceRequest, request: Request) -> int:
+        """Look ``request`` up and admit it, waiting for room as needed; returns its cached prompt tokens."""
+        manager, connector = self.manager, self.connector
+        while True:
+            blocks, num_cached = manager.get_computed_blocks(request)
+            num_external = 0
+            if connector is not None:
+                blocks, num_cached, num_external = connector.extend_local_hit(request, blocks, num_cached)
+            num_new = record.input_length - num_cached - num_external
+            allocated = manager.allocate_slots(request, num_new, num_cached, blocks, record.output_length, num_external)
+            if allocated is not None:
+                break
+            if not self._in_flight:
+                raise ValueError(
+                    f"request {index} needs {-(-(record.input_length + record.output_length) // manager.block_size)}"
+                    f" blocks, more than the capacity of {manager.num_blocks}"
+                )
+            self.now = max(self.now, self._in_flight[0][0])
+            self._release()
+        if connector is not None:
+            connector.update_state_after_alloc(request, manager.block_ids(request), num_external)
+            _simulate_transfers(connector)
+        duration = self.config.in_flight or self.config.cost.duration_ms(num_new, record.output_length)
+        tokens = num_new + record.output_length
+        heapq.heappush(self._in_flight, (self.now + duration, index, request, tokens))
+        self.tokens_in_flight += tokens
+        return num_cached
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def drain(self) -> None:
+        """Free everything still in flight."""
+        while self._in_flight:
+            self._release()
+
+    def _release(self) -> None:
+        _, _, request, tokens = heapq.heappop(self._in_flight)
+        self.manager.free(request)
+        self.tokens_in_flight -= tokens
+
+
+def arrival(index: int, record: TraceRequest, config: ReplayConfig) -> float:
+    """A request's arrival on the replay clock: its timestamp, or its index when holding by admissions."""
+    return float(index) if config.in_flight else record.timestamp_ms
+
+
+def trace_request(index: int, record: TraceRequest) -> Request:
+    return Request(str(index), synthetic_tokens(record.hash_ids, record.input_length))
+
+
+def simulated_host_tier(manager: KVCacheManager, config: ReplayConfig) -> OffloadConnector:
+    """The real connector and host store with ``config.offload_blocks`` blocks of a one-value layout."""
+    layout = KVLayout("trace-simulation", "float16", config.block_size, 1, 1, 1, config.hash_algo, manager.root_hash)
+    store = HostMemoryStore(layout, config.offload_blocks * layout.block_bytes)
+    return OffloadConnector(manager, [store], config.offload_mode, TierWriter([store], background=False))
+
+
+def _simulate_transfers(connector: OffloadConnector) -> None:
+    """The worker's part without a model: every block the plan saves is stored with a placeholder payload."""
+    plan = connector.build_plan()
+    placeholder = bytes(connector.stores[0].layout.block_bytes)
+    for save in plan.save_before + plan.save_after:
+        connector.writer.submit(save.tiers, [(save.block_hash, placeholder)])
 
 
 def drive(
@@ -302,47 +409,42 @@ def drive(
     on_request: Callable[[int, TraceRequest, Sequence[BlockHash]], None] | None = None,
     progress: bool = False,
     desc: str = "",
+    connector: OffloadConnector | None = None,
 ) -> None:
     """Admit each request in order, freeing in-flight ones as their time comes or when room is needed.
 
     With ``in_flight`` the clock counts admissions instead of milliseconds. ``on_request`` sees each
-    request's index, record and block hashes before its lookup.
+    request's index, record and block hashes before its lookup. With a ``connector`` the lookup is
+    extended by its tiers, and tokens loaded from them cost nothing, like cached ones.
     """
-    in_flight: list[tuple[float, int, Request]] = []  # (finish time, index, request)
-    now = 0.0
+    cache = HeldCache(manager, config, connector)
     for index, record in enumerate(tqdm(trace, desc=desc, unit="req", disable=not progress, leave=False)):
-        now = max(now, float(index) if config.in_flight else record.timestamp_ms)
-        while in_flight and in_flight[0][0] <= now:
-            manager.free(heapq.heappop(in_flight)[2])
-        request = Request(str(index), synthetic_tokens(record.hash_ids, record.input_length))
+        cache.advance(arrival(index, record, config))
+        request = trace_request(index, record)
         if on_request is not None:
             on_request(index, record, manager.block_hashes(request))
-        while True:
-            blocks, num_cached = manager.get_computed_blocks(request)
-            num_new = record.input_length - num_cached
-            if manager.allocate_slots(request, num_new, num_cached, blocks, record.output_length) is not None:
-                break
-            if not in_flight:
-                raise ValueError(
-                    f"request {index} needs {-(-(record.input_length + record.output_length) // manager.block_size)}"
-                    f" blocks, more than the capacity of {manager.num_blocks}"
-                )
-            finish, _, done = heapq.heappop(in_flight)
-            now = max(now, finish)
-            manager.free(done)
-        duration = config.in_flight or config.cost.duration_ms(num_new, record.output_length)
-        heapq.heappush(in_flight, (now + duration, index, request))
-    for _, _, request in in_flight:
-        manager.free(request)
+        cache.admit(index, record, request)
+    cache.drain()
 
 
 @dataclass(frozen=True, slots=True)
 class TraceResult:
+    """``offload_tokens`` > 0: a host tier of that size (filled ``offload_mode``) sat behind the device cache;
+    the hit rate counts both, the references are the device cache's alone."""
+
     policy: str
     capacity_tokens: int
     hit_rate: float
     belady_hit_rate: float
     infinite_hit_rate: float
+    offload_tokens: int = 0
+    offload_mode: str | None = None
+
+    @property
+    def label(self) -> str:
+        if not self.offload_tokens:
+            return self.policy
+        return f"{self.policy} + {self.offload_tokens:,}-token host tier ({self.offload_mode.replace('_', '-')})"
 
 
 def sweep(
@@ -351,43 +453,56 @@ def sweep(
     policies: Sequence[str],
     config: ReplayConfig = ReplayConfig(),
     progress: bool = False,
+    offload_modes: Sequence[str] | None = None,
 ) -> list[TraceResult]:
-    """Every policy at every capacity, with the Belady reference per capacity and the infinite one."""
+    """Every policy at every capacity, with the Belady reference per capacity and the infinite one.
+
+    With ``config.offload_blocks`` every policy also runs with the host tier, once per mode in
+    ``offload_modes`` (default: ``config.offload_mode``).
+    """
     infinite = infinite_hit_rate(trace, config.block_size)
+    device_only = dataclasses.replace(config, offload_blocks=0)
+    offload_tokens = config.offload_blocks * config.block_size
     results = []
     for capacity in capacities_blocks:
-        belady = replay(trace, capacity, BELADY, config, progress)
+        belady = replay(trace, capacity, BELADY, device_only, progress)
+        capacity_tokens = capacity * config.block_size
         for policy in policies:
-            hit_rate = replay(trace, capacity, policy, config, progress)
-            results.append(TraceResult(policy, capacity * config.block_size, hit_rate, belady, infinite))
+            hit_rate = replay(trace, capacity, policy, device_only, progress)
+            results.append(TraceResult(policy, capacity_tokens, hit_rate, belady, infinite))
+            for mode in (offload_modes or [config.offload_mode]) if config.offload_blocks else ():
+                tiered = dataclasses.replace(config, offload_mode=mode)
+                hit_rate = replay(trace, capacity, policy, tiered, progress)
+                results.append(TraceResult(policy, capacity_tokens, hit_rate, belady, infinite, offload_tokens, mode))
     return results
 
 
 def format_table(results: Sequence[TraceResult]) -> str:
-    lines = [f"{'capacity (tokens)':>18}  {'policy':<8}{'hit rate':>10}{'belady':>10}{'infinite':>10}"]
+    width = max(8, *(len(r.label) + 2 for r in results))
+    lines = [f"{'capacity (tokens)':>18}  {'policy':<{width}}{'hit rate':>10}{'belady':>10}{'infinite':>10}"]
     for r in results:
         lines.append(
-            f"{r.capacity_tokens:>18,}  {r.policy:<8}{r.hit_rate:>10.4f}{r.belady_hit_rate:>10.4f}"
+            f"{r.capacity_tokens:>18,}  {r.label:<{width}}{r.hit_rate:>10.4f}{r.belady_hit_rate:>10.4f}"
             f"{r.infinite_hit_rate:>10.4f}"
         )
     return "\n".join(lines)
 
 
 def write_plot(results: Sequence[TraceResult], path: Path, title: str) -> None:
-    """Hit rate against capacity: one line per policy, Belady dashed, infinite dotted."""
+    """Hit rate against (device) capacity: one line per policy and tier, Belady dashed, infinite dotted."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for policy in dict.fromkeys(r.policy for r in results):
-        points = sorted((r.capacity_tokens / 1e6, r.hit_rate) for r in results if r.policy == policy)
-        ax.plot(*zip(*points, strict=True), marker="o", label=policy)
+    for label in dict.fromkeys(r.label for r in results):
+        points = sorted((r.capacity_tokens / 1e6, r.hit_rate) for r in results if r.label == label)
+        ax.plot(*zip(*points, strict=True), marker="o", label=label)
     belady = sorted({(r.capacity_tokens / 1e6, r.belady_hit_rate) for r in results})
     ax.plot(*zip(*belady, strict=True), linestyle="--", color="black", label="belady (offline)")
     ax.axhline(results[0].infinite_hit_rate, linestyle=":", color="gray", label="infinite capacity")
-    ax.set_xlabel("cache capacity (million tokens)")
+    ax.set_xlabel("device cache capacity (million tokens)")
     ax.set_ylabel("prompt token hit rate")
     ax.set_ylim(bottom=0)
     ax.set_title(title)
@@ -433,6 +548,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-ms-per-token", type=float, default=default_cost.prefill_ms_per_token)
     parser.add_argument("--decode-ms-per-token", type=float, default=default_cost.decode_ms_per_token)
     parser.add_argument("--hash-algo", choices=HASH_ALGOS, default="sha256")
+    parser.add_argument(
+        "--offload-tokens", type=_positive_int, help="also run each policy with a host tier of N tokens behind it"
+    )
+    parser.add_argument(
+        "--offload-mode",
+        type=_name_list,
+        default=[WRITE_BACK],
+        help=f"comma-separated ways to fill the host tier: {', '.join(OFFLOAD_MODES)} (default {WRITE_BACK})",
+    )
     parser.add_argument("--json", type=Path, help="write the results as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG of hit rate against capacity here")
 
@@ -464,6 +588,12 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Trace
         parser.error(f"unknown policy {', '.join(unknown)}; choose from {', '.join(EVICTION_POLICIES)}")
     if TRACE_BLOCK_TOKENS % args.block_size:
         parser.error(f"--block-size must divide {TRACE_BLOCK_TOKENS}, got {args.block_size}")
+    unknown = [m for m in args.offload_mode if m not in OFFLOAD_MODES]
+    if unknown:
+        parser.error(f"unknown offload mode {', '.join(unknown)}; choose from {', '.join(OFFLOAD_MODES)}")
+    offload_blocks = (args.offload_tokens or 0) // args.block_size
+    if args.offload_tokens and not offload_blocks:
+        parser.error(f"--offload-tokens must hold at least one {args.block_size}-token block")
     if args.capacity_blocks is not None:
         capacities = [args.capacity_blocks]
     else:
@@ -475,6 +605,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Trace
         hash_algo=args.hash_algo,
         cost=CostModel(args.prefill_ms_per_token, args.decode_ms_per_token),
         in_flight=args.in_flight,
+        offload_blocks=offload_blocks,
     )
     try:
         trace = load_trace(args.trace, args.max_requests)
@@ -493,7 +624,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Trace
         f"blocks of {config.block_size} tokens; held for {holding}"
     )
     try:
-        results = sweep(trace, capacities, args.policy, config, progress=len(trace) >= 1000)
+        results = sweep(trace, capacities, args.policy, config, len(trace) >= 1000, args.offload_mode)
     except ValueError as exc:  # a request larger than the cache
         parser.error(str(exc))
     print(format_table(results))

@@ -72,12 +72,15 @@ def _check_algo(algo: str) -> None:
         raise ValueError(f"unknown hash algorithm {algo!r}; choose one of {', '.join(HASH_ALGOS)}")
 
 
+def resolve_hash_seed(seed: str | None = None) -> str:
+    """The seed in force: the argument, else ``$PREFIXCACHE_HASH_SEED``, else the default."""
+    return os.environ.get(HASH_SEED_ENV, DEFAULT_HASH_SEED) if seed is None else seed
+
+
 def root_hash(algo: str, seed: str | None = None) -> BlockHash:
     """The parent of every chain's first block: ``H(seed)``, seed from the argument, env or default."""
     _check_algo(algo)
-    if seed is None:
-        seed = os.environ.get(HASH_SEED_ENV, DEFAULT_HASH_SEED)
-    return BlockHash(_DIGESTS[algo](seed.encode()))
+    return BlockHash(_DIGESTS[algo](resolve_hash_seed(seed).encode()))
 
 
 def hash_blocks(

@@ -6,14 +6,19 @@ from dataclasses import dataclass
 
 from prefixcache.core.block_pool import Block, BlockPool
 from prefixcache.core.eviction import EvictionPolicy
-from prefixcache.core.hashing import BlockHash, hash_blocks, root_hash, warn_if_unsafe
+from prefixcache.core.hashing import BlockHash, root_hash, warn_if_unsafe
 from prefixcache.core.request import Request
 from prefixcache.core.sub_block import CopyOp, SubBlockIndex
 
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    """Counted once per request, when it is admitted: prompt tokens looked up, and found in the cache."""
+    """Counted once per request, when it is admitted: prompt tokens looked up, and not computed.
+
+    ``hits`` are the prompt tokens whose K/V was reused, from shared blocks, copied from a sub-block
+    match (``copied_tokens`` of them) or loaded from an offload tier; this is the one definition of a hit
+    everywhere in prefixcache.
+    """
 
     requests: int = 0
     queries: int = 0
@@ -22,13 +27,7 @@ class PrefixCacheStats:
 
     @property
     def hit_rate(self) -> float:
-        """Prompt tokens found in shared cached blocks, over prompt tokens looked up."""
         return self.hits / self.queries if self.queries else 0.0
-
-    @property
-    def reuse_rate(self) -> float:
-        """Prompt tokens not computed: shared-block hits plus tokens copied from sub-block matches."""
-        return (self.hits + self.copied_tokens) / self.queries if self.queries else 0.0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -106,24 +105,7 @@ class KVCacheManager:
         done = len(hashes)
         if num_full > done:
             parent = hashes[-1] if hashes else self.root_hash
-            extra = None
-            if request.has_extra_keys:
-                block_size = self.block_size
-
-                def extra(k: int) -> tuple | None:
-                    return request.block_extra_keys(k, block_size)
-
-            hashes.extend(
-                hash_blocks(
-                    self.hash_algo,
-                    parent,
-                    request.packed_token_ids,
-                    done,
-                    num_full - done,
-                    self.block_size,
-                    extra,
-                )
-            )
+            hashes.extend(request.hash_blocks(self.hash_algo, parent, done, num_full - done, self.block_size))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
@@ -161,22 +143,25 @@ class KVCacheManager:
         num_cached_tokens: int = 0,
         cached_blocks: list[Block] | None = None,
         num_lookahead_tokens: int = 0,
+        num_external_tokens: int = 0,
     ) -> list[Block] | None:
         """Grow the request's table to hold its computed tokens plus ``num_new_tokens`` and lookahead.
 
-        The first call admits the request with the hit from ``get_computed_blocks``. Every block that
-        becomes full is cached. Returns the newly allocated blocks, or None (nothing changed) when
+        The first call admits the request with the hit from ``get_computed_blocks``, extended by
+        ``num_external_tokens`` whose K/V comes from outside the pool (the offload tiers): full blocks
+        right after the cached prefix, which get new blocks like new tokens but count as hits. Every block
+        that becomes full is cached. Returns the newly allocated blocks, or None (nothing changed) when
         they do not fit.
         """
-        if num_new_tokens < 0 or num_lookahead_tokens < 0:
-            raise ValueError("num_new_tokens and num_lookahead_tokens must be >= 0")
+        if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_external_tokens < 0:
+            raise ValueError("num_new_tokens, num_lookahead_tokens and num_external_tokens must be >= 0")
         table = self._tables.get(request.request_id)
         admitting = table is None
         block_size = self.block_size
         if admitting:
             cached_blocks = cached_blocks or []
-            self._check_hit(request, cached_blocks, num_cached_tokens)
-            num_computed = num_cached_tokens
+            self._check_hit(request, cached_blocks, num_cached_tokens, num_external_tokens)
+            num_computed = num_cached_tokens + num_external_tokens
             num_copied = num_cached_tokens % block_size
             copy_source = cached_blocks[-1] if num_copied else None
             cached_blocks = cached_blocks[:-1] if num_copied else cached_blocks
@@ -184,7 +169,7 @@ class KVCacheManager:
             num_to_touch = sum(1 for block in cached_blocks if block.ref_cnt == 0)
             reserve = self.watermark_blocks
         else:
-            if cached_blocks or num_cached_tokens:
+            if cached_blocks or num_cached_tokens or num_external_tokens:
                 raise ValueError(f"request {request.request_id!r} is already admitted; pass no cached blocks")
             num_computed = request.num_computed_tokens
             num_held = len(table)
@@ -204,7 +189,7 @@ class KVCacheManager:
             table = list(cached_blocks)
             self._tables[request.request_id] = table
             self._num_cached_blocks[request.request_id] = len(cached_blocks)
-            self._count_admission(request, num_held * block_size, num_copied)
+            self._count_admission(request, num_held * block_size + num_external_tokens, num_copied)
             if self.sub_blocks is not None:
                 self._sub_block_requests[request.request_id] = request
                 self._sub_block_indexed[request.request_id] = num_held * block_size
@@ -270,15 +255,20 @@ class KVCacheManager:
                     f"{request_id}: block {block.block_id} counted as cached holds no hash"
                 )
 
-    def _check_hit(self, request: Request, cached_blocks: list[Block], num_cached_tokens: int) -> None:
+    def _check_hit(
+        self, request: Request, cached_blocks: list[Block], num_cached_tokens: int, num_external_tokens: int
+    ) -> None:
         num_full, num_copied = divmod(num_cached_tokens, self.block_size)
         copies_ok = num_copied == 0 or (self.sub_blocks is not None and num_copied % self.sub_block_size == 0)
         if len(cached_blocks) != num_full + (num_copied > 0) or not copies_ok:
             raise ValueError(f"num_cached_tokens={num_cached_tokens} does not match {len(cached_blocks)} cached blocks")
+        if num_external_tokens and (num_copied or num_external_tokens % self.block_size):
+            raise ValueError("external tokens must be whole blocks right after a block-aligned cached prefix")
+        num_hit = num_cached_tokens + num_external_tokens
+        if num_hit and num_hit >= request.num_tokens:
+            raise ValueError("the cached prefix must leave at least one token to compute")
         if not cached_blocks:
             return
-        if num_cached_tokens >= request.num_tokens:
-            raise ValueError("the cached prefix must leave at least one token to compute")
         hashes = self.block_hashes(request)
         stale = [b for b, h in zip(cached_blocks[:num_full], hashes, strict=False) if b.block_hash != h]
         if (
@@ -299,7 +289,7 @@ class KVCacheManager:
         request.counted_in_stats = True
         self.stats.requests += 1
         self.stats.queries += request.num_tokens
-        self.stats.hits += num_hit_tokens
+        self.stats.hits += num_hit_tokens + num_copied_tokens
         self.stats.copied_tokens += num_copied_tokens
 
     def _cache_full_blocks(self, request: Request, table: list[Block], num_full: int) -> None:

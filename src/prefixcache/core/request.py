@@ -6,7 +6,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from prefixcache.core.hashing import LORA_TAG, MM_TAG, SALT_TAG, BlockHash, ExtraKeys, pack_token_ids
+from prefixcache.core.hashing import LORA_TAG, MM_TAG, SALT_TAG, BlockHash, ExtraKeys, hash_blocks, pack_token_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,3 +97,19 @@ class Request:
             if feature.offset + feature.length > start:
                 keys.append((MM_TAG, feature.identifier, feature.offset - start))
         return tuple(keys) or None
+
+    def hash_blocks(
+        self, algo: str, parent: BlockHash, start_block: int, num_blocks: int, block_size: int
+    ) -> list[BlockHash]:
+        """Chained hashes of ``num_blocks`` full blocks from ``start_block``, with this request's extra keys.
+
+        ``parent`` is the hash of the block before ``start_block`` (the root hash for block 0). Engines and
+        routers both hash through here, so they agree on every key.
+        """
+        extra = None
+        if self.has_extra_keys:
+
+            def extra(k: int) -> ExtraKeys | None:
+                return self.block_extra_keys(k, block_size)
+
+        return hash_blocks(algo, parent, self.packed_token_ids, start_block, num_blocks, block_size, extra)

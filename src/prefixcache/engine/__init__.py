@@ -9,7 +9,8 @@ from typing import Any
 _EXPORTS = {
     "LLM": "prefixcache.engine.llm",
     "LLMEngine": "prefixcache.engine.llm_engine",
-    "EngineStats": "prefixcache.engine.llm_engine",
+    "EngineCore": "prefixcache.engine.core",
+    "EngineStats": "prefixcache.engine.messages",
     "CompletionOutput": "prefixcache.engine.outputs",
     "RequestOutput": "prefixcache.engine.outputs",
     "SamplingParams": "prefixcache.engine.sampling_params",

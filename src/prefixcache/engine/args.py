@@ -57,6 +57,23 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         metavar="JSON",
         help='publish KV cache events like vLLM, e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'',
     )
+    offload = parser.add_argument_group("KV offload tiers (searched in this order after the device cache)")
+    offload.add_argument("--kv-offload-cpu", default=None, metavar="SIZE", help="host memory tier, e.g. 8GiB")
+    offload.add_argument(
+        "--kv-offload-disk", default=None, metavar="PATH[:SIZE]", help="local disk tier, kept across restarts (10GiB)"
+    )
+    offload.add_argument(
+        "--kv-offload-redis",
+        default=None,
+        metavar="URL",
+        help="Redis tier shared by engines: redis://HOST:PORT[/DB][?capacity=SIZE] (4GiB)",
+    )
+    offload.add_argument(
+        "--kv-offload-mode",
+        default="write_back",
+        choices=["write_back", "write_through"],
+        help="fill the host tier on eviction from the device (default) or as blocks are computed",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

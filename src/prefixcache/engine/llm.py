@@ -43,15 +43,15 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        requests = []
+        request_ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params, strict=True):
-                requests.append(self.engine.add_request(prompt, p, cache_salt=cache_salt))
+                request_ids.append(self.engine.add_request(prompt, p, cache_salt=cache_salt))
         except ValueError:
-            for request in requests:
-                self.engine.abort_request(request.request_id)
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
             raise
-        return self._run([r.request_id for r in requests], use_tqdm)
+        return self._run(request_ids, use_tqdm)
 
     def chat(
         self,

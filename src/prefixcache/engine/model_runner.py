@@ -1,25 +1,44 @@
-"""Runs one scheduled step on the model: builds the flat batch, runs the forward pass, samples."""
+"""Runs one scheduled step on the model: builds the flat batch, runs the forward pass, samples.
+
+The forward pass is the batch's: if it raises, the step fails. What follows it is per request
+(prompt log-probabilities, sampling), and a failure there fails only that request (``errors``).
+"""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from prefixcache.core.sub_block import CopyOp
 from prefixcache.engine.sampler import Sampler
-from prefixcache.engine.scheduler import SchedulerOutput
+from prefixcache.engine.scheduler import ScheduledChunk, SchedulerOutput
 from prefixcache.model import AttentionMetadata, LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from prefixcache.offload.worker import OffloadWorker
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
+    """Per request id: the sampled token and its log-probabilities, prompt log-probabilities, or an error."""
+
     sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[dict[int, float] | None]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 class ModelRunner:
-    """Owns the paged KV cache tensors and the sampler; knows nothing of scheduling or caching policy."""
+    """Owns the paged KV cache tensors and the sampler; knows nothing of scheduling or caching policy.
+
+    ``offload`` (set when KV offload tiers are on) moves blocks between the cache tensors and the tiers
+    around the forward pass.
+    """
 
     def __init__(
         self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: str, seed: int
@@ -29,9 +48,12 @@ class ModelRunner:
         self.device = torch.device(device)
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, dtype, self.device)
         self.sampler = Sampler(seed, self.device)
+        self.offload: OffloadWorker | None = None
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        if self.offload is not None:
+            self.offload.before_forward(step.offload)
         self._copy_blocks(step.copies)
         chunks = step.chunks
         token_ids: list[int] = []
@@ -50,26 +72,31 @@ class ModelRunner:
             self.kv_caches,
             metadata,
         )
+        if self.offload is not None:
+            self.offload.after_forward(step.offload)
         out = ModelRunnerOutput()
         sampling_rows, sampling = [], []
         starts = metadata.query_start_loc.tolist()
         for i, chunk in enumerate(chunks):
+            request_id = chunk.request.request_id
             if chunk.request.sampling_params.prompt_logprobs is not None:
-                out.prompt_logprobs[chunk.request.request_id] = self._prompt_logprobs(
-                    hidden[starts[i] : starts[i + 1]], chunk
-                )
+                try:
+                    out.prompt_logprobs[request_id] = self._prompt_logprobs(hidden[starts[i] : starts[i + 1]], chunk)
+                except Exception as exc:  # one request's failure is its own
+                    logger.warning("prompt logprobs failed for request %s: %r", request_id, exc)
+                    out.errors[request_id] = f"computing prompt logprobs failed: {exc}"
+                    continue
             if chunk.samples:
                 sampling_rows.append(i)
                 sampling.append(chunk.request)
         if sampling:
             logits = self.model.compute_logits(hidden[metadata.last_token_indices[sampling_rows]])
-            tokens = self.sampler.sample(
-                logits, [r.request_id for r in sampling], [r.sampling_params for r in sampling]
-            )
-            out.sampled = {r.request_id: t for r, t in zip(sampling, tokens, strict=True)}
+            sampled = self.sampler.sample(logits, sampling)
+            out.sampled, out.logprobs = sampled.token_ids, sampled.logprobs
+            out.errors |= sampled.errors
         return out
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, chunk) -> list[dict[int, float] | None]:
+    def _prompt_logprobs(self, hidden: torch.Tensor, chunk: ScheduledChunk) -> list[dict[int, float] | None]:
         """Log-probabilities of each next prompt token (and the top-k) at this chunk's positions."""
         request = chunk.request
         k = request.sampling_params.prompt_logprobs

@@ -10,8 +10,10 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" (EOS, stop token or string) or "length"
+    finish_reason: str | None = None  # "stop" (EOS, stop token or string), "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[dict[int, float]] | None = None  # per token: the sampled token's, then the top-k
+    error: str | None = None  # why an "abort" that the engine decided happened (the request failed alone)
 
 
 @dataclass(slots=True)

@@ -1,17 +1,45 @@
-"""Turns the last-position logits of each sampling request into its next token."""
+"""Turns the last-position logits of each sampling request into its next token (and its log-probabilities)."""
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from prefixcache.engine.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
+
+class SamplingRequest(Protocol):
+    """What the sampler reads of a request (``EngineRequest`` is one)."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """Per request id: the sampled token, its ``{token id: log-probability}`` if asked, or why it failed."""
+
+    token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
 
 class Sampler:
-    """Greedy rows are one batched argmax; the rest apply temperature, top-k and top-p, then draw.
+    """Greedy rows without penalties are one batched argmax; the rest are sampled row by row.
 
-    A request with a ``seed`` draws from its own generator, so its tokens do not depend on what else
-    is in the batch.
+    Sampling happens after the batch's forward pass and is independent per request, so a row that raises
+    fails only its own request (it lands in ``errors``); the other rows are sampled as if it were not there.
+    A request with a ``seed`` draws from its own generator, so its tokens do not depend on what else is in
+    the batch. Log-probabilities are the model's raw distribution (log-softmax of the logits, before
+    penalties, temperature and top-k/top-p), as vLLM returns by default.
     """
 
     def __init__(self, seed: int, device: torch.device) -> None:
@@ -19,12 +47,31 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
-        tokens = logits.argmax(dim=-1)
-        for row, (request_id, p) in enumerate(zip(request_ids, params, strict=True)):
-            if not p.greedy:
-                tokens[row] = self._draw(logits[row], p, self._generator_for(request_id, p))
-        return tokens.tolist()
+    def sample(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> SamplerOutput:
+        logits = logits.float()
+        out = SamplerOutput()
+        logprob_rows = [row for row, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        raw_logprobs = dict(zip(logprob_rows, logits[logprob_rows].log_softmax(dim=-1), strict=True))
+        argmax = logits.argmax(dim=-1).tolist()
+        for row, request in enumerate(requests):
+            p = request.sampling_params
+            try:
+                if p.greedy and not p.has_penalties:
+                    token = argmax[row]
+                else:
+                    row_logits = _apply_penalties(logits[row].clone(), request) if p.has_penalties else logits[row]
+                    if p.greedy:
+                        token = int(row_logits.argmax())
+                    else:
+                        token = self._draw(row_logits, p, self._generator_for(request.request_id, p))
+                if p.logprobs is not None:
+                    out.logprobs[request.request_id] = _token_logprobs(raw_logprobs[row], token, p.logprobs)
+            except Exception as exc:  # whatever one request's values do, only that request fails
+                logger.warning("sampling failed for request %s: %r", request.request_id, exc)
+                out.errors[request.request_id] = f"sampling failed: {exc}"
+            else:
+                out.token_ids[request.request_id] = token
+        return out
 
     def forget(self, request_id: str) -> None:
         self.request_generators.pop(request_id, None)
@@ -39,8 +86,8 @@ class Sampler:
         return generator
 
     @staticmethod
-    def _draw(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> torch.Tensor:
-        logits = logits.float() / p.temperature
+    def _draw(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
+        logits = logits / p.temperature
         if 0 < p.top_k < logits.numel():
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -50,4 +97,28 @@ class Sampler:
             drop = cumulative - sorted_logits.softmax(dim=-1) >= p.top_p  # keep the smallest set reaching top_p
             logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = logits.softmax(dim=-1)
-        return torch.multinomial(probs, 1, generator=generator)[0]
+        return int(torch.multinomial(probs, 1, generator=generator)[0])
+
+
+def _apply_penalties(logits: torch.Tensor, request: SamplingRequest) -> torch.Tensor:
+    """vLLM's penalties, in place on one row: repetition over prompt and output, the others over the output."""
+    p = request.sampling_params
+    if p.repetition_penalty != 1.0:
+        seen_ids = sorted({*request.prompt_token_ids, *request.output_token_ids})
+        seen = torch.tensor(seen_ids, dtype=torch.long, device=logits.device)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and request.output_token_ids:
+        generated = torch.tensor(request.output_token_ids, dtype=torch.long, device=logits.device)
+        ids, counts = generated.unique(return_counts=True)
+        logits[ids] -= p.frequency_penalty * counts + p.presence_penalty
+    return logits
+
+
+def _token_logprobs(logprobs: torch.Tensor, token: int, k: int) -> dict[int, float]:
+    """The sampled token's log-probability first, then the top-k (which may include it)."""
+    entry = {token: float(logprobs[token])}
+    if k:
+        top = logprobs.topk(min(k, logprobs.numel()))
+        entry |= dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+    return entry

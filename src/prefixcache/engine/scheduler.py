@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prefixcache.core import KVCacheManager
 from prefixcache.core.sub_block import CopyOp
 from prefixcache.engine.request import EngineRequest, RequestStatus
+
+if TYPE_CHECKING:
+    from prefixcache.offload.connector import OffloadConnector, OffloadPlan
 
 
 @dataclass(slots=True)
@@ -34,11 +38,13 @@ class ScheduledChunk:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """A step's work; ``copies`` (sub-block hits) must be done before the forward pass."""
+    """A step's work; ``copies`` (sub-block hits) must be done before the forward pass, ``offload`` (the
+    offload tiers' loads and saves) around it."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[EngineRequest] = field(default_factory=list)
     copies: list[CopyOp] = field(default_factory=list)
+    offload: OffloadPlan | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -46,8 +52,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    """``connector`` (optional) extends each prefix hit with blocks from the KV offload tiers."""
+
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        connector: OffloadConnector | None = None,
+    ) -> None:
         self.manager = manager
+        self.connector = connector
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[EngineRequest] = deque()
@@ -67,6 +82,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
+        if self.connector is not None:
+            self.connector.request_finished(request)
         self.manager.free(request)
 
     def schedule(self) -> SchedulerOutput:
@@ -85,6 +102,8 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(out, budget)
         out.copies = self.manager.take_copy_ops()
+        if self.connector is not None:
+            out.offload = self.connector.build_plan()
         return out
 
     def _allocate_or_preempt(self, request: EngineRequest, num_new: int, out: SchedulerOutput) -> bool:
@@ -101,15 +120,21 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             blocks, num_cached = manager.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_cached, budget)
-            if manager.allocate_slots(request, num_new, num_cached, blocks) is None:
+            num_external = 0  # tokens loaded from the offload tiers into new blocks: allocated, not computed
+            if self.connector is not None:
+                blocks, num_cached, num_external = self.connector.extend_local_hit(request, blocks, num_cached)
+            num_computed = num_cached + num_external
+            num_new = min(request.num_tokens - num_computed, budget)
+            if manager.allocate_slots(request, num_new, num_cached, blocks, num_external_tokens=num_external) is None:
                 break
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(request, manager.block_ids(request), num_external)
             self.waiting.popleft()
             if request.num_cached_tokens is None:
-                request.num_cached_tokens = num_cached
+                request.num_cached_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.chunks.append(ScheduledChunk(request, num_cached, num_new, manager.block_ids(request)))
+            out.chunks.append(ScheduledChunk(request, num_computed, num_new, manager.block_ids(request)))
             budget -= num_new
 
     def _preempt(self, request: EngineRequest, out: SchedulerOutput) -> None:

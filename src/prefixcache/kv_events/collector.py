@@ -26,6 +26,7 @@ from prefixcache.kv_events.events import (
     KVCacheEvent,
     encode_block_hash,
 )
+from prefixcache.offload.store import TierEventListener
 
 _VLLM_ORDER = {LORA_TAG: 0, MM_TAG: 1, SALT_TAG: 2}
 
@@ -38,11 +39,13 @@ def vllm_extra_keys(keys: ExtraKeys | None) -> tuple[Any, ...] | None:
     return tuple(tuple(key[1:]) if key[0] == MM_TAG else key[1] for key in ordered)
 
 
-class KVEventCollector(BlockPoolListener):
-    """Buffers one cache tier's events in the order they happen.
+class KVEventCollector(BlockPoolListener, TierEventListener):
+    """Buffers the cache's events in the order they happen.
 
-    ``medium`` names the tier: ``"GPU"`` for the engine's own KV cache whatever the device (vLLM's
-    convention), ``"CPU"`` etc. for offload tiers.
+    ``medium`` names the device pool it listens to: ``"GPU"`` for the engine's own KV cache whatever the
+    device (vLLM's convention). As a ``TierEventListener`` it also hears the offload tiers, whose events carry
+    their own medium (``"CPU"``, ``"DISK"``, ``"REDIS"``) and, like vLLM's offloading connector's when it has
+    no token metadata, no tokens or parent: a router needs only which hashes each engine can load.
     """
 
     def __init__(self, medium: str = MEDIUM_GPU, block_hash_encoding: str = "uint64") -> None:
@@ -74,12 +77,27 @@ class KVEventCollector(BlockPoolListener):
         )
 
     def blocks_removed(self, block_hashes: list[BlockHash]) -> None:
-        encoding = self.block_hash_encoding
-        self._events.append(
-            BlockRemoved(
-                block_hashes=[encode_block_hash(h, encoding) for h in block_hashes], medium=self.medium, group_idx=0
-            )
-        )
+        self.tier_blocks_removed(self.medium, block_hashes)
 
     def cache_cleared(self) -> None:
         self._events.append(AllBlocksCleared())
+
+    def tier_blocks_stored(self, medium: str, block_hashes: list[BlockHash], block_size: int) -> None:
+        encoding = self.block_hash_encoding
+        self._events.append(
+            BlockStored(
+                block_hashes=[encode_block_hash(h, encoding) for h in block_hashes],
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=block_size,
+                lora_id=None,
+                medium=medium,
+                lora_name=None,
+                group_idx=0,
+                kv_cache_spec_kind=FULL_ATTENTION,
+            )
+        )
+
+    def tier_blocks_removed(self, medium: str, block_hashes: list[BlockHash]) -> None:
+        hashes = [encode_block_hash(h, self.block_hash_encoding) for h in block_hashes]
+        self._events.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=0))

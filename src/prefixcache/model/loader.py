@@ -66,14 +66,10 @@ def load_model(
     for an unsupported architecture or dtype.
     """
     torch_dtype = _parse_dtype(dtype)
-    # Never reach the hub (transformers reads these when it is first imported, which happens lazily below);
-    # every call also passes local_files_only=True.
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["TRANSFORMERS_OFFLINE"] = "1"
-    model_dir, name = _resolve(model)
+    model_dir, name = resolve_model(model)
     start = time.perf_counter()
     config = _read_config(model_dir)
-    tokenizer = _load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     config = replace(config, eos_token_ids=_eos_token_ids(config, model_dir, tokenizer))
     with torch.device("meta"):
         net = LlamaForCausalLM(config)
@@ -101,8 +97,15 @@ def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
 
 
-def _resolve(model: str | os.PathLike[str] | None) -> tuple[Path, str]:
-    """The HF checkpoint folder to load (converting a GGUF first) and the model's display name."""
+def resolve_model(model: str | os.PathLike[str] | None) -> tuple[Path, str]:
+    """The HF checkpoint folder to load (converting a GGUF first) and the model's display name.
+
+    Raises FileNotFoundError / ValueError like ``load_model``.
+    """
+    # Never reach the hub (transformers reads these when it is first imported, which happens lazily);
+    # every call also passes local_files_only=True.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
     if model is None or str(model) == DEFAULT_MODEL:
         return _convert_gguf(default_gguf_path(), DEFAULT_MODEL), DEFAULT_MODEL
     path = Path(model).expanduser()
@@ -241,7 +244,8 @@ def _read_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_hf_config(AutoConfig.from_pretrained(model_dir, local_files_only=True))
 
 
-def _load_tokenizer(model_dir: Path) -> Any:
+def load_tokenizer(model_dir: Path) -> Any:
+    """The checkpoint's tokenizer alone (the API server tokenizes; only the engine core loads weights)."""
     from transformers import AutoTokenizer
 
     try:

@@ -1,8 +1,10 @@
-"""The FastAPI app: OpenAI's completions and chat endpoints, models, health, metrics and cache reset.
+"""The FastAPI app: OpenAI's completions and chat endpoints, vLLM's tokenize/detokenize, models, version,
+health, metrics and cache reset.
 
-Every error, whatever raised it (pydantic, the engine, a bad route, auth), leaves as OpenAI's
-``{"error": {"message", "type", "param", "code"}}`` with a 4xx status, and the server keeps serving.
-A request whose client goes away is aborted, so its KV blocks are freed at once.
+Every error, whatever raised it (pydantic, the engine, a bad route, auth, the body cap), leaves as OpenAI's
+``{"error": {"message", "type", "param", "code"}}``: a 4xx for bad input, a 500 only for our own bugs
+(logged with the traceback), and the server keeps serving. A request whose client goes away is aborted,
+so its KV blocks are freed at once.
 """
 
 from __future__ import annotations
@@ -10,12 +12,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from importlib.metadata import version
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -23,14 +24,31 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from prefixcache.engine import RequestOutput
-from prefixcache.engine.llm_engine import PromptInput
-from prefixcache.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from prefixcache.server.protocol import ChatCompletionRequest, CompletionRequest, error_body, usage
+from prefixcache.engine.sampling_params import InvalidParameter
+from prefixcache.server.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from prefixcache.server.cli import DEFAULT_MAX_REQUEST_BYTES
+from prefixcache.server.middleware import (
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+    RequestContextMiddleware,
+    RequestRecord,
+    record_of,
+    tenant_of,
+)
+from prefixcache.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+    error_response,
+    usage,
+)
+from prefixcache.server.responses import CHAT, COMPLETION, ChoiceShaper, Endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +60,26 @@ LOG_STATS_INTERVAL_S = 10.0
 
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
-    """``served_model_names[0]`` is the name reported by /v1/models; requests may use any of them."""
+    """``served_model_names[0]`` is the name reported by /v1/models; requests may use any of them.
+
+    Each of ``api_keys`` is a tenant with its own prefix cache unless ``share_cache_across_keys``.
+    """
 
     served_model_names: tuple[str, ...]
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
+    share_cache_across_keys: bool = False
     enable_reset_prefix_cache: bool = False
     log_stats_interval: float | None = LOG_STATS_INTERVAL_S
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    log_requests: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            raise ValueError("at least one served model name is needed")
+        if any(not key or not key.isascii() or not key.isprintable() or " " in key for key in self.api_keys):
+            raise ValueError("API keys must be non-empty printable ASCII without spaces")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
 
 
 class APIError(Exception):
@@ -62,38 +94,6 @@ class APIError(Exception):
         super().__init__(message)
         self.status_code = status_code
         self.body = error_body(message, type=type, param=param, code=code)
-
-
-def _error_response(
-    status_code: int, message: str, headers: dict[str, str] | None = None, **kwargs: Any
-) -> JSONResponse:
-    return JSONResponse(error_body(message, **kwargs), status_code=status_code, headers=headers)
-
-
-class APIKeyMiddleware:
-    """Bearer auth on every path except /health, which load balancers probe without credentials.
-
-    Plain ASGI (not ``BaseHTTPMiddleware``), so streaming and disconnect detection pass through untouched,
-    and a bad key is refused before the body is even parsed.
-    """
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not secrets.compare_digest(given, self._expected):
-                response = _error_response(
-                    401,
-                    "Incorrect or missing API key; send 'Authorization: Bearer <key>'.",
-                    headers={"WWW-Authenticate": "Bearer"},
-                    code="invalid_api_key",
-                )
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 class _RequestStreamingResponse(StreamingResponse):
@@ -111,64 +111,66 @@ class _RequestStreamingResponse(StreamingResponse):
             self._stream.abort()
 
 
-@dataclass(frozen=True, slots=True)
-class _Format:
-    """How one endpoint shapes its choices (``text`` for completions, ``message``/``delta`` for chat)."""
-
-    id_prefix: str
-    object: str
-    chunk_object: str
-    chat: bool
-
-    def choice(self, output: RequestOutput) -> dict[str, Any]:
-        text = output.outputs[0].text
-        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        return {"index": 0, **body, "logprobs": None, **self._finish(output)}
-
-    def delta_choice(self, output: RequestOutput, first: bool) -> dict[str, Any]:
-        if self.chat:
-            delta = {"role": "assistant", "content": output.new_text} if first else {"content": output.new_text}
-            body: dict[str, Any] = {"delta": delta}
-        else:
-            body = {"text": output.new_text}
-        return {"index": 0, **body, "logprobs": None, **self._finish(output)}
-
-    @staticmethod
-    def _finish(output: RequestOutput) -> dict[str, Any]:
-        completion = output.outputs[0]
-        return {"finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
-
-
-COMPLETION = _Format("cmpl", "text_completion", "text_completion", chat=False)
-CHAT = _Format("chatcmpl", "chat.completion", "chat.completion.chunk", chat=True)
+def _token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"
 
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
+def _record_outputs(record: RequestRecord, stream: RequestStream, outputs: dict[int, RequestOutput], n: int) -> None:
+    counts = usage(outputs, n)
+    record.prompt_tokens = counts["prompt_tokens"]
+    record.cached_tokens = counts["prompt_tokens_details"]["cached_tokens"]
+    record.generated_tokens = counts["completion_tokens"]
+    record.first_token_time = stream.first_token_time
+    record.finish_reasons = [str(o.outputs[0].finish_reason) for _, o in sorted(outputs.items()) if o.finished]
+
+
 async def _sse_events(
-    stream: RequestStream, fmt: _Format, base: dict[str, Any], include_usage: bool
+    stream: RequestStream,
+    shaper: ChoiceShaper,
+    base: dict[str, Any],
+    include_usage: bool,
+    n: int,
+    record: RequestRecord,
 ) -> AsyncIterator[str]:
-    """One chunk per generated token, then the usage chunk (if asked) and ``[DONE]``."""
-    last: RequestOutput | None = None
+    """One chunk per choice and step, then the usage chunk (if asked) and ``[DONE]``.
+
+    A failure after the stream started (the engine died, the server shut down, the request failed in the
+    engine, our bug) ends it with an error event, then ``[DONE]``.
+    """
+    last: dict[int, RequestOutput] = {}
+    failure: dict[str, Any] | None = None
     try:
-        async for output in stream:
-            yield _sse({**base, "choices": [fmt.delta_choice(output, first=last is None)]})
-            last = output
+        async for index, output in stream:
+            last[index] = output
+            if output.outputs[0].error is not None:
+                failure = error_body(output.outputs[0].error, type="server_error")
+                break
+            yield _sse({**base, "choices": [shaper.delta(index, output)]})
     except EngineDeadError as exc:
-        yield _sse(error_body(str(exc), type="server_error"))
-    else:
-        if include_usage and last is not None:
-            yield _sse({**base, "choices": [], "usage": usage(last)})
+        failure = error_body(str(exc), type="server_error")
+    except Exception:
+        logger.exception("request %s failed while streaming", record.request_id)
+        failure = error_body(f"internal server error (request id {record.request_id})", type="server_error")
+    finally:
+        _record_outputs(record, stream, last, n)
+    if failure is not None:
+        record.error = failure["error"]["message"]
+        yield _sse(failure)
+    elif include_usage:
+        yield _sse({**base, "choices": [], "usage": usage(last, n)})
     yield "data: [DONE]\n\n"
 
 
-async def _final_output(stream: RequestStream) -> RequestOutput:
-    async for output in stream:
+async def _final_outputs(stream: RequestStream) -> dict[int, RequestOutput]:
+    finals: dict[int, RequestOutput] = {}
+    async for index, output in stream:
         if output.finished:
-            return output
-    raise AssertionError("a stream ends with its finished output")
+            finals[index] = output
+    return finals
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
@@ -192,25 +194,42 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None
     return task.result() if task.done() and not task.cancelled() else None
 
 
+_UNION_MEMBER_NAMES = frozenset({"str", "int", "float", "bool"})
+
+
+def _location(loc: tuple[Any, ...]) -> str:
+    """A field's path as a client wrote it: ``messages.0.content``, without pydantic's union member names."""
+    parts = [str(p) for p in loc[1:] if isinstance(p, int) or (p.isidentifier() and p not in _UNION_MEMBER_NAMES)]
+    return ".".join(parts) or "body"
+
+
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     first = errors[0]
     if first["type"] == "json_invalid":
         detail = first.get("ctx", {}).get("error", first["msg"])
-        return _error_response(400, f"malformed JSON body: {detail}", code="invalid_json")
-    locations = [".".join(str(p) for p in e["loc"][1:] if p != "body") or "body" for e in errors]
-    message = "; ".join(
-        f"{loc}: {e['msg'].removeprefix('Value error, ')}" for loc, e in zip(locations, errors, strict=True)
-    )
-    return _error_response(400, message, param=locations[0].split(".")[0])
+        return error_response(400, f"malformed JSON body: {detail}", code="invalid_json")
+    # Our own checks say most; a union's other members only say "not a list", "not a string".
+    errors = [e for e in errors if e["type"] in ("value_error", "extra_forbidden")] or errors
+    messages: dict[str, str] = {}
+    for error in errors:
+        location = _location(error["loc"])
+        if error["type"] == "extra_forbidden":
+            message = "unsupported parameter: this server does not implement it"
+        else:
+            message = error["msg"].removeprefix("Value error, ")
+        messages.setdefault(location, message)
+    text = "; ".join(f"{location}: {message}" for location, message in messages.items())
+    param = next(iter(messages)).split(".")[0]
+    return error_response(400, text, param=None if param == "body" else param)
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
-    """The app around a not-yet-started engine; the app's lifespan starts and stops its loop."""
+def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
+    """The app around a not-yet-started engine; the app's lifespan starts its core process and stops it."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.start()
+        await engine.start()
         log_task = None
         if settings.log_stats_interval:
             log_task = asyncio.create_task(_log_stats_every(engine, settings.log_stats_interval))
@@ -223,12 +242,15 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="prefixcache", lifespan=lifespan)
     started = int(time.time())
-    if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    # Added innermost first: the request context wraps everything, auth runs before the body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    if settings.api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys, share_cache=settings.share_cache_across_keys)
+    app.add_middleware(RequestContextMiddleware, log_requests=settings.log_requests)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body, status_code=exc.status_code)
+        return error_response(exc.status_code, **exc.body["error"])
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -236,11 +258,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(EngineDeadError)
     async def _engine_error(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return _error_response(500, str(exc), type="server_error")
+        return error_response(503, str(exc), type="server_error", code="engine_unavailable")
 
     def model_name(requested: str | None) -> str:
         if requested is None:
@@ -249,53 +271,109 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             raise APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
         return requested
 
+    def cache_salt(request: Request, salt: str | None) -> str | None:
+        """The engine's salt: the tenant's (from its API key) and the request's own, so neither can cross the
+        other; a client cannot name another tenant's salt, since its own is always in front."""
+        tenant = tenant_of(request.scope)
+        if tenant is None:
+            return salt
+        return tenant if salt is None else f"{tenant}:{salt}"
+
     async def generate(
         request: Request,
         body: CompletionRequest | ChatCompletionRequest,
         name: str,
-        prompt: PromptInput,
+        prompts: list[Any],
         max_tokens: int,
-        fmt: _Format,
+        shaper: ChoiceShaper,
+        prompt_logprobs: int | None = None,
     ) -> Response:
         """Queue the request and answer it, streamed or whole; bad sampling values or prompts are 400s."""
-        request_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
+        record = record_of(request.scope)
+        endpoint = shaper.endpoint
+        response_id = f"{endpoint.id_prefix}-{record.request_id}"
         try:
-            params = body.sampling_params(max_tokens)
-            stream = await engine.add_request(prompt, params, request_id, body.cache_salt)
+            params = body.sampling_params(max_tokens, shaper.num_logprobs, prompt_logprobs)
+            salt = cache_salt(request, body.cache_salt)
+            stream = await engine.add_request(prompts, params, response_id, salt, body.n)
+        except InvalidParameter as exc:
+            raise APIError(400, str(exc), param=exc.param) from exc
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
-        base = {"id": request_id, "object": fmt.chunk_object, "created": int(time.time()), "model": name}
+        base = {"id": response_id, "object": endpoint.chunk_object, "created": int(time.time()), "model": name}
         if body.stream:
-            return _RequestStreamingResponse(stream, _sse_events(stream, fmt, base, body.include_usage))
+            events = _sse_events(stream, shaper, base, body.include_usage, body.n, record)
+            return _RequestStreamingResponse(stream, events)
         try:
-            output = await _unless_disconnected(request, _final_output(stream))
+            finals = await _unless_disconnected(request, _final_outputs(stream))
         finally:
             stream.abort()
-        if output is None:
+        if finals is None:
             return Response(status_code=499)
-        return JSONResponse({**base, "object": fmt.object, "choices": [fmt.choice(output)], "usage": usage(output)})
+        _record_outputs(record, stream, finals, body.n)
+        errors = [o.outputs[0].error for o in finals.values() if o.outputs[0].error is not None]
+        if errors:
+            raise APIError(500, errors[0], type="server_error")
+        choices = [shaper.choice(index, output) for index, output in sorted(finals.items())]
+        return JSONResponse({**base, "object": endpoint.object, "choices": choices, "usage": usage(finals, body.n)})
+
+    def shaper_for(
+        body: CompletionRequest | ChatCompletionRequest,
+        endpoint: Endpoint,
+        num_logprobs: int | None,
+        echo: bool = False,
+    ) -> ChoiceShaper:
+        token_text = _token_id_text if body.return_tokens_as_token_ids else engine.token_text
+        return ChoiceShaper(endpoint, token_text, num_logprobs, echo, engine.tokenizer.decode)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        return await generate(request, body, model_name(body.model), body.prompt, max_tokens, COMPLETION)
+        # echo with logprobs also returns the prompt's (which computes the whole prompt: no cache read)
+        prompt_logprobs = body.logprobs if body.echo else None
+        shaper = shaper_for(body, COMPLETION, body.logprobs, body.echo)
+        return await generate(request, body, model_name(body.model), body.prompts, max_tokens, shaper, prompt_logprobs)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         name = model_name(body.model)  # an unknown model is a 404 before any template work
-        try:
-            prompt_ids = await engine.apply_chat_template([m.template_dict() for m in body.messages])
-        except (ValueError, TemplateError) as exc:
-            raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+        prompt_ids = await apply_chat_template(body.messages)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         # Unset: generate up to the context; at least 1, so an overlong prompt gets the context error.
-        max_tokens = requested if requested is not None else max(1, engine.engine.max_model_len - len(prompt_ids))
+        max_tokens = requested if requested is not None else max(1, engine.info.max_model_len - len(prompt_ids))
         prompt = {"prompt": None, "prompt_token_ids": prompt_ids}
-        return await generate(request, body, name, prompt, max_tokens, CHAT)
+        return await generate(request, body, name, [prompt], max_tokens, shaper_for(body, CHAT, body.num_logprobs))
+
+    async def apply_chat_template(messages: list[Any], add_generation_prompt: bool = True) -> list[int]:
+        try:
+            return await engine.apply_chat_template([m.template_dict() for m in messages], add_generation_prompt)
+        except (ValueError, TemplateError) as exc:
+            raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's shape; a prompt is tokenized as the completions endpoint does (no special tokens added)."""
+        model_name(body.model)
+        if body.messages is not None:
+            tokens = await apply_chat_template(body.messages, body.add_generation_prompt)
+        else:
+            tokens = await engine.tokenize(body.prompt, body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": engine.info.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        model_name(body.model)
+        vocab_size = engine.info.vocab_size
+        if any(not 0 <= t < vocab_size for t in body.tokens):
+            raise APIError(400, f"tokens must be in [0, {vocab_size})", param="tokens")
+        return {"prompt": await engine.detokenize(body.tokens)}
+
+    @app.get("/version")
+    async def get_version() -> dict[str, str]:
+        return {"version": version("prefixcache")}
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        loaded = engine.engine.loaded
         return {
             "object": "list",
             "data": [
@@ -304,21 +382,40 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                     "object": "model",
                     "created": started,
                     "owned_by": "prefixcache",
-                    "root": str(loaded.model_dir),
-                    "max_model_len": engine.engine.max_model_len,
-                    "vocab_size": engine.engine.vocab_size,
+                    "root": name,
+                    "max_model_len": engine.info.max_model_len,
+                    "vocab_size": engine.info.vocab_size,
                 }
                 for name in settings.served_model_names
             ],
         }
 
+    @app.get("/v1/cache/config")
+    async def cache_config() -> dict[str, Any]:
+        """How this server keys its prefix cache and where it publishes KV events: what a router needs."""
+        info = engine.info
+        events = engine.config.kv_events_config
+        publishing = events is not None and events.enable_kv_cache_events and events.publisher == "zmq"
+        return {
+            "model": settings.served_model_names[0],
+            "max_model_len": info.max_model_len,
+            "block_size": info.block_size,
+            "hash_algo": info.hash_algo,
+            "hash_seed": info.hash_seed,
+            "enable_prefix_caching": info.enable_prefix_caching,
+            "kv_events": (
+                {"endpoint": events.endpoint, "replay_endpoint": events.replay_endpoint, "topic": events.topic}
+                if publishing
+                else None
+            ),
+        }
+
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.is_running else 503)
+        return Response(status_code=200 if engine.accepting else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        engine.metrics.update(await engine.stats())
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     if settings.enable_reset_prefix_cache:
@@ -331,9 +428,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     return app
 
 
-async def _log_stats_every(engine: AsyncEngine, interval: float) -> None:
+async def _log_stats_every(engine: AsyncLLM, interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
-        stats = await engine.stats()
-        engine.metrics.update(stats)
-        engine.metrics.log_stats(stats, time.monotonic())
+        if engine.latest_stats is not None:
+            engine.metrics.log_stats(engine.latest_stats, time.monotonic())

@@ -8,10 +8,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Mapping
+from pathlib import Path
 
+from prefixcache.config import parse_memory
 from prefixcache.engine.args import add_engine_args, engine_kwargs
 
 API_KEY_ENV = "PREFIXCACHE_API_KEY"
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # a 128k-token prompt is under 1 MiB, as text or as JSON token ids
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -29,8 +33,28 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--served-model-name", nargs="+", default=None, help="names clients use for the model (default: its name)"
     )
     group.add_argument(
-        "--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set)"
+        "--api-key",
+        action="append",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY'; repeat for several keys, each a tenant with its own prefix "
+        f"cache (default: ${API_KEY_ENV} if neither this nor --api-key-file is given)",
     )
+    group.add_argument(
+        "--api-key-file", type=Path, default=None, help="more API keys, one per line ('#' starts a comment)"
+    )
+    group.add_argument(
+        "--share-cache-across-keys",
+        action="store_true",
+        help="let requests of different API keys share cached prefixes (faster, but each tenant can then tell "
+        "from cached_tokens and latency what the others sent; see the README's Security section)",
+    )
+    group.add_argument(
+        "--max-request-bytes",
+        type=parse_memory,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="refuse request bodies larger than this with 413, e.g. 8MiB (default 8MiB)",
+    )
+    group.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     group.add_argument(
         "--enable-reset-prefix-cache",
         action="store_true",
@@ -38,43 +62,76 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     group.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput / hit-rate log line")
     group.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they are ended (default 30)",
+    )
     parser.set_defaults(func=serve)
 
 
+def api_keys(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The keys of --api-key and --api-key-file, in order, without repeats; else ${API_KEY_ENV} if set."""
+    keys = list(args.api_key or [])
+    if args.api_key_file is not None:
+        for line in args.api_key_file.read_text().splitlines():
+            key = line.split("#", 1)[0].strip()
+            if key:
+                keys.append(key)
+    if not keys and environ.get(API_KEY_ENV):
+        keys.append(environ[API_KEY_ENV])
+    return tuple(dict.fromkeys(keys))
+
+
 def serve(args: argparse.Namespace) -> None:
-    # Idle OpenMP threads sleep instead of spinning: the engine shares 2 cores with the HTTP server and
-    # clients, and spinning threads starved them (bench serve at 80% shared: mean TPOT 38.6 -> 32.6 ms,
-    # TTFT 181 -> 151 ms). Set before torch loads; an explicit setting wins.
+    """Exits 0 after a clean shutdown (SIGTERM/SIGINT), 1 when the engine core died or failed to start."""
+    # Idle OpenMP threads sleep instead of spinning, in both processes (the core inherits the environment):
+    # spinning threads starved the HTTP side on 2 cores. Set before torch loads; an explicit setting wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    import uvicorn
+    import dataclasses
 
     from prefixcache.config import EngineConfig
-    from prefixcache.engine import LLMEngine
+    from prefixcache.model.loader import load_tokenizer, resolve_model
     from prefixcache.server.app import LOG_STATS_INTERVAL_S, ServerSettings, build_app
-    from prefixcache.server.async_engine import AsyncEngine
+    from prefixcache.server.async_llm import AsyncLLM
     from prefixcache.server.metrics import ServerMetrics
+    from prefixcache.server.shutdown import DrainingServer
 
     try:
-        engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
+        config = EngineConfig(**engine_kwargs(args))
+        model_dir, model_name = resolve_model(config.model)
+        tokenizer = load_tokenizer(model_dir)
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"prefixcache serve: {exc}") from exc
-    names = tuple(args.served_model_name or [engine.loaded.name])
-    settings = ServerSettings(
-        served_model_names=names,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        enable_reset_prefix_cache=args.enable_reset_prefix_cache,
-        log_stats_interval=None if args.disable_log_stats else LOG_STATS_INTERVAL_S,
-    )
+    names = tuple(args.served_model_name or [model_name])
+    try:
+        settings = ServerSettings(
+            served_model_names=names,
+            api_keys=api_keys(args, os.environ),
+            share_cache_across_keys=args.share_cache_across_keys,
+            enable_reset_prefix_cache=args.enable_reset_prefix_cache,
+            log_stats_interval=None if args.disable_log_stats else LOG_STATS_INTERVAL_S,
+            max_request_bytes=args.max_request_bytes,
+            log_requests=not args.disable_log_requests,
+        )
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"prefixcache serve: {exc}") from exc
     # The stats line and uvicorn's startup line are the server's heartbeat: shown at INFO even under the CLI's
     # default WARNING level (--disable-log-stats and --disable-uvicorn-access-log quiet the periodic ones).
     level = min(logging.INFO, logging.getLogger().getEffectiveLevel())
     logging.getLogger("prefixcache.server").setLevel(level)
-    app = build_app(AsyncEngine(engine, ServerMetrics(names[0])), settings)
-    uvicorn.run(
-        app,
+    engine = AsyncLLM(dataclasses.replace(config, model=str(model_dir)), tokenizer, ServerMetrics(names[0]))
+    server = DrainingServer(
+        build_app(engine, settings),
+        engine,
+        args.shutdown_timeout,
         host=args.host,
         port=args.port,
         log_level=level,
         access_log=not args.disable_uvicorn_access_log,
-        timeout_graceful_shutdown=5,
     )
+    engine.on_dead = server.exit_soon
+    server.run()
+    if engine.dead or not server.started:
+        raise SystemExit(1)

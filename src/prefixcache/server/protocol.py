@@ -1,47 +1,80 @@
 """The OpenAI API as prefixcache serves it: request bodies (validated by pydantic), usage and errors.
 
-Only types are checked here; value ranges (max_tokens, temperature, ...) are checked by
-:class:`~prefixcache.engine.SamplingParams` and the engine, so the server and the offline API accept
-exactly the same requests. Fields we do not support are ignored, as OpenAI-compatible servers do.
+Types and shapes are checked here; value ranges (max_tokens, temperature, penalties, logprobs, stop lists)
+by :class:`~prefixcache.engine.SamplingParams` and the engine, so the server and the offline API accept
+exactly the same requests.
+
+Every field a body may carry is declared. Any other field, whether one of OpenAI's that this server does
+not implement (``best_of``, ``response_format``, ``tools``, ``tool_choice``, ``logit_bias``, ``suffix``,
+``functions``, ...) or a typo, is refused with a 400 that names it, as OpenAI refuses unrecognized
+arguments: an ignored parameter would let a user believe it took effect. Strings holding a lone surrogate
+(the JSON escape ``"\\ud800"`` is not Unicode text) are refused as well.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, StrictInt, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, StrictBool, StrictInt, field_validator, model_validator
+from starlette.responses import JSONResponse
 
 from prefixcache.engine import RequestOutput, SamplingParams
 
 MAX_CACHE_SALT_LEN = 128
+MAX_CHOICES = 128  # prompts times n in one request
 
 
-class StreamOptions(BaseModel):
+def _unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"invalid Unicode: a lone surrogate at character {exc.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
-    """Fields common to both endpoints; ``cache_salt`` and ``ignore_eos`` are vLLM's extensions."""
+class _GenerationRequest(_Body):
+    """Fields common to both endpoints; ``top_k``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
+    ``include_stop_str_in_output``, ``return_tokens_as_token_ids`` (log-probabilities name tokens
+    ``token_id:<id>``, exact where one token's text is a fragment of a character) and ``cache_salt`` are vLLM's
+    extensions."""
 
-    model: str | None = None
+    model: Text | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[StrictInt] | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     ignore_eos: bool = False
-    cache_salt: str | None = None
+    include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False
+    cache_salt: Text | None = None
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported")
+    def _valid_n(cls, n: int) -> int:
+        if not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}]")
         return n
 
     @field_validator("cache_salt")
@@ -62,46 +95,78 @@ class _GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """Raises ValueError for out-of-range values. ``top_k`` -1 (vLLM's "off") maps to the engine's 0."""
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None = None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        """Raises InvalidParameter for out-of-range values. ``top_k`` -1 (vLLM's "off") maps to the engine's 0."""
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k in (None, -1) else self.top_k,
             seed=self.seed,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             stop=self.stop or (),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[StrictInt]
+    """``prompt``: a text, a list of texts, a list of token ids, or a list of such lists (one choice set each)."""
+
+    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = 16  # OpenAI's default for legacy completions
+    echo: bool = False
+    logprobs: StrictInt | None = None
+
+    @model_validator(mode="after")
+    def _bounded(self) -> CompletionRequest:
+        if not self.prompt:
+            raise ValueError("prompt must not be empty")
+        if len(self.prompts) * self.n > MAX_CHOICES:
+            raise ValueError(f"prompts times n must be at most {MAX_CHOICES}")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
 
 
-class TextPart(BaseModel):
+class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-class ChatMessage(BaseModel):
-    role: str
-    content: str | list[TextPart] | None = None
+class ChatMessage(_Body):
+    role: Text
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def template_dict(self) -> dict[str, str]:
         """The message as chat templates expect it: content parts joined into one string."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
 
     @field_validator("messages")
     @classmethod
@@ -110,16 +175,56 @@ class ChatCompletionRequest(_GenerationRequest):
             raise ValueError("messages must not be empty")
         return messages
 
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs is only allowed when logprobs is true")
+        return self
 
-def usage(output: RequestOutput) -> dict[str, Any]:
-    """OpenAI's usage block; ``cached_tokens`` is what the prefix cache served of the prompt."""
-    prompt_tokens = len(output.prompt_token_ids)
-    completion_tokens = len(output.outputs[0].token_ids)
+    @property
+    def num_logprobs(self) -> int | None:
+        """The engine's ``logprobs``: None when not asked, else how many alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a ``prompt`` (tokenized as the completions endpoint does) or chat ``messages``."""
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: Text | None = None
+    tokens: list[StrictInt]
+
+
+def usage(outputs: Mapping[int, RequestOutput], n: int) -> dict[str, Any]:
+    """OpenAI's usage block over the choices seen so far, keyed by choice index (``n`` choices per prompt).
+
+    A prompt counts once however many choices it has; its ``cached_tokens`` is the least any of its copies
+    read from the prefix cache (the copies after the first usually read all of it).
+    """
+    per_prompt: dict[int, list[RequestOutput]] = {}
+    for index, output in outputs.items():
+        per_prompt.setdefault(index // n, []).append(output)
+    prompt_tokens = sum(len(copies[0].prompt_token_ids) for copies in per_prompt.values())
+    cached_tokens = sum(min(o.num_cached_tokens for o in copies) for copies in per_prompt.values())
+    completion_tokens = sum(len(o.outputs[0].token_ids) for o in outputs.values())
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -127,3 +232,17 @@ def error_body(
     message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class ErrorResponse(JSONResponse):
+    """JSON with non-ASCII escaped: a message may quote client input, which need not be encodable text."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+def error_response(
+    status_code: int, message: str, headers: dict[str, str] | None = None, **kwargs: Any
+) -> ErrorResponse:
+    """OpenAI's ``{"error": {"message", "type", "param", "code"}}`` with ``status_code``."""
+    return ErrorResponse(error_body(message, **kwargs), status_code=status_code, headers=headers)

@@ -1,0 +1,222 @@
+"""The engine core: scheduler, KV cache manager and model runner, on token ids only.
+
+``EngineCore`` knows nothing of text or HTTP. It takes ``EngineCoreRequest``s, runs one batch per
+``step()`` and returns only what is new: each request's new token ids, its finish reason when a token
+ends it (EOS, a stop token id, ``max_tokens``, the context length), its cache hit, and the stats after
+the step. Stop strings are the output processor's job: it aborts the core request when one matches.
+The offline ``LLM`` calls it in process; ``prefixcache serve`` runs it in its own process
+(``engine/core_process.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import torch
+
+from prefixcache.config import EngineConfig, parse_memory
+from prefixcache.core import KVCacheManager
+from prefixcache.core.hashing import resolve_hash_seed
+from prefixcache.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, EngineStats
+from prefixcache.engine.model_runner import ModelRunner
+from prefixcache.engine.request import EngineRequest, RequestStatus
+from prefixcache.engine.scheduler import Scheduler
+from prefixcache.kv_events.sink import KVEventSink
+from prefixcache.model import LoadedModel, load_model
+from prefixcache.offload.engine import attach_offload
+
+logger = logging.getLogger(__name__)
+
+ROLLING_WINDOW = 1000
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded or load_model(config.model, dtype=config.dtype, device=config.device)
+        model_config = self.loaded.config
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = min(
+            config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
+        )
+        enable_caching = config.enable_prefix_caching
+        if enable_caching and not model_config.is_causal:
+            logger.warning("prefix caching turned off: %s attention is not causal", model_config.architecture)
+            enable_caching = False
+        dtype = getattr(torch, config.dtype)
+        num_blocks = config.num_blocks or parse_memory(config.kv_cache_memory) // self.loaded.model.kv_bytes_per_block(
+            config.block_size, dtype
+        )
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_memory={config.kv_cache_memory!r} holds fewer than 2 blocks")
+        self.manager = KVCacheManager(
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            enable_caching=enable_caching,
+            hash_algo=config.hash_algo,
+            hash_seed=config.hash_seed,
+            eviction_policy=config.eviction_policy,
+            sub_block_size=config.sub_block_size,
+        )
+        self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, dtype, config.device, config.seed)
+        self.offload = attach_offload(self, config, self.scheduler, self.runner)
+        self.kv_events = KVEventSink.create(config.kv_events_config, self.manager.pool)
+        if self.kv_events is not None and self.offload is not None:
+            self.offload.add_listener(self.kv_events.collector)
+        self.requests: dict[str, EngineRequest] = {}
+        self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self._recent: deque[tuple[int, int]] = deque(maxlen=ROLLING_WINDOW)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens), prefix caching %s",
+            num_blocks,
+            config.block_size,
+            num_blocks * config.block_size,
+            "on" if enable_caching else "off",
+        )
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            model_name=self.loaded.name,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            block_size=self.manager.block_size,
+            num_blocks=self.manager.num_blocks,
+            hash_algo=self.manager.hash_algo,
+            hash_seed=resolve_hash_seed(self.config.hash_seed),
+            enable_prefix_caching=self.manager.enable_caching,
+        )
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request the input processor validated; raises ValueError if it still cannot run here."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        token_ids = request.prompt_token_ids
+        if not token_ids or min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise ValueError(f"request {request.request_id!r}: prompt token ids must be in [0, {self.vocab_size})")
+        total = len(token_ids) + request.sampling_params.max_tokens
+        if total > min(self.max_model_len, self.manager.num_blocks * self.manager.block_size):
+            raise ValueError(f"request {request.request_id!r}: {total} tokens do not fit the context or KV cache")
+        params = request.sampling_params
+        engine_request = EngineRequest(
+            request_id=request.request_id,
+            prompt_token_ids=token_ids,
+            cache_salt=request.cache_salt,
+            lora_name=request.lora_name,
+            skip_reading_prefix_cache=params.prompt_logprobs is not None,
+            sampling_params=params,
+        )
+        self.requests[request.request_id] = engine_request
+        self.scheduler.add_request(engine_request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Stop requests and free their blocks; ids not in flight are ignored (they may have just finished)."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, RequestStatus.ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> EngineCoreOutputs:
+        """Schedule and run one batch; an output for every request that sampled a token."""
+        step = self.scheduler.schedule()
+        outputs: list[EngineCoreOutput] = []
+        if step.chunks:
+            result = self.runner.execute(step)
+            self.manager.index_written_sub_blocks()
+            if self.kv_events is not None:  # after the forward pass: the announced blocks' K/V is written
+                self.kv_events.publish_pending()
+            for chunk in step.chunks:
+                request = chunk.request
+                error = result.errors.get(request.request_id)
+                if error is not None:
+                    outputs.append(self._fail(request, error))
+                    continue
+                logprobs = result.prompt_logprobs.get(request.request_id)
+                if logprobs is not None:
+                    request.prompt_logprobs = logprobs if chunk.start == 0 else request.prompt_logprobs + logprobs
+                token = result.sampled.get(request.request_id)
+                if token is not None:
+                    outputs.append(self._append_token(request, token, result.logprobs.get(request.request_id)))
+        return self.outputs(outputs)
+
+    def outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        """A batch of outputs stamped with the time and the stats as they are now."""
+        return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic(), stats=self.stats())
+
+    def reset_prefix_cache(self) -> bool:
+        reset = self.manager.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.publish_pending()
+        return reset
+
+    def close(self) -> None:
+        """Release what outlives a step: the event publisher's thread and sockets, the offload tiers' writer."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+        if self.offload is not None:
+            self.offload.close()
+
+    def stats(self) -> EngineStats:
+        stats = self.manager.stats
+        recent_queries = sum(q for q, _ in self._recent)
+        return EngineStats(
+            prefix_cache_queries=stats.queries,
+            prefix_cache_hits=stats.hits,
+            prefix_cache_copied_tokens=stats.copied_tokens,
+            prefix_cache_hit_rate=stats.hit_rate,
+            rolling_hit_rate=sum(h for _, h in self._recent) / recent_queries if recent_queries else 0.0,
+            num_requests=stats.requests,
+            num_preemptions=self.scheduler.num_preemptions,
+            kv_cache_usage=self.manager.usage,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_blocks=self.manager.num_blocks,
+            block_size=self.manager.block_size,
+            kv_offload=self.offload.stats() if self.offload is not None else [],
+            kv_events_dropped=self.kv_events.num_dropped if self.kv_events is not None else 0,
+        )
+
+    def _fail(self, request: EngineRequest, error: str) -> EngineCoreOutput:
+        """End one request that failed on its own (its blocks hold valid K/V: the forward pass succeeded)."""
+        self._finish(request, RequestStatus.ABORTED)
+        num_cached = request.num_cached_tokens or 0
+        return EngineCoreOutput(request.request_id, [], num_cached, finish_reason="abort", error=error)
+
+    def _append_token(
+        self, request: EngineRequest, token: int, logprobs: dict[int, float] | None = None
+    ) -> EngineCoreOutput:
+        """Add the sampled token and decide, on tokens alone, whether it ends the request."""
+        first = request.num_output_tokens == 0
+        request.append_output_token_ids([token])
+        params = request.sampling_params
+        finish_reason, stop_reason = None, None
+        if token in params.stop_token_ids:
+            finish_reason, stop_reason = "stop", token
+        elif token in self.eos_token_ids and not params.ignore_eos:
+            finish_reason = "stop"
+        elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            finish_reason = "length"
+        output = EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[token],
+            num_cached_tokens=request.num_cached_tokens or 0,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            prompt_logprobs=request.prompt_logprobs if first else None,
+            logprobs=None if logprobs is None else [logprobs],
+        )
+        if finish_reason is not None:
+            self._finish(request, RequestStatus.FINISHED)
+        return output
+
+    def _finish(self, request: EngineRequest, status: RequestStatus) -> None:
+        self.scheduler.finish(request, status)
+        self.runner.forget(request.request_id)
+        del self.requests[request.request_id]
+        if request.num_cached_tokens is not None:  # it was admitted, so its lookup counts
+            self._recent.append((request.num_prompt_tokens, request.num_cached_tokens))

@@ -1,0 +1,95 @@
+"""Input processing: prompts and chat messages in, validated ``EngineCoreRequest``s of token ids out.
+
+Every check a request can fail happens here, before the core sees it, so a bad request costs the
+engine nothing and gets a clear ``ValueError``. Runs on the API side (tokenizing never blocks a step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefixcache.engine.messages import EngineCoreRequest, EngineInfo
+from prefixcache.engine.sampling_params import SamplingParams
+
+PromptInput = str | list[int] | dict[str, Any]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, info: EngineInfo) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+
+    def process(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """The core request and the prompt text (None when the prompt came as token ids)."""
+        text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab_size = self.info.vocab_size
+        if any(t < 0 or t >= vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        max_model_len = self.info.max_model_len
+        if len(token_ids) + params.max_tokens > max_model_len:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context length of {max_model_len} tokens"
+            )
+        capacity = self.info.kv_capacity_tokens
+        if len(token_ids) + params.max_tokens > capacity:
+            raise ValueError(
+                f"prompt plus max_tokens ({len(token_ids) + params.max_tokens} tokens) cannot fit the KV cache "
+                f"of {capacity} tokens; raise kv_cache_memory"
+            )
+        if params.stop_token_ids and max(params.stop_token_ids) >= vocab_size:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            cache_salt=cache_salt,
+            lora_name=lora_name,
+        )
+        return request, text
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        return chat_token_ids(self.tokenizer, messages, add_generation_prompt)
+
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        return tokenize_prompt(self.tokenizer, prompt)
+
+
+def tokenize_prompt(tokenizer: Any, prompt: PromptInput) -> tuple[str | None, list[int]]:
+    """The prompt text (None for token ids) and its token ids; the router tokenizes through here too."""
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt, add_special_tokens=False)
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), _check_token_ids(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return tokenize_prompt(tokenizer, prompt["prompt"])
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, list | tuple):
+        return None, _check_token_ids(prompt)
+    raise ValueError(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}")
+
+
+def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    """The conversation as prompt token ids, through the model's own chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _check_token_ids(token_ids: Any) -> list[int]:
+    if not isinstance(token_ids, list | tuple) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+    ):
+        raise ValueError("prompt_token_ids must be a list of integers")
+    return list(token_ids)

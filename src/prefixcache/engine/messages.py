@@ -1,0 +1,135 @@
+"""The messages between the API side (input and output processing) and the engine core.
+
+They are msgspec structs encoded as msgpack arrays: the same objects are passed directly when the core
+runs in the caller's process (the offline ``LLM``) and as bytes over ZeroMQ when it runs in its own
+process (``prefixcache serve``). The core only sees token ids; text lives on the API side.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from prefixcache.engine.sampling_params import SamplingParams
+from prefixcache.offload.store import TierStats
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, tag=True, frozen=True):
+    """A validated request in token ids, as the input processor hands it to the core."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    cache_salt: str | None = None
+    lora_name: str | None = None
+
+
+class AbortRequests(msgspec.Struct, array_like=True, tag=True, frozen=True):
+    """Stop these requests and free their blocks; ids that are not in flight are ignored."""
+
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, array_like=True, tag=True, frozen=True):
+    """Call ``EngineCore.<method>(*args)`` between steps; answered by a ``UtilityResult`` with ``call_id``."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class Shutdown(msgspec.Struct, array_like=True, tag=True, frozen=True):
+    """Finish the current step, then exit cleanly."""
+
+
+class EngineStats(msgspec.Struct, array_like=True, tag=True, frozen=True):
+    """The core's counters and load after a step.
+
+    ``prefix_cache_hits`` counts every prompt token whose K/V was not computed (shared blocks and sub-block
+    copies, of which ``prefix_cache_copied_tokens`` were copies); ``prefix_cache_hit_rate`` is hits over
+    queries, and ``rolling_hit_rate`` the same over the last finished requests. The same definition is used
+    by ``/metrics`` and the benchmarks.
+    """
+
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_copied_tokens: int
+    prefix_cache_hit_rate: float
+    rolling_hit_rate: float
+    num_requests: int
+    num_preemptions: int
+    kv_cache_usage: float
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    block_size: int
+    kv_offload: list[TierStats] = []
+    kv_events_dropped: int = 0
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True):
+    """One request's progress in one step: only the tokens new in this step.
+
+    ``finish_reason`` is set on the last output: ``stop`` (EOS or a stop token id, which is then
+    ``stop_reason``), ``length`` (max_tokens or the context length) or ``abort``; an ``abort`` that the core
+    decided (the request failed alone, e.g. its sampling raised) carries ``error``. ``logprobs`` has one
+    ``{token id: log-probability}`` per new token (the sampled token first, then the top-k) when the request
+    asked for them. ``prompt_logprobs`` comes once, with the first token.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    num_cached_tokens: int
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    logprobs: list[dict[int, float]] | None = None
+    error: str | None = None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True, frozen=True):
+    """A step's outputs with the stats after it; ``timestamp`` is ``time.monotonic()`` when the step ended."""
+
+    outputs: list[EngineCoreOutput]
+    timestamp: float
+    stats: EngineStats
+
+
+class UtilityResult(msgspec.Struct, array_like=True, tag=True, frozen=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class EngineCoreFailure(msgspec.Struct, array_like=True, tag=True, frozen=True):
+    """The core cannot go on (startup failed, or a step raised); it exits after sending this."""
+
+    message: str
+
+
+class EngineInfo(msgspec.Struct, array_like=True, tag=True, frozen=True):
+    """The startup handshake: what the API side needs to validate requests and describe the engine."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_blocks: int
+    hash_algo: str
+    hash_seed: str
+    enable_prefix_caching: bool
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+CoreInput = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown
+CoreOutput = EngineCoreOutputs | UtilityResult | EngineCoreFailure | EngineInfo
+
+encoder = msgspec.msgpack.Encoder()
+input_decoder = msgspec.msgpack.Decoder(CoreInput)
+output_decoder = msgspec.msgpack.Decoder(CoreOutput)

@@ -1,0 +1,214 @@
+"""The Redis tier: blocks shared by every engine that talks to one Redis, with the disk tier's records.
+
+Keys, for a layout's namespace ``NS`` (hex): ``prefixcache:NS:kv:<block hash hex>`` hold records (header,
+checksum, payload, as on disk); ``prefixcache:NS:lru`` is a sorted set of block keys by last use,
+``prefixcache:NS:bytes`` the bytes they take and ``prefixcache:NS:clock`` a counter every use increments, so
+engines on several hosts keep one LRU order without agreeing on time. Lua scripts make each lookup (read
+the longest run of present blocks and touch them) and each write (store, then evict the least recently
+used beyond the capacity) one atomic round trip. Engines with another layout use other keys.
+
+Redis down, at start or mid-run, marks the tier unavailable: lookups miss and writes are dropped at once,
+and a reconnection is tried after a backoff that doubles up to ``retry_max_s``; when Redis answers again
+the tier is used again. A record that fails its check is deleted and counts as a miss.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from prefixcache.core.hashing import BlockHash
+from prefixcache.offload.record import BadRecord, KVLayout, decode_record, encode_record
+from prefixcache.offload.store import KVStore
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# KEYS: lru, clock, block keys in order. Returns the values of the longest run of present keys, touched.
+_LOAD = """
+local out = {}
+for i = 3, #KEYS do
+  local value = redis.call('GET', KEYS[i])
+  if not value then break end
+  out[#out + 1] = value
+  redis.call('ZADD', KEYS[1], 'XX', redis.call('INCR', KEYS[2]), KEYS[i])
+end
+return out
+"""
+
+# KEYS: lru, bytes, clock, block keys; ARGV: capacity, one value a block key. Stores the keys not present
+# (a value larger than the capacity is skipped), then evicts the least recently used beyond the capacity.
+# Returns {stored keys, evicted keys, bytes used, blocks held}.
+_STORE = """
+local capacity = tonumber(ARGV[1])
+local total = tonumber(redis.call('GET', KEYS[2]) or '0')
+local stored, evicted = {}, {}
+for i = 4, #KEYS do
+  local value = ARGV[i - 2]
+  if string.len(value) <= capacity and redis.call('EXISTS', KEYS[i]) == 0 then
+    redis.call('SET', KEYS[i], value)
+    redis.call('ZADD', KEYS[1], redis.call('INCR', KEYS[3]), KEYS[i])
+    total = redis.call('INCRBY', KEYS[2], string.len(value))
+    stored[#stored + 1] = KEYS[i]
+  end
+end
+while total > capacity do
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0)
+  if #oldest == 0 then
+    redis.call('SET', KEYS[2], 0)
+    total = 0
+    break
+  end
+  local size = redis.call('STRLEN', oldest[1])
+  redis.call('DEL', oldest[1])
+  redis.call('ZREM', KEYS[1], oldest[1])
+  total = redis.call('DECRBY', KEYS[2], size)
+  evicted[#evicted + 1] = oldest[1]
+end
+return {stored, evicted, total, redis.call('ZCARD', KEYS[1])}
+"""
+
+# KEYS: lru, bytes, block keys. Deletes the blocks and gives their bytes back; returns the keys deleted.
+_REMOVE = """
+local removed = {}
+for i = 3, #KEYS do
+  local size = redis.call('STRLEN', KEYS[i])
+  if size > 0 then
+    redis.call('DEL', KEYS[i])
+    redis.call('DECRBY', KEYS[2], size)
+    removed[#removed + 1] = KEYS[i]
+  end
+  redis.call('ZREM', KEYS[1], KEYS[i])
+end
+return removed
+"""
+
+
+class RedisStore(KVStore):
+    medium = "REDIS"
+    persistent = True
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        url: str,
+        capacity_bytes: int,
+        *,
+        timeout_s: float = 2.0,
+        retry_initial_s: float = 0.5,
+        retry_max_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(layout, capacity_bytes)
+        self.url = url
+        self._client = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+        )
+        prefix = f"prefixcache:{layout.namespace.hex()}:"
+        self._block_prefix = f"{prefix}kv:"
+        self._lru, self._bytes, self._clock_key = f"{prefix}lru", f"{prefix}bytes", f"{prefix}clock"
+        self._layout_key = f"{prefix}layout"
+        self._load_script = self._client.register_script(_LOAD)
+        self._store_script = self._client.register_script(_STORE)
+        self._remove_script = self._client.register_script(_REMOVE)
+        self._clock = clock
+        self._retry_initial_s = retry_initial_s
+        self._retry_max_s = retry_max_s
+        self._backoff_s = retry_initial_s
+        self._next_retry = 0.0
+        self._down_reported = False
+        self.stats.available = False
+        self._reconnect()
+
+    @property
+    def available(self) -> bool:
+        """True while Redis answers; when it is down, the next call after the backoff tries again."""
+        if not self.stats.available and self._clock() >= self._next_retry:
+            self._reconnect()
+        return self.stats.available
+
+    def key_of(self, block_hash: BlockHash) -> str:
+        return self._block_prefix + block_hash.hex()
+
+    def close(self) -> None:
+        super().close()
+        self._next_retry = float("inf")
+        self._client.close()
+
+    def _reconnect(self) -> None:
+        try:
+            self._client.ping()
+            self._client.set(self._layout_key, json.dumps(self.layout.describe()))
+        except redis.RedisError as exc:
+            self._mark_down(exc)
+            return
+        with self._lock:
+            self.stats.available = True
+        self._backoff_s = self._retry_initial_s
+        if self._down_reported:
+            self._down_reported = False
+            logger.warning("REDIS tier at %s is reachable again; using it", self.url)
+
+    def _mark_down(self, exc: Exception) -> None:
+        with self._lock:
+            self.stats.available = False
+            self.stats.errors += 1
+        self._next_retry = self._clock() + self._backoff_s
+        if not self._down_reported:
+            self._down_reported = True
+            logger.warning(
+                "REDIS tier at %s unavailable (%s); serving without it, retrying in %.1f s and backing off",
+                self.url,
+                exc,
+                self._backoff_s,
+            )
+        self._backoff_s = min(self._backoff_s * 2, self._retry_max_s)
+
+    def _call(self, fn: Callable[[], T]) -> T | None:
+        """Run a Redis command; a lost connection marks the tier down, any other Redis error is counted."""
+        try:
+            return fn()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            self._mark_down(exc)
+        except redis.RedisError as exc:
+            self._count_error("command", "REDIS tier at %s: %s; treated as a miss", self.url, exc)
+        return None
+
+    def _load_prefix(self, hashes: Sequence[BlockHash]) -> list[bytes]:
+        keys = [self._lru, self._clock_key, *(self.key_of(h) for h in hashes)]
+        records = self._call(lambda: self._load_script(keys=keys))
+        out: list[bytes] = []
+        for block_hash, record in zip(hashes, records or (), strict=False):
+            payload = decode_record(self.layout, block_hash, record)
+            if isinstance(payload, BadRecord):
+                self._count_bad(block_hash, payload, self.key_of(block_hash))
+                self.discard([block_hash])
+                break
+            out.append(payload)
+        return out
+
+    def _discard(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        keys = [self._lru, self._bytes, *(self.key_of(h) for h in hashes)]
+        removed = self._call(lambda: self._remove_script(keys=keys))
+        return [self._hash_of(k) for k in removed or ()]
+
+    def _store(self, items: Sequence[tuple[BlockHash, bytes]]) -> tuple[list[BlockHash], list[BlockHash]]:
+        keys = [self._lru, self._bytes, self._clock_key, *(self.key_of(h) for h, _ in items)]
+        values = [encode_record(self.layout, h, payload) for h, payload in items]
+        result = self._call(lambda: self._store_script(keys=keys, args=[self.capacity_bytes, *values]))
+        if result is None:
+            return [], []
+        stored_keys, evicted_keys, used, num_blocks = result
+        with self._lock:
+            self.stats.used_bytes, self.stats.num_blocks = int(used), int(num_blocks)
+        return [self._hash_of(k) for k in stored_keys], [self._hash_of(k) for k in evicted_keys]
+
+    def _hash_of(self, key: bytes) -> BlockHash:
+        return BlockHash(bytes.fromhex(key.decode()[len(self._block_prefix) :]))

@@ -1,0 +1,99 @@
+"""The router's FastAPI app: OpenAI's endpoints proxied to the backends, plus its own health and metrics."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from prefixcache.router.backends import BackendPool, HealthSettings
+from prefixcache.router.index import PrefixIndex
+from prefixcache.router.metrics import RouterMetrics
+from prefixcache.router.policy import DEFAULT_PREFIX_WEIGHT, POLICIES, make_policy
+from prefixcache.router.proxy import Proxy
+from prefixcache.router.routing import Router
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    """``request_timeout`` bounds each read from a backend (None: wait as long as generation takes)."""
+
+    backends: tuple[str, ...]
+    policy: str = "prefix"
+    prefix_weight: float = DEFAULT_PREFIX_WEIGHT
+    health: HealthSettings = field(default_factory=HealthSettings)
+    request_timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.backends:
+            raise ValueError("the router needs at least one --backend")
+        for url in self.backends:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"a backend is an http(s) URL such as http://10.0.0.2:8000, got {url!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.prefix_weight < 0:
+            raise ValueError(f"the prefix weight must be >= 0, got {self.prefix_weight}")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ValueError("the request timeout must be positive")
+
+
+def build_app(settings: RouterSettings, tokenizer: Any) -> FastAPI:
+    """The app; its lifespan probes the backends (raising BackendRefusedError on a hashing mismatch)."""
+    index = PrefixIndex()
+    metrics = RouterMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        timeout = httpx.Timeout(settings.request_timeout, connect=settings.health.timeout)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            pool = BackendPool(list(settings.backends), index, metrics, client, settings.health)
+            router = Router(pool, index, make_policy(settings.policy, settings.prefix_weight), tokenizer)
+            await pool.start()
+            app.state.pool, app.state.router = pool, router
+            app.state.proxy = Proxy(router, pool, client, metrics)
+            try:
+                yield
+            finally:
+                await pool.stop()
+                router.close()
+
+    app = FastAPI(title="prefixcache router", lifespan=lifespan)
+    app.state.index = index
+    app.state.metrics = metrics
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await app.state.proxy.forward("/v1/completions", await request.body(), request.headers, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await app.state.proxy.forward("/v1/chat/completions", await request.body(), request.headers, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await app.state.proxy.get("/v1/models", request.headers)
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while at least one backend is in the rotation."""
+        return Response(status_code=200 if app.state.pool.routable() else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        metrics.index_blocks.set(len(index))
+        for backend in app.state.pool.backends:
+            metrics.backend_blocks.labels(backend.url).set(index.num_blocks(backend.url))
+            metrics.backend_up.labels(backend.url).set(int(backend.routable))
+            metrics.tokens_in_flight.labels(backend.url).set(backend.tokens_in_flight)
+            metrics.requests_in_flight.labels(backend.url).set(backend.requests_in_flight)
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,74 @@
+"""What a backend reports at ``GET /v1/cache/config``, and whether the router can predict its cache from it.
+
+The router hashes prompts itself, so every backend must hash exactly as it does: same model (same
+tokens), block size, hash algorithm and seed. A backend that differs is refused.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+import msgspec
+
+CACHE_CONFIG_PATH = "/v1/cache/config"
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]", "::")
+
+
+class KVEventsEndpoints(msgspec.Struct, frozen=True):
+    """Where the backend publishes KV events, as configured there (a bind address like ``tcp://*:5557``)."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+class CacheConfig(msgspec.Struct, frozen=True):
+    model: str
+    max_model_len: int
+    block_size: int
+    hash_algo: str
+    hash_seed: str
+    enable_prefix_caching: bool
+    kv_events: KVEventsEndpoints | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+
+
+_decoder = msgspec.json.Decoder(CacheConfig)
+
+
+def parse_cache_config(content: bytes) -> CacheConfig:
+    """Raises ValueError naming the bad field for a body that is not a cache config."""
+    try:
+        return _decoder.decode(content)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise ValueError(f"not a cache config: {exc}") from None
+
+
+def hashing_mismatch(reference: CacheConfig, other: CacheConfig) -> str | None:
+    """The first setting that makes ``other`` hash prompts differently from ``reference``, or None."""
+    for field in ("model", "block_size", "hash_algo", "hash_seed"):
+        mine, theirs = getattr(reference, field), getattr(other, field)
+        if mine != theirs:
+            return f"{field} is {theirs!r}, the other backends use {mine!r}"
+    return None
+
+
+def connect_address(endpoint: str, backend_url: str) -> str | None:
+    """A ZeroMQ address to connect to for ``endpoint`` as the backend configured it.
+
+    A wildcard bind (``tcp://*:5557``) is reached at the backend's own host; ``inproc://`` is only
+    reachable inside the backend's process, so None.
+    """
+    scheme, _, address = endpoint.partition("://")
+    if scheme == "inproc":
+        return None
+    if scheme != "tcp":
+        return endpoint
+    host, _, port = address.rpartition(":")
+    if host in _WILDCARD_HOSTS:
+        backend_host = urlsplit(backend_url).hostname or "127.0.0.1"
+        host = f"[{backend_host}]" if ":" in backend_host else backend_host
+    return f"tcp://{host}:{port}"

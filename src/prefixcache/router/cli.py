@@ -1,0 +1,90 @@
+"""``prefixcache router``: an OpenAI-compatible front that routes each request to one of several backends.
+
+Only argparse work happens at import; the tokenizer and the web stack load when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from prefixcache.router.policy import DEFAULT_PREFIX_WEIGHT, POLICIES
+
+logger = logging.getLogger(__name__)
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add the ``router`` subcommand to the ``prefixcache`` command's subparsers."""
+    parser = commands.add_parser(
+        "router",
+        help="route OpenAI requests to the backend holding their longest cached prefix",
+        description="Proxy /v1/completions and /v1/chat/completions to prefixcache serve backends. The prefix "
+        "policy predicts each backend's cache hit from its KV cache events and weighs it against the load.",
+    )
+    parser.add_argument(
+        "--backend",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a backend, e.g. http://10.0.0.2:8000 (repeat for each)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--policy", choices=POLICIES, default="prefix")
+    parser.add_argument(
+        "--prefix-weight",
+        type=float,
+        default=DEFAULT_PREFIX_WEIGHT,
+        help="cost of a prompt token to compute, in tokens of load (default %(default)s)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        "--model",
+        dest="tokenizer",
+        default=None,
+        help="the backends' model, to tokenize like them: HF checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--health-check-interval", type=float, default=5.0, help="seconds between health checks")
+    parser.add_argument("--health-check-timeout", type=float, default=2.0, help="seconds a health check may take")
+    parser.add_argument(
+        "--health-check-failures", type=int, default=2, help="failed checks in a row that take a backend out"
+    )
+    parser.add_argument("--replay-timeout", type=float, default=5.0, help="seconds to wait for a KV event replay")
+    parser.add_argument("--request-timeout", type=float, default=None, help="seconds per read from a backend")
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from prefixcache.model.loader import load_tokenizer, resolve_model
+    from prefixcache.router.app import RouterSettings, build_app
+    from prefixcache.router.backends import HealthSettings
+
+    try:
+        settings = RouterSettings(
+            backends=tuple(args.backend),
+            policy=args.policy,
+            prefix_weight=args.prefix_weight,
+            health=HealthSettings(
+                interval=args.health_check_interval,
+                timeout=args.health_check_timeout,
+                failures_to_down=args.health_check_failures,
+                replay_timeout=args.replay_timeout,
+            ),
+            request_timeout=args.request_timeout,
+        )
+        tokenizer = load_tokenizer(resolve_model(args.tokenizer)[0]) if args.policy == "prefix" else None
+    except (FileNotFoundError, ValueError) as exc:
+        raise SystemExit(f"prefixcache router: {exc}") from exc
+    level = min(logging.INFO, logging.getLogger().getEffectiveLevel())
+    logging.getLogger("prefixcache.router").setLevel(level)
+    uvicorn.run(
+        build_app(settings, tokenizer),
+        host=args.host,
+        port=args.port,
+        log_level=level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=5,
+    )

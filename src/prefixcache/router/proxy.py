@@ -1,0 +1,192 @@
+"""Forwarding one request to the chosen backend, and once more elsewhere if it fails before any byte.
+
+The body goes to the backend as received and the response comes back as sent: an SSE stream chunk by
+chunk, unchanged (``X-Prefixcache-Backend`` names the backend in the headers). A request is retried
+once on another backend when the backend cannot be reached, drops the connection before the first
+byte, or answers 5xx; after the first byte reached the client nothing can be retried. Whatever the
+backend reports in ``usage`` is compared with the router's prediction.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from prefixcache.router.backends import Backend, BackendPool
+from prefixcache.router.metrics import RouterMetrics
+from prefixcache.router.policy import Candidate
+from prefixcache.router.routing import Lease, Router
+from prefixcache.server.protocol import error_body
+
+logger = logging.getLogger(__name__)
+
+BACKEND_HEADER = "x-prefixcache-backend"
+ATTEMPTS = 2
+_HOP_BY_HOP = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade"})
+
+
+def forwarded_headers(headers: Any) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP}
+
+
+class UsageScanner:
+    """Finds the ``usage`` object in an SSE stream as its bytes pass by (a line may span chunks)."""
+
+    def __init__(self) -> None:
+        self.usage: dict[str, Any] | None = None
+        self._partial = b""
+
+    def feed(self, chunk: bytes) -> None:
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:") and b'"usage"' in line:
+                try:
+                    usage = json.loads(line[5:]).get("usage")
+                except (ValueError, AttributeError):
+                    continue
+                if isinstance(usage, dict):
+                    self.usage = usage
+
+
+class Proxy:
+    def __init__(self, router: Router, pool: BackendPool, client: httpx.AsyncClient, metrics: RouterMetrics) -> None:
+        self.router = router
+        self.pool = pool
+        self.client = client
+        self.metrics = metrics
+
+    async def forward(self, path: str, raw_body: bytes, headers: Any, chat: bool) -> Response:
+        """Route and forward a POST; 503 when no backend can take it, 502 when both attempts failed."""
+        try:
+            parsed = json.loads(raw_body)
+        except ValueError:  # the backend will answer the error in its own words
+            parsed = None
+        body = parsed if isinstance(parsed, dict) else None
+        plan = await self.router.plan(body, chat)
+        request_headers = forwarded_headers(headers)
+        tried: list[str] = []
+        failure = ""
+        for attempt in range(ATTEMPTS):
+            picked = self.router.choose(plan, tried)
+            if picked is None:
+                break
+            backend, chosen = picked
+            tried.append(backend.url)
+            self.metrics.requests.labels(backend.url).inc()
+            lease = self.router.admit(backend, plan, chosen)
+            response, failure = await self._attempt(backend, chosen, lease, path, raw_body, request_headers, attempt)
+            if response is not None:
+                return response
+            self.metrics.retries.labels(backend.url).inc()
+        if failure:
+            return JSONResponse(error_body(f"backends failed: {failure}", type="server_error"), status_code=502)
+        self.metrics.unrouted.inc()
+        return JSONResponse(error_body("no backend is available", type="server_error"), status_code=503)
+
+    async def get(self, path: str, headers: Any) -> Response:
+        """A GET (e.g. /v1/models) answered by the first backend in the rotation."""
+        for backend in self.pool.routable():
+            try:
+                upstream = await self.client.get(f"{backend.url}{path}", headers=forwarded_headers(headers))
+            except httpx.TransportError as exc:
+                await self.pool.take_down(backend, f"{type(exc).__name__}: {exc}")
+                continue
+            return Response(upstream.content, upstream.status_code, headers=self._response_headers(upstream, backend))
+        return JSONResponse(error_body("no backend is available", type="server_error"), status_code=503)
+
+    async def _attempt(
+        self,
+        backend: Backend,
+        chosen: Candidate,
+        lease: Lease,
+        path: str,
+        raw_body: bytes,
+        headers: dict[str, str],
+        attempt: int,
+    ) -> tuple[Response | None, str]:
+        """The response to return, or (None, why) when this attempt failed and may be retried."""
+        request = self.client.build_request("POST", f"{backend.url}{path}", content=raw_body, headers=headers)
+        upstream: httpx.Response | None = None
+        try:
+            upstream = await self.client.send(request, stream=True)
+            if upstream.status_code >= 500 and attempt + 1 < ATTEMPTS:
+                await upstream.aread()
+                raise _Retry(f"{backend.url} answered {upstream.status_code}")
+            chunks = upstream.aiter_raw()
+            first = await anext(chunks, None)
+        except (httpx.TransportError, _Retry) as exc:
+            lease.release()
+            if upstream is not None:
+                await upstream.aclose()
+            why = str(exc) if isinstance(exc, _Retry) else f"{backend.url}: {type(exc).__name__}: {exc}"
+            if isinstance(exc, httpx.TransportError):
+                await self.pool.take_down(backend, why)
+            logger.warning("attempt %d failed before any byte was sent: %s", attempt + 1, why)
+            return None, why
+        body = self._relay(first, chunks, upstream, lease, backend, chosen)
+        return StreamingResponse(body, upstream.status_code, headers=self._response_headers(upstream, backend)), ""
+
+    async def _relay(
+        self,
+        first: bytes | None,
+        chunks: AsyncIterator[bytes],
+        upstream: httpx.Response,
+        lease: Lease,
+        backend: Backend,
+        chosen: Candidate,
+    ) -> AsyncIterator[bytes]:
+        """The backend's bytes as they come; the load is released however the response ends."""
+        streaming = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        scanner = UsageScanner()
+        body = bytearray()
+        try:
+            if first is not None:
+                async for chunk in _prepend(first, chunks):
+                    if streaming:
+                        scanner.feed(chunk)
+                    elif upstream.status_code == 200:
+                        body += chunk
+                    yield chunk
+        except httpx.TransportError as exc:  # too late to retry: the client has bytes already
+            logger.warning("backend %s failed mid-response: %s", backend.url, exc)
+        finally:
+            lease.release()
+            await upstream.aclose()
+        usage = scanner.usage if streaming else _json_usage(bytes(body))
+        self._observe(backend, chosen, usage)
+
+    def _observe(self, backend: Backend, chosen: Candidate, usage: dict[str, Any] | None) -> None:
+        if not usage:
+            return
+        details = usage.get("prompt_tokens_details") or {}
+        cached, prompt = details.get("cached_tokens"), usage.get("prompt_tokens")
+        if isinstance(cached, int) and isinstance(prompt, int):
+            self.metrics.observe_usage(backend.url, chosen.cached_tokens, prompt, cached)
+
+    @staticmethod
+    def _response_headers(upstream: httpx.Response, backend: Backend) -> dict[str, str]:
+        return {**forwarded_headers(upstream.headers), BACKEND_HEADER: backend.url}
+
+
+async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async for chunk in rest:
+        yield chunk
+
+
+class _Retry(Exception):
+    """A backend answered with a server error while another attempt remains."""
+
+
+def _json_usage(body: bytes) -> dict[str, Any] | None:
+    try:
+        usage = json.loads(body).get("usage")
+    except (ValueError, AttributeError):
+        return None
+    return usage if isinstance(usage, dict) else None

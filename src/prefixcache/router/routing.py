@@ -1,0 +1,105 @@
+"""One routing decision: read the request's prompt once, score the backends, account the load.
+
+The prompt is tokenized and hashed only when the policy uses the index. A backend without KV events
+is predicted to hold nothing, so among such backends the prefix policy ranks by load alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from prefixcache.router.backends import Backend, BackendPool
+from prefixcache.router.index import PrefixIndex
+from prefixcache.router.policy import Candidate, RoutingPolicy
+from prefixcache.router.prompt import PromptHasher, PromptKey, cache_salt, requested_output_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePlan:
+    """``key`` is None when the router did not read the prompt (load-only policy, or a body it cannot parse)."""
+
+    key: PromptKey | None
+    output_tokens: int
+
+
+class Lease:
+    """A request's share of a backend's load, from routing until its response ends; released once."""
+
+    def __init__(self, backend: Backend, tokens: int) -> None:
+        self.backend = backend
+        self.tokens = tokens
+        backend.tokens_in_flight += tokens
+        backend.requests_in_flight += 1
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.backend.tokens_in_flight -= self.tokens
+            self.backend.requests_in_flight -= 1
+
+
+class Router:
+    def __init__(self, pool: BackendPool, index: PrefixIndex, policy: RoutingPolicy, tokenizer: Any) -> None:
+        self.pool = pool
+        self.index = index
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self._hasher: PromptHasher | None = None
+        # One worker: requests are tokenized in turn, never by two threads sharing the tokenizer at once.
+        self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-tokenize")
+
+    def close(self) -> None:
+        self._tokenize.shutdown(wait=False, cancel_futures=True)
+
+    async def plan(self, body: dict[str, Any] | None, chat: bool) -> RoutePlan:
+        if body is None:
+            return RoutePlan(None, 0)
+        output_tokens = requested_output_tokens(body, chat)
+        hasher = self._prompt_hasher()
+        if not self.policy.uses_prefix or hasher is None:
+            return RoutePlan(None, output_tokens)
+        # Tokenizing a long prompt or a chat template takes milliseconds: keep the event loop serving.
+        key = await asyncio.get_running_loop().run_in_executor(self._tokenize, _prompt_key, hasher, body, chat)
+        return RoutePlan(key, output_tokens)
+
+    def choose(self, plan: RoutePlan, exclude: Collection[str] = ()) -> tuple[Backend, Candidate] | None:
+        """The policy's pick among routable backends not in ``exclude`` (URLs); None when there is none."""
+        backends = [b for b in self.pool.routable() if b.url not in exclude]
+        if not backends:
+            return None
+        key = plan.key
+        matched = {}
+        if key is not None:
+            with_events = [b.url for b in backends if b.subscriber is not None]
+            matched = self.index.matched_blocks(key.block_hashes, with_events)
+        block_size = self.pool.reference.block_size if self.pool.reference else 0
+        num_tokens = key.num_tokens if key is not None else 0
+        candidates = [
+            Candidate(b.url, num_tokens, matched.get(b.url, 0) * block_size, b.tokens_in_flight, b.requests_in_flight)
+            for b in backends
+        ]
+        chosen = self.policy.choose(candidates)
+        return backends[candidates.index(chosen)], chosen
+
+    def admit(self, backend: Backend, plan: RoutePlan, chosen: Candidate) -> Lease:
+        return Lease(backend, chosen.tokens_to_compute + plan.output_tokens)
+
+    def _prompt_hasher(self) -> PromptHasher | None:
+        if self._hasher is None and self.pool.reference is not None:
+            self._hasher = PromptHasher(self.tokenizer, self.pool.reference)
+        return self._hasher
+
+
+def _prompt_key(hasher: PromptHasher, body: dict[str, Any], chat: bool) -> PromptKey | None:
+    token_ids = hasher.token_ids(body, chat)
+    if not token_ids:
+        return None
+    try:
+        return hasher.key(token_ids, cache_salt(body))
+    except ValueError:  # ids the engine refuses too: it will answer the error
+        return None

@@ -1,0 +1,114 @@
+"""The sampler: penalties as vLLM defines them, raw log-probabilities, and one request's failure kept to itself."""
+
+import math
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from prefixcache.engine import SamplingParams
+from prefixcache.engine.sampler import Sampler
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@dataclass
+class Row:
+    request_id: str
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+def greedy_pick(logits: list[float], **kwargs) -> int:
+    row = Row("r", SamplingParams(temperature=0.0, **{k: v for k, v in kwargs.items() if "token_ids" not in k}))
+    row.prompt_token_ids = kwargs.get("prompt_token_ids", [])
+    row.output_token_ids = kwargs.get("output_token_ids", [])
+    return Sampler(0, torch.device("cpu")).sample(torch.tensor([logits]), [row]).token_ids["r"]
+
+
+def poisoned(params: SamplingParams) -> SamplingParams:
+    """Params whose temperature is NaN, as if validation had missed it: sampling them raises in torch."""
+    object.__setattr__(params, "temperature", math.nan)
+    return params
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    # token 0 seen in the prompt: 3.0 / 4 = 0.75 falls below token 1's 2.0
+    assert greedy_pick([3.0, 2.0, 1.0], repetition_penalty=4.0, prompt_token_ids=[0]) == 1
+    assert greedy_pick([3.0, 2.0, 1.0], repetition_penalty=1.4, prompt_token_ids=[0]) == 0
+    # token 0 seen in the output: -0.5 * 4 = -2.0 falls below token 1's -1.0
+    assert greedy_pick([-0.5, -1.0, -3.0], repetition_penalty=4.0, output_token_ids=[0]) == 1
+    # below 1 it favours seen tokens
+    assert greedy_pick([1.0, 2.0, 0.0], repetition_penalty=0.25, prompt_token_ids=[0]) == 0
+
+
+def test_frequency_and_presence_penalties_count_generated_tokens_only():
+    output = {"output_token_ids": [0, 0, 2]}
+    assert greedy_pick([2.0, 1.5, 1.0], frequency_penalty=0.3, **output) == 1  # 2.0 - 2 * 0.3 = 1.4
+    assert greedy_pick([2.0, 1.5, 1.0], frequency_penalty=0.2, **output) == 0  # 1.6
+    assert greedy_pick([2.0, 1.5, 1.0], presence_penalty=0.6, **output) == 1  # 1.4, once however often
+    assert greedy_pick([2.0, 1.5, 1.0], presence_penalty=0.4, **output) == 0  # 1.6
+    assert greedy_pick([2.0, 1.5, 1.0], frequency_penalty=2.0, prompt_token_ids=[0, 0, 0]) == 0  # prompt: no
+    assert greedy_pick([1.0, 1.2], presence_penalty=-0.5, output_token_ids=[0]) == 0  # negative encourages
+
+
+def test_logprobs_are_the_raw_distribution_with_the_sampled_token_first():
+    logits = torch.tensor([[0.5, 3.0, 2.5, -1.0, 1.0, 0.0]])
+    raw = logits[0].log_softmax(-1)
+    penalized = Row("p", SamplingParams(temperature=0.0, presence_penalty=2.0, logprobs=2), output_token_ids=[1])
+    sampled = Row("s", SamplingParams(temperature=0.3, top_k=2, seed=1, logprobs=0))
+    out = Sampler(0, torch.device("cpu")).sample(logits.repeat(2, 1), [penalized, sampled])
+    assert out.token_ids["p"] == 2  # the penalty moved the choice off the raw argmax
+    entry = out.logprobs["p"]
+    assert list(entry) == [2, 1]  # the sampled token, then the top-2 (which include it)
+    assert entry == pytest.approx({2: raw[2].item(), 1: raw[1].item()}, abs=1e-6)  # before penalty and temperature
+    assert out.logprobs["s"] == pytest.approx({out.token_ids["s"]: raw[out.token_ids["s"]].item()}, abs=1e-6)
+
+
+def test_a_row_that_raises_fails_only_its_own_request():
+    logits = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
+    rows = [
+        Row("a", GREEDY),
+        Row("b", poisoned(SamplingParams(temperature=1.0))),
+        Row("c", SamplingParams(temperature=0.0, repetition_penalty=1.5, logprobs=1)),
+    ]
+    out = Sampler(0, torch.device("cpu")).sample(logits, rows)
+    assert set(out.errors) == {"b"} and "sampling failed" in out.errors["b"]
+    assert out.token_ids["a"] == logits[0].argmax().item()
+    assert set(out.token_ids) == {"a", "c"} and set(out.logprobs) == {"c"}
+
+
+def test_a_request_whose_sampling_fails_ends_alone_and_the_others_go_on(make_llm):
+    llm = make_llm()
+    prompts = [{"prompt_token_ids": list(range(start, start + 15))} for start in (3, 30, 60)]
+    seeded = SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True)
+    alone = [llm.generate(prompts[i], p, use_tqdm=False)[0].outputs[0].token_ids for i, p in ((0, GREEDY), (2, seeded))]
+    bad = poisoned(SamplingParams(max_tokens=10, ignore_eos=True))
+    outputs = llm.generate(prompts, [GREEDY, bad, seeded], use_tqdm=False)
+    failed = outputs[1].outputs[0]
+    assert (failed.finish_reason, failed.token_ids) == ("abort", [])
+    assert "sampling failed" in failed.error and "nan" in failed.error
+    assert [outputs[0].outputs[0].token_ids, outputs[2].outputs[0].token_ids] == alone
+    assert all(o.outputs[0].error is None for o in (outputs[0], outputs[2]))
+
+
+def test_generated_token_logprobs_match_transformers(make_llm, tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    llm = make_llm()
+    prompt = list(range(3, 20))
+    params = SamplingParams(max_tokens=6, temperature=0.7, seed=5, logprobs=3, ignore_eos=True)
+    completion = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + completion.token_ids])).logits[0].log_softmax(-1)
+    assert len(completion.logprobs) == 6
+    for i, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
+        position = len(prompt) - 1 + i
+        assert next(iter(entry)) == token
+        top = ref[position].topk(3)
+        expected = {token: ref[position, token].item()} | dict(
+            zip(top.indices.tolist(), top.values.tolist(), strict=True)
+        )
+        assert entry == pytest.approx(expected, abs=1e-4)

@@ -1,0 +1,58 @@
+"""Factories for the offload tests: a tiny block layout, block hashes, distinct payloads, a Redis server."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from prefixcache.core import BlockHash
+from prefixcache.offload import KVLayout
+from tests.offload.redis_server import RedisServer
+
+
+def make_layout(**overrides) -> KVLayout:
+    fields = dict(
+        model_fingerprint="tiny-model",
+        dtype="float32",
+        block_size=4,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=4,
+        hash_algo="sha256",
+        root_hash=b"\x01" * 32,
+    )
+    fields.update(overrides)
+    return KVLayout(**fields)
+
+
+def block_hash(i: int) -> BlockHash:
+    return BlockHash(hashlib.sha256(f"block-{i}".encode()).digest())
+
+
+def payload(layout: KVLayout, i: int) -> bytes:
+    """Distinct bytes for block ``i``: a store mixing blocks up would be caught."""
+    seed = hashlib.sha256(f"payload-{i}".encode()).digest()
+    return (seed * (layout.block_bytes // len(seed) + 1))[: layout.block_bytes]
+
+
+def blocks(layout: KVLayout, ids) -> list[tuple[BlockHash, bytes]]:
+    return [(block_hash(i), payload(layout, i)) for i in ids]
+
+
+@pytest.fixture
+def layout() -> KVLayout:
+    return make_layout()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    try:
+        server = RedisServer(tmp_path)
+    except FileNotFoundError as exc:  # a required test component (.ci/run installs it): fail, never skip
+        pytest.fail(f"{exc}; install it with `apt-get install -y redis-server`")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,64 @@
+"""Offload options as users write them: sizes, PATH[:SIZE], Redis URLs with a capacity, the CLI flags."""
+
+import argparse
+
+import pytest
+
+from prefixcache.config import EngineConfig
+from prefixcache.engine.args import add_engine_args, engine_kwargs
+from prefixcache.offload.config import (
+    DEFAULT_DISK_BYTES,
+    DEFAULT_REDIS_BYTES,
+    OffloadConfig,
+    parse_disk_spec,
+    parse_redis_spec,
+)
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("/var/cache/kv:50GiB", ("/var/cache/kv", 50 * 2**30)),
+        ("/var/cache/kv", ("/var/cache/kv", DEFAULT_DISK_BYTES)),
+        ("/data/a:b", ("/data/a:b", DEFAULT_DISK_BYTES)),
+        ("relative/dir:1.5GB", ("relative/dir", 1_500_000_000)),
+    ],
+)
+def test_disk_spec(spec, expected):
+    assert parse_disk_spec(spec) == expected
+
+
+def test_redis_spec_takes_the_capacity_out_of_the_url():
+    assert parse_redis_spec("redis://10.0.0.5:6379/2?capacity=1GiB") == ("redis://10.0.0.5:6379/2", 2**30)
+    assert parse_redis_spec("redis://h:6379") == ("redis://h:6379", DEFAULT_REDIS_BYTES)
+    assert parse_redis_spec("redis://h:6379/0?capacity=2MiB&ssl_cert_reqs=none") == (
+        "redis://h:6379/0?ssl_cert_reqs=none",
+        2 * 2**20,
+    )
+    with pytest.raises(ValueError, match="redis:// URL"):
+        parse_redis_spec("localhost:6379")
+    with pytest.raises(ValueError, match="capacity"):
+        parse_redis_spec("redis://h:6379?capacity=much")
+
+
+def test_flags_reach_the_engine_config():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(
+        ["--kv-offload-cpu", "8GiB", "--kv-offload-disk", "/tmp/kv:1GiB", "--kv-offload-redis", "redis://r:6379/1"]
+        + ["--kv-offload-mode", "write_through"]
+    )
+    offload = EngineConfig(**engine_kwargs(args)).offload_config()
+    assert offload == OffloadConfig(
+        8 * 2**30, "/tmp/kv", 2**30, "redis://r:6379/1", DEFAULT_REDIS_BYTES, "write_through"
+    )
+    assert not EngineConfig().offload_config().enabled
+
+
+def test_bad_options_are_refused_by_the_engine_config():
+    with pytest.raises(ValueError, match="kv_offload_cpu"):
+        EngineConfig(kv_offload_cpu="0")
+    with pytest.raises(ValueError, match="kv_offload_disk"):
+        EngineConfig(kv_offload_disk=" ")
+    with pytest.raises(ValueError, match="kv_offload_mode"):
+        EngineConfig(kv_offload_mode="lazy")

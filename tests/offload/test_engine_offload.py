@@ -1,0 +1,193 @@
+"""The engine with offload tiers on the tiny float32 model: a prompt served partly from the device cache,
+partly from a tier and partly computed gives the same greedy tokens as with no cache at all; the disk tier
+serves after a restart, Redis across engines, and a tier that is down only costs hits."""
+
+import random
+
+import pytest
+
+from prefixcache.core import Request
+from prefixcache.engine import LLM, SamplingParams
+from prefixcache.model import load_model
+from prefixcache.offload.worker import model_fingerprint, read_blocks
+from tests.engine.conftest import assert_no_leaks
+from tests.helpers import write_tiny_checkpoint
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+BLOCK = 4
+rng = random.Random(0)
+PROMPT = [rng.randrange(3, 500) for _ in range(40)]  # 10 blocks
+FOLLOW_UP = PROMPT + [rng.randrange(3, 500) for _ in range(8)]
+FILLERS = [[rng.randrange(3, 500) for _ in range(24)] for _ in range(2)]
+
+
+def generate(llm: LLM, prompt: list[int]):
+    return llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_loaded, tiny_llama_dir) -> list[int]:
+    llm = LLM(str(tiny_llama_dir), loaded=tiny_loaded, enable_prefix_caching=False, num_blocks=64, block_size=BLOCK)
+    return generate(llm, FOLLOW_UP).outputs[0].token_ids
+
+
+@pytest.fixture
+def make_llm(tiny_loaded, tiny_llama_dir):
+    built: list[LLM] = []
+
+    def make(**kwargs) -> LLM:
+        kwargs.setdefault("num_blocks", 16)
+        llm = LLM(str(tiny_llama_dir), loaded=tiny_loaded, block_size=BLOCK, **kwargs)
+        built.append(llm)
+        return llm
+
+    yield make
+    for llm in built:
+        assert_no_leaks(llm)
+        if llm.engine.core.offload is not None:
+            llm.engine.core.offload.close()
+
+
+def settle(llm: LLM) -> None:
+    """Wait for the background writer, so the test knows what the tiers hold."""
+    llm.engine.core.offload.writer.flush()
+
+
+def tier_tokens(llm: LLM) -> dict[str, int]:
+    return {s.medium: s.hit_tokens for s in llm.stats().kv_offload}
+
+
+def prompt_kv(llm: LLM) -> list[bytes]:
+    """The K/V of PROMPT's 10 blocks as the device cache holds them now."""
+    manager = llm.engine.core.manager
+    hashes = manager.block_hashes(Request("probe", PROMPT))
+    block_ids = [manager.pool.get_cached_block(h).block_id for h in hashes]
+    return read_blocks(llm.engine.core.runner.kv_caches, block_ids)
+
+
+def fill_then_evict_the_tail(llm: LLM) -> list[bytes]:
+    """PROMPT fills 10 blocks of the 16; two fillers then evict its last 7 (the tail goes first), so the
+    device keeps blocks 0-2 and the tiers must supply blocks 3-9. Returns PROMPT's K/V as computed."""
+    generate(llm, PROMPT)
+    computed = prompt_kv(llm)
+    for filler in FILLERS:
+        generate(llm, filler)
+    settle(llm)
+    return computed
+
+
+@pytest.fixture(params=["cpu-write_back", "cpu-write_through", "cpu-chunked", "disk", "redis"])
+def tier_kwargs(request, tmp_path) -> dict:
+    if request.param.startswith("cpu"):
+        mode = "write_through" if request.param == "cpu-write_through" else "write_back"
+        kwargs = {"kv_offload_cpu": "1MiB", "kv_offload_mode": mode}
+        if request.param == "cpu-chunked":
+            kwargs["max_num_batched_tokens"] = 5
+        return kwargs
+    if request.param == "disk":
+        return {"kv_offload_disk": f"{tmp_path}/kv:1MiB"}
+    return {"kv_offload_redis": request.getfixturevalue("redis_server").url}
+
+
+def test_device_tier_and_new_tokens_in_one_prompt_match_no_cache(make_llm, reference, tier_kwargs):
+    llm = make_llm(**tier_kwargs)
+    computed = fill_then_evict_the_tail(llm)
+    device_hits = llm.stats().prefix_cache_hits
+    out = generate(llm, FOLLOW_UP)
+    assert out.outputs[0].token_ids == reference
+    assert prompt_kv(llm) == computed  # loaded K/V is bit for bit what was computed
+    assert out.num_cached_tokens == 40
+    assert llm.stats().prefix_cache_hits - device_hits == 40  # one definition of a hit: tiers included
+    assert sum(tier_tokens(llm).values()) == 7 * BLOCK  # the device served the first 3 blocks
+
+
+def test_write_back_host_tier_holds_what_the_device_lost_and_gives_it_back(make_llm):
+    llm = make_llm(kv_offload_cpu="1MiB")
+    fill_then_evict_the_tail(llm)
+    (host,) = llm.stats().kv_offload
+    assert (host.num_blocks, host.blocks_stored) == (7, 7)  # exactly PROMPT's last 7 blocks: the evicted ones
+    generate(llm, FOLLOW_UP)
+    settle(llm)
+    (host,) = llm.stats().kv_offload
+    assert host.hit_tokens == 7 * BLOCK and host.blocks_loaded == 7
+    # the 7 loaded blocks left the host tier for the device; filler blocks evicted meanwhile came in
+    assert host.num_blocks == host.blocks_stored - 7 and host.evictions == 0
+
+
+def test_disk_tier_serves_after_a_restart(make_llm, reference, tmp_path):
+    disk = f"{tmp_path}/kv:1MiB"
+    first = make_llm(kv_offload_disk=disk)
+    generate(first, PROMPT)
+    computed = prompt_kv(first)
+    first.engine.core.offload.close()
+
+    restarted = make_llm(kv_offload_disk=disk)
+    out = generate(restarted, FOLLOW_UP)
+    assert out.outputs[0].token_ids == reference
+    assert prompt_kv(restarted) == computed
+    assert out.num_cached_tokens == 40 and tier_tokens(restarted) == {"DISK": 40}
+
+
+def test_disk_blocks_of_another_block_size_or_model_never_load(make_llm, tmp_path, tiny_llama_dir):
+    disk = f"{tmp_path}/kv:1MiB"
+    first = make_llm(kv_offload_disk=disk)
+    generate(first, PROMPT)
+    first.engine.core.offload.close()
+
+    other_block_size = LLM(
+        str(tiny_llama_dir), loaded=first.engine.core.loaded, block_size=8, num_blocks=16, kv_offload_disk=disk
+    )
+    try:
+        assert other_block_size.stats().kv_offload[0].num_blocks == 0  # its own namespace is empty
+        assert generate(other_block_size, FOLLOW_UP).num_cached_tokens == 0
+    finally:
+        other_block_size.engine.core.offload.close()
+
+    other_dir = write_tiny_checkpoint(tmp_path / "other-model", seed=1)
+    other_model = LLM(str(other_dir), block_size=BLOCK, num_blocks=16, kv_offload_disk=disk)
+    try:
+        assert other_model.stats().kv_offload[0].num_blocks == 0
+        assert generate(other_model, FOLLOW_UP).num_cached_tokens == 0
+    finally:
+        other_model.engine.core.offload.close()
+
+
+def test_model_fingerprint_tells_checkpoints_apart(tiny_loaded, tiny_llama_dir, tmp_path):
+    same = load_model(str(tiny_llama_dir), dtype="float32", device="cpu")
+    other = load_model(str(write_tiny_checkpoint(tmp_path / "other", seed=1)), dtype="float32", device="cpu")
+    fingerprint = model_fingerprint(tiny_loaded.model, tiny_loaded.config)
+    assert model_fingerprint(same.model, same.config) == fingerprint
+    assert model_fingerprint(other.model, other.config) != fingerprint
+
+
+def test_redis_shares_blocks_between_two_engines(make_llm, reference, redis_server):
+    first = make_llm(kv_offload_redis=redis_server.url)
+    second = make_llm(kv_offload_redis=redis_server.url)
+    generate(first, PROMPT)
+    settle(first)
+    out = generate(second, FOLLOW_UP)
+    assert out.outputs[0].token_ids == reference
+    assert prompt_kv(second) == prompt_kv(first)
+    assert out.num_cached_tokens == 40 and tier_tokens(second) == {"REDIS": 40}
+
+
+def test_redis_down_costs_only_hits(make_llm, reference, redis_server):
+    llm = make_llm(kv_offload_redis=redis_server.url)
+    redis_server.stop()
+    generate(llm, PROMPT)
+    settle(llm)
+    out = generate(llm, FOLLOW_UP)
+    assert out.outputs[0].token_ids == reference
+    (redis_stats,) = llm.stats().kv_offload
+    assert not redis_stats.available and redis_stats.hit_tokens == 0
+
+
+def test_offload_options_are_checked(make_llm):
+    with pytest.raises(ValueError, match="kv_offload_cpu"):
+        make_llm(kv_offload_cpu="lots")
+    with pytest.raises(ValueError, match="redis:// URL"):
+        make_llm(kv_offload_redis="http://localhost:6379")
+    with pytest.raises(ValueError, match="kv_offload_mode"):
+        make_llm(kv_offload_cpu="1MiB", kv_offload_mode="sometimes")
+    with pytest.raises(ValueError, match="holds no block"):
+        make_llm(kv_offload_cpu="100B")

@@ -1,0 +1,72 @@
+"""Records: a block reads back only for the exact layout and hash it was written for, intact."""
+
+import pytest
+
+from prefixcache.offload.record import BadRecord, RecordError, decode_record, encode_record
+from tests.offload.conftest import block_hash, make_layout, payload
+
+
+def test_round_trip_gives_the_exact_payload(layout):
+    data = payload(layout, 7)
+    assert decode_record(layout, block_hash(7), encode_record(layout, block_hash(7), data)) == data
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model_fingerprint": "other-model"},
+        {"dtype": "bfloat16"},
+        {"block_size": 8},
+        {"hash_algo": "xxhash"},
+        {"root_hash": b"\x02" * 32},
+        {"num_layers": 3},
+    ],
+)
+def test_any_change_that_invalidates_kv_gives_another_namespace_and_a_foreign_record(layout, change):
+    other = make_layout(**change)
+    assert other.namespace != layout.namespace
+    record = encode_record(other, block_hash(1), payload(other, 1))
+    bad = decode_record(layout, block_hash(1), record)
+    assert isinstance(bad, BadRecord) and bad.reason is RecordError.FOREIGN
+
+
+def test_same_layout_gives_the_same_namespace_in_every_process():
+    assert make_layout().namespace == make_layout().namespace
+    assert len(make_layout().namespace) == 16
+
+
+def test_record_of_another_block_is_foreign(layout):
+    record = encode_record(layout, block_hash(1), payload(layout, 1))
+    assert decode_record(layout, block_hash(2), record).reason is RecordError.FOREIGN
+
+
+@pytest.mark.parametrize("keep", [0, 10, 40, -1])
+def test_truncated_record_is_a_miss(layout, keep):
+    record = encode_record(layout, block_hash(1), payload(layout, 1))
+    bad = decode_record(layout, block_hash(1), record[:keep] if keep >= 0 else record[:-1])
+    assert isinstance(bad, BadRecord) and bad.reason is RecordError.TRUNCATED
+
+
+@pytest.mark.parametrize("position", [-1, -100, 60])
+def test_flipped_bit_is_a_miss(layout, position):
+    record = bytearray(encode_record(layout, block_hash(1), payload(layout, 1)))
+    record[position] ^= 0x01
+    bad = decode_record(layout, block_hash(1), bytes(record))
+    assert isinstance(bad, BadRecord) and bad.reason is RecordError.CORRUPT
+
+
+def test_garbage_is_foreign(layout):
+    assert decode_record(layout, block_hash(1), b"x" * 200).reason is RecordError.FOREIGN
+
+
+def test_payload_of_the_wrong_size_is_refused(layout):
+    with pytest.raises(ValueError, match="payload has"):
+        encode_record(layout, block_hash(1), b"short")
+
+
+def test_layout_validates_its_fields():
+    with pytest.raises(ValueError, match="dtype"):
+        make_layout(dtype="int8")
+    with pytest.raises(ValueError, match="positive"):
+        make_layout(block_size=0)
+    assert make_layout().block_bytes == 2 * 2 * 4 * 2 * 4 * 4

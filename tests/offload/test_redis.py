@@ -1,0 +1,156 @@
+"""Redis tier against a real redis-server: shared between stores, LRU within its capacity, checked records,
+and serving on through Redis going down at start or mid-run until it comes back."""
+
+import logging
+
+import pytest
+import redis
+
+from prefixcache.offload import HostMemoryStore
+from prefixcache.offload.record import encode_record
+from prefixcache.offload.redis_store import RedisStore
+from tests.offload.conftest import block_hash, blocks, make_layout, payload
+from tests.offload.test_host import Recorder
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def hashes(*ids):
+    return [block_hash(i) for i in ids]
+
+
+@pytest.fixture
+def make_store(redis_server):
+    made = []
+
+    def make(layout, capacity_bytes=2**20, **kwargs):
+        store = RedisStore(layout, redis_server.url, capacity_bytes, **kwargs)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        store.close()
+
+
+def record_bytes(layout):
+    return len(encode_record(layout, block_hash(0), payload(layout, 0)))
+
+
+def test_round_trip_is_exact_and_stops_at_the_first_missing_block(layout, make_store):
+    store = make_store(layout)
+    store.store(blocks(layout, [0, 1, 3]))
+    assert store.load_prefix(hashes(0, 1, 2, 3)) == [payload(layout, 0), payload(layout, 1)]
+    stats = store.snapshot()
+    assert (stats.blocks_stored, stats.hits, stats.num_blocks, stats.available) == (3, 2, 3, True)
+    assert stats.used_bytes == 3 * record_bytes(layout)
+
+
+def test_one_store_hits_what_another_stored(layout, make_store):
+    writer, reader = make_store(layout), make_store(layout)
+    recorder = Recorder()
+    writer.add_listener(recorder)
+    writer.store(blocks(layout, [1, 2]))
+    reader.store(blocks(layout, [2, 3]))  # 2 is there already: only 3 is written
+    assert reader.load_prefix(hashes(1, 2, 3)) == [payload(layout, i) for i in (1, 2, 3)]
+    assert writer.load_prefix(hashes(3)) == [payload(layout, 3)]
+    assert reader.snapshot().blocks_stored == 1
+    assert recorder.events == [("stored", "REDIS", hashes(1, 2), layout.block_size)]
+
+
+def test_other_layouts_never_see_the_blocks(layout, make_store):
+    make_store(layout).store(blocks(layout, [1]))
+    for change in ({"model_fingerprint": "other"}, {"dtype": "bfloat16"}, {"block_size": 8}):
+        assert make_store(make_layout(**change)).load_prefix(hashes(1)) == []
+
+
+def test_capacity_evicts_least_recently_used_across_stores(layout, make_store):
+    capacity = 3 * record_bytes(layout)
+    first, second = make_store(layout, capacity), make_store(layout, capacity)
+    recorder = Recorder()
+    second.add_listener(recorder)
+    first.store(blocks(layout, [1, 2, 3]))
+    assert second.load_prefix(hashes(1)) == [payload(layout, 1)]
+    second.store(blocks(layout, [4]))
+    assert [first.load_prefix([h]) != [] for h in hashes(1, 2, 3, 4)] == [True, False, True, True]
+    assert recorder.events[-1] == ("removed", "REDIS", hashes(2))
+    assert second.snapshot().used_bytes == capacity
+
+
+def test_a_corrupt_value_is_a_miss_and_is_deleted(layout, make_store, redis_server, caplog):
+    store = make_store(layout)
+    store.store(blocks(layout, [1, 2]))
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        value = bytearray(raw.get(store.key_of(block_hash(2))))
+        value[-1] ^= 0xFF
+        raw.set(store.key_of(block_hash(2)), bytes(value))
+        with caplog.at_level(logging.WARNING):
+            assert store.load_prefix(hashes(1, 2)) == [payload(layout, 1)]
+        assert raw.exists(store.key_of(block_hash(2))) == 0
+    finally:
+        raw.close()
+    assert store.snapshot().bad_records == 1
+    assert "corrupt" in caplog.text
+
+
+def test_redis_down_at_start_serves_misses_then_is_used_when_it_comes_back(layout, redis_server, caplog):
+    redis_server.stop()
+    clock = FakeClock()
+    with caplog.at_level(logging.WARNING):
+        store = RedisStore(layout, redis_server.url, 2**20, clock=clock, retry_initial_s=1.0)
+    try:
+        assert not store.available
+        store.store(blocks(layout, [1]))
+        assert store.load_prefix(hashes(1)) == []
+        assert "unavailable" in caplog.text
+        redis_server.start()
+        clock.now = 0.5
+        assert not store.available  # still backing off
+        clock.now = 1.0
+        assert store.available
+        store.store(blocks(layout, [1]))
+        assert store.load_prefix(hashes(1)) == [payload(layout, 1)]
+    finally:
+        store.close()
+
+
+def test_redis_killed_mid_run_and_restarted(layout, redis_server, caplog):
+    clock = FakeClock()
+    store = RedisStore(layout, redis_server.url, 2**20, clock=clock, retry_initial_s=1.0, retry_max_s=4.0)
+    host = HostMemoryStore(layout, 2**20)
+    try:
+        store.store(blocks(layout, [1]))
+        assert store.load_prefix(hashes(1)) == [payload(layout, 1)]
+        redis_server.stop()
+        with caplog.at_level(logging.WARNING):
+            assert store.load_prefix(hashes(1)) == []
+            assert not store.available
+            store.store(blocks(layout, [2]))  # dropped at once, no second warning
+        assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
+        errors = store.snapshot().errors
+        host.store(blocks(layout, [2]))  # other tiers are unaffected
+        assert host.load_prefix(hashes(2)) == [payload(layout, 2)]
+
+        clock.now = 1.0  # a retry while still down backs off further: next one at 1 + 2
+        assert not store.available
+        assert store.snapshot().errors == errors + 1
+        redis_server.start()
+        clock.now = 2.5
+        assert not store.available
+        clock.now = 3.0
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            assert store.available
+        assert "reachable again" in caplog.text
+        assert store.load_prefix(hashes(1)) == []  # the restarted server kept nothing
+        store.store(blocks(layout, [1, 2]))
+        assert store.load_prefix(hashes(1, 2)) == [payload(layout, 1), payload(layout, 2)]
+    finally:
+        store.close()

@@ -1,0 +1,55 @@
+"""Fake backends, fake KV event publishers and a router in front of them, all on loopback; all stopped."""
+
+import pytest
+
+from prefixcache.router.app import RouterSettings, build_app
+from prefixcache.router.backends import HealthSettings
+from tests.router.fakes import FakeBackend, FakePublisher, ThreadedServer, cache_config
+
+
+@pytest.fixture
+def stoppables():
+    started = []
+    yield started
+    for thing in reversed(started):
+        thing.stop()
+
+
+@pytest.fixture
+def publisher(stoppables):
+    def make() -> FakePublisher:
+        pub = FakePublisher()
+        stoppables.append(pub)
+        return pub
+
+    return make
+
+
+@pytest.fixture
+def backend(stoppables):
+    def make(name: str, events: FakePublisher | None = None, **config) -> FakeBackend:
+        if events is not None:
+            config["kv_events"] = events.kv_events()
+        fake = FakeBackend(name, cache_config(**config))
+        stoppables.append(fake)
+        return fake
+
+    return make
+
+
+@pytest.fixture
+def router(stoppables):
+    """A started router app in a thread; health checks rare unless asked, so tests drive them."""
+
+    def make(backends, policy="prefix", tokenizer=None, interval=3600.0, prefix_weight=64.0) -> ThreadedServer:
+        settings = RouterSettings(
+            backends=tuple(b.url for b in backends),
+            policy=policy,
+            prefix_weight=prefix_weight,
+            health=HealthSettings(interval=interval, timeout=2.0, failures_to_down=1, replay_timeout=2.0),
+        )
+        server = ThreadedServer(build_app(settings, tokenizer))
+        stoppables.append(server)
+        return server
+
+    return make

@@ -1,0 +1,138 @@
+"""The router in front of real ``prefixcache serve`` processes on the tiny model (loopback, port 0)."""
+
+import json
+import socket
+
+import httpx
+import pytest
+
+from prefixcache.core.hashing import resolve_hash_seed
+from prefixcache.model.loader import load_tokenizer
+from prefixcache.router.app import RouterSettings, build_app
+from prefixcache.router.backend_config import parse_cache_config
+from prefixcache.router.backends import HealthSettings
+from prefixcache.router.prompt import PromptHasher
+from prefixcache.router.proxy import BACKEND_HEADER
+from tests.router.fakes import ThreadedServer, wait_until
+from tests.server.harness import ServerProcess, random_prompt
+
+SERVE_ARGS = ["--block-size", "4", "--num-blocks", "256", "--max-model-len", "256", "--disable-uvicorn-access-log"]
+MESSAGES = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hi there"}]
+
+
+def start_servers(model_dir, logs, extra_args=()) -> list[ServerProcess]:
+    servers = [
+        ServerProcess(model_dir, [*SERVE_ARGS, *args], logs / f"serve-{i}.log") for i, args in enumerate(extra_args)
+    ]
+    try:
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+def start_router(servers, policy, tokenizer) -> ThreadedServer:
+    settings = RouterSettings(
+        backends=tuple(s.url for s in servers), policy=policy, health=HealthSettings(interval=3600.0)
+    )
+    return ThreadedServer(build_app(settings, tokenizer))
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_llama_dir, tmp_path_factory):
+    started = start_servers(tiny_llama_dir, tmp_path_factory.mktemp("router-serve"), [[], []])
+    yield started
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir):
+    return load_tokenizer(tiny_llama_dir)
+
+
+def test_the_server_tells_how_it_keys_its_cache(servers, tiny_llama_dir):
+    response = httpx.get(f"{servers[0].url}/v1/cache/config")
+    assert response.status_code == 200
+    assert response.json() == {
+        "model": tiny_llama_dir.name,
+        "max_model_len": 256,
+        "block_size": 4,
+        "hash_algo": "sha256",
+        "hash_seed": resolve_hash_seed(),  # the default, or $PREFIXCACHE_HASH_SEED as the servers inherit it
+        "enable_prefix_caching": True,
+        "kv_events": None,
+    }
+    parse_cache_config(response.content)  # the router reads it
+
+
+def test_the_router_tokenizes_like_the_server(servers, tokenizer):
+    config = parse_cache_config(httpx.get(f"{servers[0].url}/v1/cache/config").content)
+    hasher = PromptHasher(tokenizer, config)
+    text = "The quick brown fox jumps over the lazy dog."
+    for path, body, chat in (
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1}, True),
+        ("/v1/completions", {"prompt": text, "max_tokens": 1}, False),
+    ):
+        usage = httpx.post(f"{servers[0].url}{path}", json=body, timeout=60).json()["usage"]
+        assert len(hasher.token_ids(body, chat)) == usage["prompt_tokens"]
+
+
+def test_requests_pass_through_streamed_and_whole(servers, tokenizer):
+    router = start_router(servers, "round_robin", tokenizer)
+    try:
+        chat = httpx.post(f"{router.url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 3}, timeout=60)
+        assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant"
+        body = {"prompt": random_prompt("stream", 12), "max_tokens": 4, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+            backend = response.headers[BACKEND_HEADER]
+        assert lines[-1] == "data: [DONE]" and len(lines) == 5
+        assert backend != chat.headers[BACKEND_HEADER]  # round robin used both
+        models = httpx.get(f"{router.url}/v1/models").json()
+        assert models["data"][0]["max_model_len"] == 256
+        assert httpx.get(f"{router.url}/health").status_code == 200
+    finally:
+        router.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_prefix_routing_on_real_kv_events(tiny_llama_dir, tmp_path, tokenizer):
+    event_args = []
+    for _ in range(2):
+        events = {
+            "enable_kv_cache_events": True,
+            "endpoint": f"tcp://*:{_free_port()}",
+            "replay_endpoint": f"tcp://*:{_free_port()}",
+        }
+        event_args.append(["--kv-events-config", json.dumps(events)])
+    started = start_servers(tiny_llama_dir, tmp_path, event_args)
+    router = start_router(started, "prefix", tokenizer)
+    try:
+        index = router.app.state.index
+        prompt = random_prompt("tenant", 40)
+        first = httpx.post(f"{router.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=60)
+        holder = first.headers[BACKEND_HEADER]
+        wait_until(lambda: index.num_blocks(holder) >= 9, what="the first request's blocks in the index")
+        for _ in range(3):
+            again = httpx.post(
+                f"{router.url}/v1/completions", json={"prompt": prompt + [5], "max_tokens": 1}, timeout=60
+            )
+            assert again.headers[BACKEND_HEADER] == holder
+            assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 40
+        text = httpx.get(f"{router.url}/metrics").text
+        assert 'prefixcache:router_predicted_cached_tokens_total{backend="' + holder + '"} 120.0' in text
+        assert 'prefixcache:router_reported_cached_tokens_total{backend="' + holder + '"} 120.0' in text
+    finally:
+        router.stop()
+        for server in started:
+            server.stop()
