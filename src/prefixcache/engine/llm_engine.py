@@ -70,5 +70,8 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.core.reset_prefix_cache()
 
+    def close(self) -> None:
+        self.core.close()
+
     def stats(self) -> EngineStats:
         return self.core.stats()
