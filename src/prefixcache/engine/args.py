@@ -9,6 +9,14 @@ from typing import Any
 from prefixcache.config import EngineConfig
 from prefixcache.core import HASH_ALGOS
 from prefixcache.core.eviction import EVICTION_POLICIES
+from prefixcache.kv_events.config import KVEventsConfig
+
+
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.from_json(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
@@ -42,6 +50,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     group.add_argument("--device", default="cpu", help="cpu or cuda")
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=None,
+        metavar="JSON",
+        help='publish KV cache events like vLLM, e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'',
+    )
     offload = parser.add_argument_group("KV offload tiers (searched in this order after the device cache)")
     offload.add_argument("--kv-offload-cpu", default=None, metavar="SIZE", help="host memory tier, e.g. 8GiB")
     offload.add_argument(

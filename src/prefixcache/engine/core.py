@@ -23,6 +23,7 @@ from prefixcache.engine.messages import EngineCoreOutput, EngineCoreOutputs, Eng
 from prefixcache.engine.model_runner import ModelRunner
 from prefixcache.engine.request import EngineRequest, RequestStatus
 from prefixcache.engine.scheduler import Scheduler
+from prefixcache.kv_events.sink import KVEventSink
 from prefixcache.model import LoadedModel, load_model
 from prefixcache.offload.engine import attach_offload
 
@@ -62,6 +63,9 @@ class EngineCore:
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, dtype, config.device, config.seed)
         self.offload = attach_offload(self, config, self.scheduler, self.runner)
+        self.kv_events = KVEventSink.create(config.kv_events_config, self.manager.pool)
+        if self.kv_events is not None and self.offload is not None:
+            self.offload.add_listener(self.kv_events.collector)
         self.requests: dict[str, EngineRequest] = {}
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self._recent: deque[tuple[int, int]] = deque(maxlen=ROLLING_WINDOW)
@@ -124,6 +128,8 @@ class EngineCore:
         if step.chunks:
             result = self.runner.execute(step)
             self.manager.index_written_sub_blocks()
+            if self.kv_events is not None:  # after the forward pass: the announced blocks' K/V is written
+                self.kv_events.publish_pending()
             for chunk in step.chunks:
                 request = chunk.request
                 error = result.errors.get(request.request_id)
@@ -143,7 +149,17 @@ class EngineCore:
         return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic(), stats=self.stats())
 
     def reset_prefix_cache(self) -> bool:
-        return self.manager.reset_prefix_cache()
+        reset = self.manager.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.publish_pending()
+        return reset
+
+    def close(self) -> None:
+        """Release what outlives a step: the event publisher's thread and sockets, the offload tiers' writer."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+        if self.offload is not None:
+            self.offload.close()
 
     def lookup(self, token_ids: list[int], cache_salt: str | None = None, lora_name: str | None = None) -> PrefixLookup:
         """What the cache and the offload tiers hold of these (validated) prompt tokens now; runs no model and
@@ -169,6 +185,7 @@ class EngineCore:
             num_blocks=self.manager.num_blocks,
             block_size=self.manager.block_size,
             kv_offload=self.offload.stats() if self.offload is not None else [],
+            kv_events_dropped=self.kv_events.num_dropped if self.kv_events is not None else 0,
         )
 
     def _fail(self, request: EngineRequest, error: str) -> EngineCoreOutput:

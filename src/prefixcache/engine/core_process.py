@@ -70,8 +70,11 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         from prefixcache.engine.core import EngineCore
 
         core = EngineCore(config)
-        outputs.send(encoder.encode(core.info()))
-        _serve(core, inputs, outputs, parent_pid)
+        try:
+            outputs.send(encoder.encode(core.info()))
+            _serve(core, inputs, outputs, parent_pid)
+        finally:
+            core.close()
     except Exception as exc:
         logger.exception("engine core failed")
         outputs.send(encoder.encode(EngineCoreFailure(f"the engine core failed: {exc!r}")))
@@ -123,7 +126,10 @@ def _handle(core: Any, message: CoreInput) -> CoreOutput | None:
     elif isinstance(message, UtilityCall):
         if message.method not in UTILITY_METHODS:
             return UtilityResult(message.call_id, error=f"unknown engine core method {message.method!r}")
-        return UtilityResult(message.call_id, result=getattr(core, message.method)(*message.args))
+        try:
+            return UtilityResult(message.call_id, result=getattr(core, message.method)(*message.args))
+        except (TypeError, ValueError) as exc:  # bad arguments from the caller: answer, do not end the core
+            return UtilityResult(message.call_id, error=f"{message.method}: {exc}")
     return None
 
 

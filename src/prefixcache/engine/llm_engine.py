@@ -76,5 +76,8 @@ class LLMEngine:
         _, token_ids = self.input_processor.prompt_token_ids(prompt)
         return self.core.lookup(token_ids, cache_salt, lora_name)
 
+    def close(self) -> None:
+        self.core.close()
+
     def stats(self) -> EngineStats:
         return self.core.stats()

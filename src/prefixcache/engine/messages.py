@@ -68,6 +68,7 @@ class EngineStats(msgspec.Struct, array_like=True, tag=True, frozen=True):
     num_blocks: int
     block_size: int
     kv_offload: list[TierStats] = []
+    kv_events_dropped: int = 0
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True):

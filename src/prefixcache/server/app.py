@@ -423,7 +423,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     async def cache_config() -> dict[str, Any]:
         """How this server keys its prefix cache and where it publishes KV events: what a router needs."""
         info = engine.info
-        events = getattr(engine.config, "kv_events_config", None)  # None until KV events are merged
+        events = engine.config.kv_events_config
         publishing = events is not None and events.enable_kv_cache_events and events.publisher == "zmq"
         return {
             "model": settings.served_model_names[0],

@@ -2,18 +2,23 @@
 
 Latencies are observed per token as outputs are dispatched. Engine-wide numbers (prefix-cache
 counters, KV usage, queue lengths) come with every output batch of the engine core; its counters are
-cumulative, so the Prometheus counters are advanced by the difference since the last batch.
+cumulative, so the Prometheus counters are advanced by the difference since the last batch. The offload
+tiers' counters are exported as they were in the latest batch, one series per tier (``tier="cpu"`` etc.).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from prefixcache.core import MISS_REASONS
 from prefixcache.engine import EngineStats
+from prefixcache.offload.store import TierStats
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +59,9 @@ class ServerMetrics:
                 "prefix_cache_copied_tokens", "Of the hits, prompt tokens copied from a sub-block prefix match."
             ),
             "num_preemptions": counter("num_preemptions", "Requests preempted because KV blocks ran out."),
+            "kv_events_dropped": counter(
+                "kv_events_dropped", "KV cache event batches dropped because the publisher's queue was full."
+            ),
         }
         self._seen: dict[str, int] = {}  # the engine's cumulative counters as last read
         missed = Counter(
@@ -82,6 +90,8 @@ class ServerMetrics:
             registry=registry,
         )
         self._label = label
+        self.tiers = OffloadTierCollector(model_name)
+        registry.register(self.tiers)
         self._num_prompt_tokens = self._num_generation_tokens = 0
         self._logged_prompt_tokens = self._logged_generation_tokens = 0
         self._logged_at = time.monotonic()
@@ -110,6 +120,7 @@ class ServerMetrics:
         self.kv_cache_usage.set(stats.kv_cache_usage)
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
+        self.tiers.latest = stats.kv_offload
 
     def _advance(self, key: str, counter: Counter, value: int) -> None:
         seen = self._seen.get(key, 0)
@@ -147,3 +158,46 @@ class ServerMetrics:
     def _count_generated(self, num_tokens: int) -> None:
         self.generation_tokens.inc(num_tokens)
         self._num_generation_tokens += num_tokens
+
+
+_TIER_COUNTERS = {
+    "hits": "Blocks found in the tier at lookup (read and verified).",
+    "hit_tokens": "Prompt tokens served from the tier into the device cache.",
+    "blocks_loaded": "Blocks loaded from the tier into the device cache.",
+    "bytes_loaded": "Bytes loaded from the tier.",
+    "load_seconds": "Time spent reading from the tier.",
+    "blocks_stored": "Blocks written to the tier.",
+    "bytes_stored": "Bytes written to the tier.",
+    "store_seconds": "Time spent writing to the tier (background writer).",
+    "evictions": "Blocks evicted from the tier (LRU beyond its capacity).",
+    "bad_records": "Truncated, corrupt or foreign records read from the tier (each a miss).",
+    "errors": "Failed reads, writes or connections of the tier.",
+}
+_TIER_GAUGES = {
+    "capacity_bytes": "The tier's capacity.",
+    "used_bytes": "Bytes the tier holds.",
+    "num_blocks": "Blocks the tier holds.",
+    "available": "1 while the tier is usable, 0 while it is disabled or unreachable.",
+}
+
+
+class OffloadTierCollector(Collector):
+    """The offload tiers' statistics of the latest output batch, as ``prefixcache:kv_offload_*{tier=...}``."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.latest: list[TierStats] = []
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model_name", "tier"]
+        families: list[CounterMetricFamily | GaugeMetricFamily] = [
+            CounterMetricFamily(f"prefixcache:kv_offload_{name}", doc, labels=labels)
+            for name, doc in _TIER_COUNTERS.items()
+        ]
+        for name, doc in _TIER_GAUGES.items():
+            families.append(GaugeMetricFamily(f"prefixcache:kv_offload_{name}", doc, labels=labels))
+        names = [*_TIER_COUNTERS, *_TIER_GAUGES]
+        for tier in self.latest:
+            for family, name in zip(families, names, strict=True):
+                family.add_metric([self.model_name, tier.medium.lower()], float(getattr(tier, name)))
+        yield from families

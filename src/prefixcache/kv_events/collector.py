@@ -1,0 +1,103 @@
+"""Turns the block pool's changes into KV cache events and holds them until the engine publishes them.
+
+``blocks_stored`` is called when blocks are allocated, before the forward pass writes their K/V, so
+events wait here: the engine takes them after the pass (:meth:`KVEventCollector.take`) and a router
+never routes to K/V that does not exist yet.
+
+Extra keys map onto vLLM's ``extra_keys`` shape, one tuple (or None) per block, in vLLM's order:
+the LoRA name, then one ``(mm identifier, offset of the item from the block start)`` pair per
+multimodal item the block overlaps, then the cache salt (first block only). Our hashes keep the tags
+(``("lora", name)``, ``("mm", id, offset)``, ``("salt", s)``); on the wire a string is the LoRA name
+when ``lora_name`` is set and the salt otherwise, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefixcache.core.block_pool import BlockPoolListener, StoredBlocks
+from prefixcache.core.hashing import LORA_TAG, MM_TAG, SALT_TAG, BlockHash, ExtraKeys
+from prefixcache.kv_events.events import (
+    FULL_ATTENTION,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    encode_block_hash,
+)
+from prefixcache.offload.store import TierEventListener
+
+_VLLM_ORDER = {LORA_TAG: 0, MM_TAG: 1, SALT_TAG: 2}
+
+
+def vllm_extra_keys(keys: ExtraKeys | None) -> tuple[Any, ...] | None:
+    """One block's tagged extra keys in vLLM's untagged order (LoRA, multimodal, salt); None when none."""
+    if not keys:
+        return None
+    ordered = sorted(keys, key=lambda key: _VLLM_ORDER[key[0]])
+    return tuple(tuple(key[1:]) if key[0] == MM_TAG else key[1] for key in ordered)
+
+
+class KVEventCollector(BlockPoolListener, TierEventListener):
+    """Buffers the cache's events in the order they happen.
+
+    ``medium`` names the device pool it listens to: ``"GPU"`` for the engine's own KV cache whatever the
+    device (vLLM's convention). As a ``TierEventListener`` it also hears the offload tiers, whose events carry
+    their own medium (``"CPU"``, ``"DISK"``, ``"REDIS"``) and, like vLLM's offloading connector's when it has
+    no token metadata, no tokens or parent: a router needs only which hashes each engine can load.
+    """
+
+    def __init__(self, medium: str = MEDIUM_GPU, block_hash_encoding: str = "uint64") -> None:
+        self.medium = medium
+        self.block_hash_encoding = block_hash_encoding
+        self._events: list[KVCacheEvent] = []
+
+    def take(self) -> list[KVCacheEvent]:
+        """The events since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def blocks_stored(self, stored: StoredBlocks) -> None:
+        encoding = self.block_hash_encoding
+        parent = stored.parent_block_hash
+        self._events.append(
+            BlockStored(
+                block_hashes=[encode_block_hash(h, encoding) for h in stored.block_hashes],
+                parent_block_hash=None if parent is None else encode_block_hash(parent, encoding),
+                token_ids=stored.token_ids,
+                block_size=stored.block_size,
+                lora_id=None,
+                medium=self.medium,
+                lora_name=stored.lora_name,
+                extra_keys=[vllm_extra_keys(keys) for keys in stored.extra_keys],
+                group_idx=0,
+                kv_cache_spec_kind=FULL_ATTENTION,
+            )
+        )
+
+    def blocks_removed(self, block_hashes: list[BlockHash]) -> None:
+        self.tier_blocks_removed(self.medium, block_hashes)
+
+    def cache_cleared(self) -> None:
+        self._events.append(AllBlocksCleared())
+
+    def tier_blocks_stored(self, medium: str, block_hashes: list[BlockHash], block_size: int) -> None:
+        encoding = self.block_hash_encoding
+        self._events.append(
+            BlockStored(
+                block_hashes=[encode_block_hash(h, encoding) for h in block_hashes],
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=block_size,
+                lora_id=None,
+                medium=medium,
+                lora_name=None,
+                group_idx=0,
+                kv_cache_spec_kind=FULL_ATTENTION,
+            )
+        )
+
+    def tier_blocks_removed(self, medium: str, block_hashes: list[BlockHash]) -> None:
+        hashes = [encode_block_hash(h, self.block_hash_encoding) for h in block_hashes]
+        self._events.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=0))

@@ -1,0 +1,63 @@
+"""Engine-wide metrics from the stats of output batches: offload tiers per tier, dropped KV event batches."""
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from prefixcache.core import MISS_REASONS
+from prefixcache.engine import EngineStats
+from prefixcache.offload.store import TierStats
+from prefixcache.server.metrics import ServerMetrics
+
+
+def engine_stats(tiers: list[TierStats], kv_events_dropped: int = 0) -> EngineStats:
+    return EngineStats(
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+        prefix_cache_copied_tokens=0,
+        prefix_cache_missed_tokens=dict.fromkeys(MISS_REASONS, 0),
+        prefix_cache_hit_rate=0.0,
+        rolling_hit_rate=0.0,
+        num_requests=0,
+        num_preemptions=0,
+        kv_cache_usage=0.0,
+        num_running=0,
+        num_waiting=0,
+        num_blocks=8,
+        block_size=4,
+        kv_offload=tiers,
+        kv_events_dropped=kv_events_dropped,
+    )
+
+
+def samples(metrics: ServerMetrics) -> dict[tuple[str, str | None], float]:
+    text = metrics.render().decode()
+    return {
+        (sample.name, sample.labels.get("tier")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_each_tier_is_a_labelled_series_that_follows_the_latest_batch():
+    metrics = ServerMetrics("m")
+    assert not any(name.startswith("prefixcache:kv_offload") for name, _ in samples(metrics))  # no tiers, no series
+    host = TierStats("CPU", capacity_bytes=1024, used_bytes=512, num_blocks=2, hits=3, hit_tokens=12, errors=0)
+    disk = TierStats("DISK", capacity_bytes=4096, available=False, bad_records=1, errors=2)
+    metrics.update(engine_stats([host, disk]))
+    seen = samples(metrics)
+    assert seen[("prefixcache:kv_offload_hits_total", "cpu")] == 3
+    assert seen[("prefixcache:kv_offload_hit_tokens_total", "cpu")] == 12
+    assert seen[("prefixcache:kv_offload_used_bytes", "cpu")] == 512
+    assert seen[("prefixcache:kv_offload_available", "cpu")] == 1
+    assert seen[("prefixcache:kv_offload_available", "disk")] == 0
+    assert seen[("prefixcache:kv_offload_bad_records_total", "disk")] == 1
+    assert seen[("prefixcache:kv_offload_errors_total", "disk")] == 2
+    host.hits = 5
+    metrics.update(engine_stats([host]))
+    assert samples(metrics)[("prefixcache:kv_offload_hits_total", "cpu")] == 5
+
+
+def test_dropped_event_batches_are_counted():
+    metrics = ServerMetrics("m")
+    metrics.update(engine_stats([], kv_events_dropped=4))
+    metrics.update(engine_stats([], kv_events_dropped=7))
+    assert samples(metrics)[("prefixcache:kv_events_dropped_total", None)] == 7
