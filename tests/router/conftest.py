@@ -27,10 +27,10 @@ def publisher(stoppables):
 
 @pytest.fixture
 def backend(stoppables):
-    def make(name: str, events: FakePublisher | None = None, **config) -> FakeBackend:
+    def make(name: str, events: FakePublisher | None = None, api_key: str | None = None, **config) -> FakeBackend:
         if events is not None:
             config["kv_events"] = events.kv_events()
-        fake = FakeBackend(name, cache_config(**config))
+        fake = FakeBackend(name, cache_config(**config), api_key)
         stoppables.append(fake)
         return fake
 
@@ -41,12 +41,15 @@ def backend(stoppables):
 def router(stoppables):
     """A started router app in a thread; health checks rare unless asked, so tests drive them."""
 
-    def make(backends, policy="prefix", tokenizer=None, interval=3600.0, prefix_weight=64.0) -> ThreadedServer:
+    def make(
+        backends, policy="prefix", tokenizer=None, interval=3600.0, prefix_weight=64.0, backend_api_key=None
+    ) -> ThreadedServer:
         settings = RouterSettings(
             backends=tuple(b.url for b in backends),
             policy=policy,
             prefix_weight=prefix_weight,
             health=HealthSettings(interval=interval, timeout=2.0, failures_to_down=1, replay_timeout=2.0),
+            backend_api_key=backend_api_key,
         )
         server = ThreadedServer(build_app(settings, tokenizer))
         stoppables.append(server)

@@ -1,4 +1,5 @@
-"""Loopback stand-ins for the router's tests: an app server in a thread, a scripted backend, a KV event publisher.
+"""Loopback stand-ins for the router's tests: an app server in a thread, a scripted backend, a KV event publisher,
+and the requests and metric reads the tests send through a router.
 
 The publisher encodes batches from plain msgpack values written from vLLM's wire format (not from the
 router's decoder): frames [topic, 8-byte big-endian seq, payload], payload [ts, [events], dp_rank],
@@ -12,19 +13,23 @@ import threading
 import time
 from typing import Any
 
+import httpx
 import msgspec
 import uvicorn
 import zmq
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.parser import text_string_to_metric_families
 
 from prefixcache.core import Request as CoreRequest
 from prefixcache.core import root_hash
+from prefixcache.router.proxy import BACKEND_HEADER
 
 BLOCK_SIZE = 4
 HASH_ALGO = "sha256"
 HASH_SEED = "router-tests"
 MODEL = "fake-model"
+PROMPT = list(range(10, 30))  # 20 tokens: 4 hittable blocks of 4 (the last token is always computed)
 
 # A stream with an odd layout on purpose (comment line, split events, usage last): it must pass unchanged.
 STREAM_CHUNKS = [
@@ -34,6 +39,34 @@ STREAM_CHUNKS = [
     b'data: {"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":2,"prompt_tokens_details":'
     b'{"cached_tokens":8}}}\n\ndata: [DONE]\n\n',
 ]
+
+
+def complete(router, prompt=PROMPT, api_key: str | None = None, **extra) -> httpx.Response:
+    """A completion through the router, as a client holding ``api_key`` (None: no Authorization header)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, **extra}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key is not None else {}
+    return httpx.post(f"{router.url}/v1/completions", json=body, headers=headers, timeout=30)
+
+
+def served_by(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return response.headers[BACKEND_HEADER]
+
+
+def index_blocks(router, backend) -> int:
+    return router.app.state.index.num_blocks(backend.url)
+
+
+def metric(router, name: str, backend=None) -> float:
+    """The sample ``prefixcache:router_<name>``, for one backend or summed over all."""
+    text = httpx.get(f"{router.url}/metrics").text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == f"prefixcache:router_{name}"
+        and (backend is None or sample.labels.get("backend") == backend.url)
+    )
 
 
 def wait_until(condition, timeout: float = 20.0, what: str = "condition") -> None:
@@ -73,18 +106,26 @@ def cache_config(**overrides: Any) -> dict[str, Any]:
         "hash_algo": HASH_ALGO,
         "hash_seed": HASH_SEED,
         "enable_prefix_caching": True,
+        "tenant_salt": None,
         "kv_events": None,
     }
     return {**config, **overrides}
 
 
 class FakeBackend:
-    """Answers like a prefixcache server, records what it got, and can be told to fail."""
+    """Answers like a prefixcache server, records what it got, and can be told to fail.
 
-    def __init__(self, name: str, config: dict[str, Any]) -> None:
+    With ``api_key`` its cache config wants ``Authorization: Bearer <api_key>`` (401 otherwise), as a
+    server started with ``--api-key`` does; generation records each request's Authorization header.
+    """
+
+    def __init__(self, name: str, config: dict[str, Any], api_key: str | None = None) -> None:
         self.name = name
         self.config = config
+        self.api_key = api_key
         self.received: list[dict[str, Any]] = []
+        self.authorizations: list[str | None] = []
+        self.config_requests = 0
         self.fail_with: int | None = None
         self.healthy = True
         app = FastAPI()
@@ -94,8 +135,11 @@ class FakeBackend:
             return Response(status_code=200 if self.healthy else 503)
 
         @app.get("/v1/cache/config")
-        async def cache_config_route() -> dict[str, Any]:
-            return self.config
+        async def cache_config_route(request: Request) -> Response:
+            self.config_requests += 1
+            if self.api_key is not None and request.headers.get("authorization") != f"Bearer {self.api_key}":
+                return JSONResponse({"error": {"message": "Incorrect or missing API key"}}, status_code=401)
+            return JSONResponse(self.config)
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
@@ -104,6 +148,7 @@ class FakeBackend:
         async def generate(request: Request) -> Response:
             body = json.loads(await request.body())
             self.received.append(body)
+            self.authorizations.append(request.headers.get("authorization"))
             if self.fail_with is not None:
                 return JSONResponse({"error": {"message": "engine died"}}, status_code=self.fail_with)
             if body.get("stream"):

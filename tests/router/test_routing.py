@@ -4,41 +4,23 @@ import asyncio
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from prefixcache.router.backends import BackendPool, BackendRefusedError, HealthSettings
 from prefixcache.router.index import PrefixIndex
 from prefixcache.router.metrics import RouterMetrics
-from prefixcache.router.proxy import BACKEND_HEADER
-from tests.router.fakes import CLEARED, STREAM_CHUNKS, event_hashes, removed, stored, wait_until
-
-PROMPT = list(range(10, 30))  # 20 tokens: 4 hittable blocks of 4 (the last token is always computed)
-
-
-def complete(router, prompt=PROMPT, **extra) -> httpx.Response:
-    body = {"model": "fake-model", "prompt": prompt, "max_tokens": 1, **extra}
-    return httpx.post(f"{router.url}/v1/completions", json=body, timeout=30)
-
-
-def served_by(response: httpx.Response) -> str:
-    assert response.status_code == 200, response.text
-    return response.headers[BACKEND_HEADER]
-
-
-def index_blocks(router, backend) -> int:
-    return router.app.state.index.num_blocks(backend.url)
-
-
-def metric(router, name: str, backend=None) -> float:
-    """The sample ``prefixcache:router_<name>``, for one backend or summed over all."""
-    text = httpx.get(f"{router.url}/metrics").text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == f"prefixcache:router_{name}"
-        and (backend is None or sample.labels.get("backend") == backend.url)
-    )
+from tests.router.fakes import (
+    CLEARED,
+    PROMPT,
+    STREAM_CHUNKS,
+    complete,
+    event_hashes,
+    index_blocks,
+    metric,
+    removed,
+    served_by,
+    stored,
+    wait_until,
+)
 
 
 def test_routing_follows_the_index(backend, publisher, router):

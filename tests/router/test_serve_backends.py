@@ -13,8 +13,9 @@ from prefixcache.router.backend_config import parse_cache_config
 from prefixcache.router.backends import HealthSettings
 from prefixcache.router.prompt import PromptHasher
 from prefixcache.router.proxy import BACKEND_HEADER
-from tests.router.fakes import ThreadedServer, wait_until
-from tests.server.harness import ServerProcess, random_prompt
+from prefixcache.server.tenants import SALT_BY_API_KEY
+from tests.router.fakes import ThreadedServer, metric, wait_until
+from tests.server.harness import API_KEY, OTHER_API_KEY, ServerProcess, random_prompt
 
 SERVE_ARGS = ["--block-size", "4", "--num-blocks", "256", "--max-model-len", "256", "--disable-uvicorn-access-log"]
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hi there"}]
@@ -34,9 +35,12 @@ def start_servers(model_dir, logs, extra_args=()) -> list[ServerProcess]:
     return servers
 
 
-def start_router(servers, policy, tokenizer) -> ThreadedServer:
+def start_router(servers, policy, tokenizer, backend_api_key=None) -> ThreadedServer:
     settings = RouterSettings(
-        backends=tuple(s.url for s in servers), policy=policy, health=HealthSettings(interval=3600.0)
+        backends=tuple(s.url for s in servers),
+        policy=policy,
+        health=HealthSettings(interval=3600.0),
+        backend_api_key=backend_api_key,
     )
     return ThreadedServer(build_app(settings, tokenizer))
 
@@ -64,6 +68,7 @@ def test_the_server_tells_how_it_keys_its_cache(servers, tiny_llama_dir):
         "hash_algo": "sha256",
         "hash_seed": resolve_hash_seed(),  # the default, or $PREFIXCACHE_HASH_SEED as the servers inherit it
         "enable_prefix_caching": True,
+        "tenant_salt": None,
         "kv_events": None,
     }
     parse_cache_config(response.content)  # the router reads it
@@ -106,16 +111,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def kv_events_args() -> list[str]:
+    """KV events on, published on free loopback ports (a wildcard bind, as in production)."""
+    events = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"tcp://*:{_free_port()}",
+        "replay_endpoint": f"tcp://*:{_free_port()}",
+    }
+    return ["--kv-events-config", json.dumps(events)]
+
+
 def test_prefix_routing_on_real_kv_events(tiny_llama_dir, tmp_path, tokenizer):
-    event_args = []
-    for _ in range(2):
-        events = {
-            "enable_kv_cache_events": True,
-            "endpoint": f"tcp://*:{_free_port()}",
-            "replay_endpoint": f"tcp://*:{_free_port()}",
-        }
-        event_args.append(["--kv-events-config", json.dumps(events)])
-    started = start_servers(tiny_llama_dir, tmp_path, event_args)
+    started = start_servers(tiny_llama_dir, tmp_path, [kv_events_args() for _ in range(2)])
     router = start_router(started, "prefix", tokenizer)
     try:
         index = router.app.state.index
@@ -132,6 +139,43 @@ def test_prefix_routing_on_real_kv_events(tiny_llama_dir, tmp_path, tokenizer):
         text = httpx.get(f"{router.url}/metrics").text
         assert 'prefixcache:router_predicted_cached_tokens_total{backend="' + holder + '"} 120.0' in text
         assert 'prefixcache:router_reported_cached_tokens_total{backend="' + holder + '"} 120.0' in text
+    finally:
+        router.stop()
+        for server in started:
+            server.stop()
+
+
+def test_prefix_routing_over_keyed_backends_hashes_each_tenant_like_they_do(tiny_llama_dir, tmp_path, tokenizer):
+    router_key = "router-key"
+    keys = ["--api-key", router_key, "--api-key", API_KEY, "--api-key", OTHER_API_KEY]
+    started = start_servers(tiny_llama_dir, tmp_path, [[*keys, *kv_events_args()] for _ in range(2)])
+    router = start_router(started, "prefix", tokenizer, backend_api_key=router_key)
+
+    def complete(key: str | None, prompt: list[int]) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+        body = {"prompt": prompt, "max_tokens": 1}
+        return httpx.post(f"{router.url}/v1/completions", json=body, headers=headers, timeout=60)
+
+    def served(key: str, prompt: list[int]) -> tuple[str, int]:
+        response = complete(key, prompt)
+        assert response.status_code == 200, response.text
+        return response.headers[BACKEND_HEADER], response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    try:
+        pool, index = router.app.state.pool, router.app.state.index
+        assert len(pool.routable()) == 2 and pool.reference.tenant_salt == SALT_BY_API_KEY
+        assert complete(None, [1, 2, 3]).status_code == 401  # the client's missing key, not the router's
+        prompt = random_prompt("keyed", 40)
+        holder, cached = served(API_KEY, prompt)
+        assert cached == 0
+        wait_until(lambda: index.num_blocks(holder) == 10, what="the first request's blocks in the index")
+        # the other tenant's same prompt: no hit predicted, and none reported by whichever backend took it
+        assert served(OTHER_API_KEY, prompt + [5])[1] == 0
+        assert metric(router, "predicted_cached_tokens_total") == 0
+        for _ in range(3):
+            assert served(API_KEY, prompt + [5]) == (holder, 40)
+        assert metric(router, "predicted_cached_tokens_total") == 120
+        assert metric(router, "reported_cached_tokens_total") == 120
     finally:
         router.stop()
         for server in started:

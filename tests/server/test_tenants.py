@@ -3,11 +3,12 @@ tell one tenant what another sent), the same key does, and ``--share-cache-acros
 
 import argparse
 
+import httpx
 import openai
 import pytest
 
 from prefixcache.server.cli import API_KEY_ENV, api_keys
-from prefixcache.server.middleware import tenant_salt
+from prefixcache.server.tenants import SALT_BY_API_KEY, bearer_token, engine_salt, tenant_salt
 from tests.server.harness import API_KEY, OTHER_API_KEY, SERVER_ARGS, ServerProcess, random_prompt
 
 
@@ -76,3 +77,26 @@ def test_a_tenant_salt_is_a_hash_never_the_key():
     salt = tenant_salt("secret-key")
     assert "secret-key" not in salt
     assert salt == tenant_salt("secret-key") != tenant_salt("secret-key2")
+
+
+def test_the_engine_salt_puts_the_tenant_in_front_of_the_requests_own():
+    assert engine_salt(None, None) is None
+    assert engine_salt(None, "s") == "s"
+    assert engine_salt("tenant-1", None) == "tenant-1"
+    assert engine_salt("tenant-1", "s") == "tenant-1:s"
+
+
+def test_a_bearer_token_is_read_as_the_server_compares_it():
+    assert bearer_token("Bearer key-1") == "key-1"
+    for header in (None, "", "Bearer ", "bearer key-1", "Basic a2V5", "Bearer two words", "Bearer  key-1"):
+        assert bearer_token(header) is None
+
+
+def test_the_cache_config_says_whether_keys_are_tenants(server, secured_server, sharing_server):
+    def salted_by(url: str) -> str | None:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        return httpx.get(f"{url}/v1/cache/config", headers=headers, timeout=10).json()["tenant_salt"]
+
+    assert salted_by(secured_server.url) == SALT_BY_API_KEY
+    assert salted_by(sharing_server.url) is None  # --share-cache-across-keys
+    assert salted_by(server.url) is None  # no keys

@@ -18,17 +18,20 @@ from prefixcache.router.metrics import RouterMetrics
 from prefixcache.router.policy import DEFAULT_PREFIX_WEIGHT, POLICIES, make_policy
 from prefixcache.router.proxy import Proxy
 from prefixcache.router.routing import Router
+from prefixcache.server.tenants import valid_api_key
 
 
 @dataclass(frozen=True, slots=True)
 class RouterSettings:
-    """``request_timeout`` bounds each read from a backend (None: wait as long as generation takes)."""
+    """``request_timeout`` bounds each read from a backend (None: wait as long as generation takes).
+    ``backend_api_key`` authenticates the router's own calls to the backends; it is kept out of the repr."""
 
     backends: tuple[str, ...]
     policy: str = "prefix"
     prefix_weight: float = DEFAULT_PREFIX_WEIGHT
     health: HealthSettings = field(default_factory=HealthSettings)
     request_timeout: float | None = None
+    backend_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -42,6 +45,8 @@ class RouterSettings:
             raise ValueError(f"the prefix weight must be >= 0, got {self.prefix_weight}")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise ValueError("the request timeout must be positive")
+        if self.backend_api_key is not None and not valid_api_key(self.backend_api_key):
+            raise ValueError("the backend API key must be non-empty printable ASCII without spaces")
 
 
 def build_app(settings: RouterSettings, tokenizer: Any) -> FastAPI:
@@ -54,7 +59,9 @@ def build_app(settings: RouterSettings, tokenizer: Any) -> FastAPI:
         timeout = httpx.Timeout(settings.request_timeout, connect=settings.health.timeout)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-            pool = BackendPool(list(settings.backends), index, metrics, client, settings.health)
+            pool = BackendPool(
+                list(settings.backends), index, metrics, client, settings.health, settings.backend_api_key
+            )
             router = Router(pool, index, make_policy(settings.policy, settings.prefix_weight), tokenizer)
             await pool.start()
             app.state.pool, app.state.router = pool, router

@@ -1,7 +1,8 @@
 """What a backend reports at ``GET /v1/cache/config``, and whether the router can predict its cache from it.
 
 The router hashes prompts itself, so every backend must hash exactly as it does: same model (same
-tokens), block size, hash algorithm and seed. A backend that differs is refused.
+tokens), block size, hash algorithm and seed, and the same salting (``tenant_salt``: whether each API key
+is a tenant). A backend that differs is refused. A backend older than ``tenant_salt`` reports none: not keyed.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 import msgspec
+
+from prefixcache.server.tenants import SALT_BY_API_KEY
 
 CACHE_CONFIG_PATH = "/v1/cache/config"
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]", "::")
@@ -30,10 +33,20 @@ class CacheConfig(msgspec.Struct, frozen=True):
     hash_seed: str
     enable_prefix_caching: bool
     kv_events: KVEventsEndpoints | None = None
+    tenant_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.tenant_salt not in (None, SALT_BY_API_KEY):
+            raise ValueError(
+                f"tenant_salt {self.tenant_salt!r} is unknown to this router (it knows {SALT_BY_API_KEY!r})"
+            )
+
+    @property
+    def keyed(self) -> bool:
+        """Whether the backend salts each request with its API key's tenant salt."""
+        return self.tenant_salt == SALT_BY_API_KEY
 
 
 _decoder = msgspec.json.Decoder(CacheConfig)
@@ -49,7 +62,7 @@ def parse_cache_config(content: bytes) -> CacheConfig:
 
 def hashing_mismatch(reference: CacheConfig, other: CacheConfig) -> str | None:
     """The first setting that makes ``other`` hash prompts differently from ``reference``, or None."""
-    for field in ("model", "block_size", "hash_algo", "hash_seed"):
+    for field in ("model", "block_size", "hash_algo", "hash_seed", "tenant_salt"):
         mine, theirs = getattr(reference, field), getattr(other, field)
         if mine != theirs:
             return f"{field} is {theirs!r}, the other backends use {mine!r}"

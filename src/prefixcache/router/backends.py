@@ -2,9 +2,12 @@
 
 A backend enters the rotation once ``/health`` answers 200 and its ``/v1/cache/config`` hashes
 like the others (the first listed backend that answers sets the reference; one that differs is
-refused and re-examined at each health check). It leaves when health checks fail ``failures_to_down`` times in a
+refused and re-examined at each health check). One whose config cannot be fetched (an error status, such
+as 401 for a missing or wrong ``--backend-api-key``) waits out of the rotation and is asked again at each
+health check. It leaves when health checks fail ``failures_to_down`` times in a
 row, or at once when a request cannot reach it; leaving drops its index entries, since they may be
-stale by the time it returns.
+stale by the time it returns. The router's own calls carry its ``api_key`` as a bearer token; the requests
+it forwards carry only the client's.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from prefixcache.router.backend_config import (
 from prefixcache.router.index import PrefixIndex
 from prefixcache.router.metrics import RouterMetrics
 from prefixcache.router.subscriber import EventSource, EventSubscriber
+from prefixcache.server.tenants import BEARER
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +57,7 @@ class Backend:
     url: str
     up: bool = False
     refused: str | None = None
+    config_error: str | None = None  # why /v1/cache/config could not be fetched the last time it was asked
     failures: int = 0
     tokens_in_flight: int = 0
     requests_in_flight: int = 0
@@ -71,6 +76,7 @@ class BackendPool:
         metrics: RouterMetrics,
         client: httpx.AsyncClient,
         health: HealthSettings = HealthSettings(),
+        api_key: str | None = None,
     ) -> None:
         if not urls:
             raise ValueError("the router needs at least one backend")
@@ -82,6 +88,7 @@ class BackendPool:
         self.metrics = metrics
         self.client = client
         self.health = health
+        self._auth = {"Authorization": f"{BEARER}{api_key}"} if api_key is not None else {}
         self.reference: CacheConfig | None = None
         self._context: zmq.asyncio.Context | None = None
         self._loop_task: asyncio.Task[None] | None = None
@@ -116,7 +123,7 @@ class BackendPool:
     async def probe(self, backend: Backend) -> None:
         """One health check: a backend not in the rotation (or refused) is (re)examined when it answers."""
         try:
-            response = await self.client.get(f"{backend.url}/health", timeout=self.health.timeout)
+            response = await self.client.get(f"{backend.url}/health", headers=self._auth, timeout=self.health.timeout)
             healthy = response.status_code == 200
             reason = f"/health answered {response.status_code}"
         except httpx.HTTPError as exc:
@@ -144,11 +151,22 @@ class BackendPool:
         self.metrics.backend_up.labels(backend.url).set(0)
 
     async def _admit(self, backend: Backend) -> None:
+        url = f"{backend.url}{CACHE_CONFIG_PATH}"
         try:
-            response = await self.client.get(f"{backend.url}{CACHE_CONFIG_PATH}", timeout=self.health.timeout)
-            response.raise_for_status()
+            response = await self.client.get(url, headers=self._auth, timeout=self.health.timeout)
+        except httpx.HTTPError as exc:
+            self._config_failed(backend, f"cannot read {CACHE_CONFIG_PATH}: {type(exc).__name__}: {exc}")
+            return
+        if response.status_code != 200:
+            reason = f"{CACHE_CONFIG_PATH} answered {response.status_code} {response.reason_phrase}"
+            if response.status_code in (401, 403):
+                reason += ": " + self._key_hint()
+            self._config_failed(backend, reason)
+            return
+        backend.config_error = None
+        try:
             config = parse_cache_config(response.content)
-        except (httpx.HTTPError, ValueError) as exc:
+        except ValueError as exc:
             backend.refused = f"cannot read {CACHE_CONFIG_PATH}: {exc}"
             logger.error("backend %s refused: %s", backend.url, backend.refused)
             return
@@ -162,6 +180,18 @@ class BackendPool:
         self.metrics.backend_up.labels(backend.url).set(1)
         logger.info("backend %s joins the rotation (%s)", backend.url, _events_text(config))
         self._start_events(backend, config)
+
+    def _key_hint(self) -> str:
+        if self._auth:
+            return "the backend does not accept the router's --backend-api-key"
+        return "the backend wants an API key; give the router --backend-api-key"
+
+    @staticmethod
+    def _config_failed(backend: Backend, reason: str) -> None:
+        """Logged when the reason changes, not at every health check while it lasts."""
+        if reason != backend.config_error:
+            logger.error("backend %s stays out of the rotation: %s", backend.url, reason)
+        backend.config_error = reason
 
     def _start_events(self, backend: Backend, config: CacheConfig) -> None:
         events = config.kv_events

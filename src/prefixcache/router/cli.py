@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+from collections.abc import Mapping
 
 from prefixcache.router.policy import DEFAULT_PREFIX_WEIGHT, POLICIES
 
 logger = logging.getLogger(__name__)
+
+BACKEND_API_KEY_ENV = "PREFIXCACHE_BACKEND_API_KEY"
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -51,8 +55,22 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--replay-timeout", type=float, default=5.0, help="seconds to wait for a KV event replay")
     parser.add_argument("--request-timeout", type=float, default=None, help="seconds per read from a backend")
+    parser.add_argument(
+        "--backend-api-key",
+        default=None,
+        metavar="KEY",
+        help="bearer token for the router's own calls to backends started with --api-key (default: "
+        f"${BACKEND_API_KEY_ENV}); client requests keep their own Authorization header",
+    )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
     parser.set_defaults(func=run)
+
+
+def backend_api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
+    """--backend-api-key, else ${BACKEND_API_KEY_ENV} if set (the environment keeps it out of ``ps``)."""
+    if args.backend_api_key is not None:
+        return args.backend_api_key  # an empty one is refused by RouterSettings, not silently dropped
+    return environ.get(BACKEND_API_KEY_ENV) or None
 
 
 def run(args: argparse.Namespace) -> None:
@@ -74,6 +92,7 @@ def run(args: argparse.Namespace) -> None:
                 replay_timeout=args.replay_timeout,
             ),
             request_timeout=args.request_timeout,
+            backend_api_key=backend_api_key(args, os.environ),
         )
         tokenizer = load_tokenizer(resolve_model(args.tokenizer)[0]) if args.policy == "prefix" else None
     except (FileNotFoundError, ValueError) as exc:

@@ -35,8 +35,11 @@ class PromptKey:
 
 
 class PromptHasher:
+    """``keyed``: the backends salt each request by its API key's tenant, which the caller must add."""
+
     def __init__(self, tokenizer: Any, config: CacheConfig) -> None:
         self.tokenizer = tokenizer
+        self.keyed = config.keyed
         self.hash_algo = config.hash_algo
         self.block_size = config.block_size
         self.root = root_hash(config.hash_algo, config.hash_seed)

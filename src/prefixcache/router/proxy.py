@@ -68,7 +68,7 @@ class Proxy:
         except ValueError:  # the backend will answer the error in its own words
             parsed = None
         body = parsed if isinstance(parsed, dict) else None
-        plan = await self.router.plan(body, chat)
+        plan = await self.router.plan(body, chat, headers.get("authorization"))
         request_headers = forwarded_headers(headers)
         tried: list[str] = []
         failure = ""

@@ -1,7 +1,9 @@
 """One routing decision: read the request's prompt once, score the backends, account the load.
 
 The prompt is tokenized and hashed only when the policy uses the index. A backend without KV events
-is predicted to hold nothing, so among such backends the prefix policy ranks by load alone.
+is predicted to hold nothing, so among such backends the prefix policy ranks by load alone. When the
+backends make each API key a tenant, the prompt is salted as they salt it, from the client's bearer token;
+a request without one is routed by load (the backend will refuse it).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from prefixcache.router.backends import Backend, BackendPool
 from prefixcache.router.index import PrefixIndex
 from prefixcache.router.policy import Candidate, RoutingPolicy
 from prefixcache.router.prompt import PromptHasher, PromptKey, cache_salt, requested_output_tokens
+from prefixcache.server.tenants import bearer_token, engine_salt, tenant_salt
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,15 +59,24 @@ class Router:
     def close(self) -> None:
         self._tokenize.shutdown(wait=False, cancel_futures=True)
 
-    async def plan(self, body: dict[str, Any] | None, chat: bool) -> RoutePlan:
+    async def plan(self, body: dict[str, Any] | None, chat: bool, authorization: str | None) -> RoutePlan:
+        """``authorization`` is the client's header, which keyed backends salt the prompt by."""
         if body is None:
             return RoutePlan(None, 0)
         output_tokens = requested_output_tokens(body, chat)
         hasher = self._prompt_hasher()
         if not self.policy.uses_prefix or hasher is None:
             return RoutePlan(None, output_tokens)
+        tenant = None
+        if hasher.keyed:
+            api_key = bearer_token(authorization)
+            if api_key is None:
+                return RoutePlan(None, output_tokens)
+            tenant = tenant_salt(api_key)
+        salt = engine_salt(tenant, cache_salt(body))
         # Tokenizing a long prompt or a chat template takes milliseconds: keep the event loop serving.
-        key = await asyncio.get_running_loop().run_in_executor(self._tokenize, _prompt_key, hasher, body, chat)
+        loop = asyncio.get_running_loop()
+        key = await loop.run_in_executor(self._tokenize, _prompt_key, hasher, body, chat, salt)
         return RoutePlan(key, output_tokens)
 
     def choose(self, plan: RoutePlan, exclude: Collection[str] = ()) -> tuple[Backend, Candidate] | None:
@@ -95,11 +107,11 @@ class Router:
         return self._hasher
 
 
-def _prompt_key(hasher: PromptHasher, body: dict[str, Any], chat: bool) -> PromptKey | None:
+def _prompt_key(hasher: PromptHasher, body: dict[str, Any], chat: bool, salt: str | None) -> PromptKey | None:
     token_ids = hasher.token_ids(body, chat)
     if not token_ids:
         return None
     try:
-        return hasher.key(token_ids, cache_salt(body))
+        return hasher.key(token_ids, salt)
     except ValueError:  # ids the engine refuses too: it will answer the error
         return None

@@ -53,6 +53,7 @@ from prefixcache.server.protocol import (
     usage,
 )
 from prefixcache.server.responses import CHAT, COMPLETION, ChoiceShaper, Endpoint
+from prefixcache.server.tenants import SALT_BY_API_KEY, engine_salt, valid_api_key
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ValueError("at least one served model name is needed")
-        if any(not key or not key.isascii() or not key.isprintable() or " " in key for key in self.api_keys):
+        if not all(map(valid_api_key, self.api_keys)):
             raise ValueError("API keys must be non-empty printable ASCII without spaces")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
@@ -275,14 +276,6 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
             raise APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
         return requested
 
-    def cache_salt(request: Request, salt: str | None) -> str | None:
-        """The engine's salt: the tenant's (from its API key) and the request's own, so neither can cross the
-        other; a client cannot name another tenant's salt, since its own is always in front."""
-        tenant = tenant_of(request.scope)
-        if tenant is None:
-            return salt
-        return tenant if salt is None else f"{tenant}:{salt}"
-
     async def generate(
         request: Request,
         body: CompletionRequest | ChatCompletionRequest,
@@ -298,7 +291,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         response_id = f"{endpoint.id_prefix}-{record.request_id}"
         try:
             params = body.sampling_params(max_tokens, shaper.num_logprobs, prompt_logprobs)
-            salt = cache_salt(request, body.cache_salt)
+            salt = engine_salt(tenant_of(request.scope), body.cache_salt)
             stream = await engine.add_request(prompts, params, response_id, salt, body.n)
         except InvalidParameter as exc:
             raise APIError(400, str(exc), param=exc.param) from exc
@@ -392,7 +385,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         else:
             prompt = body.prompts[0]
         try:
-            token_ids, found = await engine.lookup(prompt, cache_salt(request, body.cache_salt))
+            token_ids, found = await engine.lookup(prompt, engine_salt(tenant_of(request.scope), body.cache_salt))
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         answer = asdict(found)
@@ -421,8 +414,12 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/cache/config")
     async def cache_config() -> dict[str, Any]:
-        """How this server keys its prefix cache and where it publishes KV events: what a router needs."""
+        """How this server keys its prefix cache and where it publishes KV events: what a router needs.
+
+        ``tenant_salt`` is ``"api_key"`` when each API key is a tenant (the engine's salt is ``engine_salt`` of
+        the key's ``tenant_salt`` and the body's ``cache_salt``), null when only ``cache_salt`` salts."""
         info = engine.info
+        keyed = bool(settings.api_keys) and not settings.share_cache_across_keys
         events = engine.config.kv_events_config
         publishing = events is not None and events.enable_kv_cache_events and events.publisher == "zmq"
         return {
@@ -432,6 +429,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
             "hash_algo": info.hash_algo,
             "hash_seed": info.hash_seed,
             "enable_prefix_caching": info.enable_prefix_caching,
+            "tenant_salt": SALT_BY_API_KEY if keyed else None,
             "kv_events": (
                 {"endpoint": events.endpoint, "replay_endpoint": events.replay_endpoint, "topic": events.topic}
                 if publishing

@@ -20,6 +20,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prefixcache.server.protocol import error_response
+from prefixcache.server.tenants import BEARER, tenant_salt
 
 logger = logging.getLogger(__name__)
 request_logger = logging.getLogger("prefixcache.server.requests")
@@ -72,11 +73,6 @@ def record_of(scope: Scope) -> RequestRecord:
 def tenant_of(scope: Scope) -> str | None:
     """The cache salt of the request's API key; None without keys or with ``--share-cache-across-keys``."""
     return scope["state"].get("tenant")
-
-
-def tenant_salt(api_key: str) -> str:
-    """A key's cache salt: a hash, never the key, since salts reach block hashes, events and logs."""
-    return "tenant-" + hashlib.sha256(b"prefixcache-tenant\0" + api_key.encode()).hexdigest()[:32]
 
 
 class RequestContextMiddleware:
@@ -142,7 +138,7 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], share_cache: bool = False) -> None:
         self.app = app
-        self._tenants = [(_digest(f"Bearer {key}"), None if share_cache else tenant_salt(key)) for key in api_keys]
+        self._tenants = [(_digest(f"{BEARER}{key}"), None if share_cache else tenant_salt(key)) for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
