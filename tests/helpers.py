@@ -1,7 +1,8 @@
-"""Tiny random-weight checkpoints built offline, for engine, server and benchmark tests."""
+"""Tiny random-weight checkpoints built offline, for engine, server and benchmark tests, and a bounded wait."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 CHAT_TEMPLATE = (
@@ -62,3 +63,12 @@ def write_tiny_checkpoint(path: Path, architecture: str = "llama", seed: int = 0
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def wait_until(condition, timeout: float = 20.0, what: str = "condition") -> None:
+    """Poll ``condition`` (no timing is asserted: the deadline only bounds a hang)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prefixcache.core import Request as CoreRequest
 from prefixcache.core import root_hash
 from prefixcache.router.proxy import BACKEND_HEADER
+from tests.helpers import wait_until
 
 BLOCK_SIZE = 4
 HASH_ALGO = "sha256"
@@ -67,15 +68,6 @@ def metric(router, name: str, backend=None) -> float:
         if sample.name == f"prefixcache:router_{name}"
         and (backend is None or sample.labels.get("backend") == backend.url)
     )
-
-
-def wait_until(condition, timeout: float = 20.0, what: str = "condition") -> None:
-    """Poll ``condition`` (no timing is asserted: the deadline only bounds a hang)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 class ThreadedServer:

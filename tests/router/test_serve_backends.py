@@ -14,7 +14,8 @@ from prefixcache.router.backends import HealthSettings
 from prefixcache.router.prompt import PromptHasher
 from prefixcache.router.proxy import BACKEND_HEADER
 from prefixcache.server.tenants import SALT_BY_API_KEY
-from tests.router.fakes import ThreadedServer, metric, wait_until
+from tests.helpers import wait_until
+from tests.router.fakes import ThreadedServer, metric
 from tests.server.harness import API_KEY, OTHER_API_KEY, ServerProcess, random_prompt
 
 SERVE_ARGS = ["--block-size", "4", "--num-blocks", "256", "--max-model-len", "256", "--disable-uvicorn-access-log"]

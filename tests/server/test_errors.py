@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from prefixcache.server.middleware import RequestContextMiddleware
+from tests.helpers import wait_until
 from tests.server.harness import API_KEY, random_prompt, start_streams
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -254,11 +255,15 @@ def test_the_request_id_is_echoed_or_generated_and_names_the_response_and_the_lo
     )
     assert_openai_error(refused, 400, "temperature")
 
-    lines = server.log().splitlines()
-    [line] = [line for line in lines if "request_id=client-id_42.a:b " in line]
+    def logged(request_id: str) -> list[str]:
+        return [line for line in server.log().splitlines() if f"request_id={request_id} " in line]
+
+    # the line is written once the response is sent, so it may land just after the client has it
+    wait_until(lambda: logged("client-id_42.a:b") and logged("bad-1"), what="the request log lines")
+    [line] = logged("client-id_42.a:b")
     assert "POST /v1/completions 200 prompt_tokens=6 cached_tokens=0 generated_tokens=3 ttft=" in line
     assert "finish=length" in line
-    [line] = [line for line in lines if "request_id=bad-1 " in line]
+    [line] = logged("bad-1")
     assert "POST /v1/completions 400" in line and 'error="temperature must be a finite number' in line
 
 
