@@ -3,6 +3,7 @@
 import json
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixcache.cli import main
@@ -163,3 +164,12 @@ def test_explain_reads_a_log_through_the_server(server, tmp_path, capsys):
     divergence = report["divergence"]
     assert divergence["kind"] == "varying" and divergence["shared_text"].endswith("Request")
     assert "the server's cache now" in printed
+
+
+def test_explain_refuses_a_block_size_other_than_the_servers(server, tmp_path, capsys):
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({"prompt": [5, 6, 7, 8, 9]}) + "\n")
+    with pytest.raises(SystemExit) as exited:
+        main(["explain", str(log), "--base-url", server.url, "--block-size", "16"])
+    assert exited.value.code == 2
+    assert "differs from the server's block size 4" in capsys.readouterr().err

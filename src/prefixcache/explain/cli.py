@@ -73,6 +73,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         prompts, token_errors, decode, name = through_tokenizer(bodies, args.model)
         live_cached, server_block_size = None, None
         source = f"{args.log} (tokenizer: {name})"
+    if args.block_size and server_block_size and args.block_size != server_block_size:
+        parser.error(f"--block-size {args.block_size} differs from the server's block size {server_block_size}")
     errors = sorted(errors + token_errors, key=lambda e: e.line)
     if not prompts:
         for error in errors:

@@ -108,6 +108,8 @@ def token_ids_of(body: dict[str, Any], tokenizer: Any) -> list[int]:
             raise ValueError("the prompt is empty")
         return tokenize_prompt(tokenizer, prompt)[1]
     if isinstance(prompt, list):
+        if prompt and isinstance(prompt[0], str | list):
+            raise ValueError("a list of prompts: explain takes one prompt per logged request")
         return checked_token_ids(prompt, "prompt")
     if prompt is None:
         raise ValueError("no prompt: expected prompt, prompt_token_ids or messages")
