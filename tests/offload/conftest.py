@@ -6,9 +6,9 @@ import hashlib
 
 import pytest
 
+from prefixcache.bench.live import RedisServer
 from prefixcache.core import BlockHash
 from prefixcache.offload import KVLayout
-from tests.offload.redis_server import RedisServer
 
 
 def make_layout(**overrides) -> KVLayout:

@@ -32,6 +32,7 @@ from prefixcache.bench.trace import (
     arrival,
     infinite_hit_rate,
     load_trace,
+    positive_int,
     trace_request,
 )
 from prefixcache.core import KVCacheManager
@@ -235,21 +236,14 @@ def _policy_list(text: str) -> list[str]:
     return names
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
 def _add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", type=Path, required=True, help="Mooncake-format JSONL trace")
-    parser.add_argument("--engines", type=_positive_int, default=4, help="number of engines (default 4)")
-    parser.add_argument("--capacity-tokens", type=_positive_int, default=1_000_000, help="cache size of each engine")
+    parser.add_argument("--engines", type=positive_int, default=4, help="number of engines (default 4)")
+    parser.add_argument("--capacity-tokens", type=positive_int, default=1_000_000, help="cache size of each engine")
     parser.add_argument("--policy", type=_policy_list, default=list(POLICIES), help="comma-separated policies")
     parser.add_argument("--prefix-weight", type=float, default=DEFAULT_PREFIX_WEIGHT, help="the prefix cost weight")
-    parser.add_argument("--block-size", type=_positive_int, default=TRACE_BLOCK_TOKENS, help="must divide 512")
-    parser.add_argument("--max-requests", type=_positive_int, help="replay only the first N requests")
+    parser.add_argument("--block-size", type=positive_int, default=TRACE_BLOCK_TOKENS, help="must divide 512")
+    parser.add_argument("--max-requests", type=positive_int, help="replay only the first N requests")
     default_cost = CostModel()
     parser.add_argument("--prefill-ms-per-token", type=float, default=default_cost.prefill_ms_per_token)
     parser.add_argument("--decode-ms-per-token", type=float, default=default_cost.decode_ms_per_token)
@@ -260,15 +254,15 @@ def _add_sim_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_live_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="HF checkpoint dir or .gguf for every engine (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--engines", type=_positive_int, default=2)
-    parser.add_argument("--tenants", type=_positive_int, default=8)
-    parser.add_argument("--system-len", type=_positive_int, default=1024, help="tokens of each tenant's system prompt")
-    parser.add_argument("--user-len", type=_positive_int, default=32, help="own tokens of each request")
-    parser.add_argument("--output-len", type=_positive_int, default=8)
-    parser.add_argument("--num-requests", type=_positive_int, default=64)
+    parser.add_argument("--engines", type=positive_int, default=2)
+    parser.add_argument("--tenants", type=positive_int, default=8)
+    parser.add_argument("--system-len", type=positive_int, default=1024, help="tokens of each tenant's system prompt")
+    parser.add_argument("--user-len", type=positive_int, default=32, help="own tokens of each request")
+    parser.add_argument("--output-len", type=positive_int, default=8)
+    parser.add_argument("--num-requests", type=positive_int, default=64)
     parser.add_argument("--request-rate", type=float, default=1.0, help="requests/s, Poisson")
-    parser.add_argument("--block-size", type=_positive_int, default=16)
-    parser.add_argument("--num-blocks", type=_positive_int, help="KV blocks per engine (default: share + 2 tenants)")
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--num-blocks", type=positive_int, help="KV blocks per engine (default: share + 2 tenants)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--policy", type=_policy_list, default=list(POLICIES), help="comma-separated policies")
     parser.add_argument("--prefix-weight", type=float, default=DEFAULT_PREFIX_WEIGHT, help="the prefix cost weight")

@@ -512,7 +512,8 @@ def write_plot(results: Sequence[TraceResult], path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: a count that must be at least 1."""
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
@@ -520,7 +521,7 @@ def _positive_int(text: str) -> int:
 
 
 def _int_list(text: str) -> list[int]:
-    values = [_positive_int(part) for part in text.split(",") if part.strip()]
+    values = [positive_int(part) for part in text.split(",") if part.strip()]
     if not values:
         raise argparse.ArgumentTypeError("expected a comma-separated list")
     return values
@@ -537,19 +538,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", type=Path, help="Mooncake-format JSONL trace")
     parser.add_argument("--list-policies", action="store_true", help="print the eviction policies and exit")
     capacity = parser.add_mutually_exclusive_group()
-    capacity.add_argument("--capacity-tokens", type=_positive_int, help="cache size in tokens (default 1,000,000)")
-    capacity.add_argument("--capacity-blocks", type=_positive_int, help="cache size in blocks")
+    capacity.add_argument("--capacity-tokens", type=positive_int, help="cache size in tokens (default 1,000,000)")
+    capacity.add_argument("--capacity-blocks", type=positive_int, help="cache size in blocks")
     capacity.add_argument("--capacities", type=_int_list, help="sweep: comma-separated cache sizes in tokens")
     parser.add_argument("--policy", type=_name_list, default=["lru"], help="comma-separated policies (default lru)")
-    parser.add_argument("--block-size", type=_positive_int, default=TRACE_BLOCK_TOKENS, help="must divide 512")
-    parser.add_argument("--max-requests", type=_positive_int, help="replay only the first N requests")
-    parser.add_argument("--in-flight", type=_positive_int, help="hold exactly N requests, not the cost model")
+    parser.add_argument("--block-size", type=positive_int, default=TRACE_BLOCK_TOKENS, help="must divide 512")
+    parser.add_argument("--max-requests", type=positive_int, help="replay only the first N requests")
+    parser.add_argument("--in-flight", type=positive_int, help="hold exactly N requests, not the cost model")
     default_cost = CostModel()
     parser.add_argument("--prefill-ms-per-token", type=float, default=default_cost.prefill_ms_per_token)
     parser.add_argument("--decode-ms-per-token", type=float, default=default_cost.decode_ms_per_token)
     parser.add_argument("--hash-algo", choices=HASH_ALGOS, default="sha256")
     parser.add_argument(
-        "--offload-tokens", type=_positive_int, help="also run each policy with a host tier of N tokens behind it"
+        "--offload-tokens", type=positive_int, help="also run each policy with a host tier of N tokens behind it"
     )
     parser.add_argument(
         "--offload-mode",
