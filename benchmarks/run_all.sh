@@ -3,8 +3,8 @@
 # the same machine, model (SmolLM2-135M-Instruct, bfloat16) and token ids, in one run.
 # Needs `make demo` (or `make test`) once for .venv, and ../shared/peers/vllm-cpu/setup.sh for vLLM.
 # Writes JSON and PNG files to results/. About an hour on 2 cores.
-# Usage: benchmarks/run_all.sh [manager] [trace] [offload] [route] [offline] [serve] [saturation] [threads]
-#        (no argument: all of them)
+# Usage: benchmarks/run_all.sh [manager] [trace] [offload] [offload-live] [route] [offline] [serve] [saturation]
+#        [threads]   (no argument: all of them)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pc=.venv/bin/prefixcache
@@ -13,7 +13,7 @@ out=${RESULTS_DIR:-results}
 mkdir -p "$out"
 model_dir=$(.venv/bin/python -c "from prefixcache.model import load_model; print(load_model(None).model_dir)" 2>/dev/null)
 
-stages=${*:-manager trace offload route offline serve saturation threads}
+stages=${*:-manager trace offload offload-live route offline serve saturation threads}
 want() { [[ " $stages " == *" $1 "* ]]; }
 stage() { printf '\n=== %s (%s)\n' "$1" "$(date +%H:%M:%S)"; }
 
@@ -36,6 +36,11 @@ if want offload; then
     $pc bench trace --trace ../shared/data/traces/mooncake_${t}_trace.jsonl --capacities 10000000,11000000 \
       --json "$out/offload-$t-single.json"
   done
+fi
+
+if want offload-live; then
+  stage "offload-live: host tier on a multi-turn chat, disk tier across a restart, Redis shared by two engines"
+  $pc bench offload --dtype bfloat16 --json "$out/offload-live.json" --plot "$out/offload-live.png"
 fi
 
 if want route; then

@@ -63,6 +63,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from prefixcache.bench import offline
+    from prefixcache.bench import offload_live as bench_offload
     from prefixcache.bench import route as bench_route
     from prefixcache.bench import serve as bench_serve
     from prefixcache.bench import trace as bench_trace
@@ -92,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.register(bench)
     bench_trace.register(bench)
     bench_route.register(bench)
+    bench_offload.register(bench)
 
     generate = commands.add_parser("generate", help="complete prompts on the command line")
     generate.add_argument("prompt", nargs="+", help="one or more prompts")

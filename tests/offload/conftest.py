@@ -6,10 +6,10 @@ import hashlib
 
 import pytest
 
+from prefixcache.bench.live import RedisServer
 from prefixcache.core import BlockHash
 from prefixcache.offload import KVLayout
 from prefixcache.offload.store import KVStore
-from tests.offload.redis_server import RedisServer
 
 
 def make_layout(**overrides) -> KVLayout:

@@ -1,17 +1,12 @@
 """Real ``prefixcache serve`` processes for the server and benchmark tests, and a /metrics reader.
 
-The server binds port 0 and the port is read back from uvicorn's startup line, so parallel runs never
-race for a port. Output goes to a log file, which failing tests print.
+The server is :class:`prefixcache.bench.live.Process`: port 0 read back from its log, which failures show.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
-import re
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,53 +15,22 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from prefixcache.bench.live import Process
+
 API_KEY = "test-key"
 OTHER_API_KEY = "other-test-key"  # a second tenant of the secured server
 # 4-token blocks make "more than one block" cheap; a 256-token context makes "too long" cheap.
 SERVER_ARGS = ["--block-size", "4", "--num-blocks", "512", "--max-model-len", "256", "--disable-uvicorn-access-log"]
-_READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
 
 
-class ServerProcess:
+class ServerProcess(Process):
+    """``prefixcache serve MODEL_DIR ARGS`` on a free loopback port."""
+
     def __init__(self, model_dir: Path, args: list[str], log_path: Path) -> None:
-        self.log_path = log_path
-        self.url = ""
-        command = [sys.executable, "-m", "prefixcache.cli", "serve", str(model_dir), "--host", "127.0.0.1"]
-        with log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                [*command, "--port", "0", *args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        super().__init__(["serve", str(model_dir), *args], log_path)
 
     def wait_ready(self, timeout: float = 90.0) -> None:
-        """Block until /health answers 200; fails with the server's log if it exits or takes too long."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
-            match = _READY.search(self.log())
-            if match:
-                self.url = match.group(1)
-                try:
-                    if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-            time.sleep(0.1)
-        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()}")
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=10)
+        super().wait_ready(timeout)
 
 
 def scrape(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:

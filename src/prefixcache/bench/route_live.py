@@ -15,29 +15,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
 import random
-import re
-import socket
-import subprocess
-import sys
 import tempfile
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from prefixcache.bench.serve import Target, reset_prefix_cache, run_point, send_request, summarize
+from prefixcache.bench.live import Process, free_port, running, scrape, warm_up
+from prefixcache.bench.serve import Target, reset_prefix_cache, run_point, summarize
 from prefixcache.core import Request
 from prefixcache.core.hashing import root_hash
-
-_READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,67 +59,11 @@ class LiveWorkload:
         return hits / total if total else 0.0
 
 
-class Process:
-    """A ``prefixcache`` subcommand on a free loopback port; its output goes to a log file."""
-
-    def __init__(self, args: list[str], log_path: Path) -> None:
-        self.log_path = log_path
-        self.url = ""
-        with log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "prefixcache.cli", *args, "--host", "127.0.0.1", "--port", "0"],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            log = self.log_path.read_text(errors="replace")
-            if self.process.poll() is not None:
-                raise SystemExit(f"{self.log_path.name} exited with {self.process.returncode}:\n{log[-3000:]}")
-            match = _READY.search(log)
-            if match:
-                self.url = match.group(1)
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                        return
-            time.sleep(0.2)
-        raise SystemExit(f"{self.log_path.name} not ready after {timeout:.0f}s; see {self.log_path}")
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=15)
-
-
-@contextlib.contextmanager
-def running(processes: Sequence[Process], timeout: float) -> Iterator[Sequence[Process]]:
-    """Wait for all of them; stop all of them however the block ends."""
-    try:
-        for process in processes:
-            process.wait_ready(timeout)
-        yield processes
-    finally:
-        for process in processes:
-            process.stop()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serve_args(args: argparse.Namespace, num_blocks: int) -> list[str]:
     events = {
         "enable_kv_cache_events": True,
-        "endpoint": f"tcp://*:{_free_port()}",
-        "replay_endpoint": f"tcp://*:{_free_port()}",
+        "endpoint": f"tcp://*:{free_port()}",
+        "replay_endpoint": f"tcp://*:{free_port()}",
     }
     model = [args.model] if args.model else []
     return [
@@ -152,26 +87,6 @@ def default_num_blocks(args: argparse.Namespace) -> int:
     """Room for an engine's share of the tenants' requests plus one more: too small for all of them."""
     per_request = args.system_len + args.user_len + args.output_len
     return (args.tenants // args.engines + 1) * -(-per_request // args.block_size)
-
-
-def scrape(url: str) -> dict[tuple[str, str], float]:
-    """Router metrics as {(sample name, backend label): value}."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {
-        (sample.name, sample.labels.get("backend", "")): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-async def _warm_up(backends: Sequence[Process], model: str, vocab_size: int, prompt_len: int) -> None:
-    """One request per backend, so first-call costs land outside the measurements."""
-    async with httpx.AsyncClient(timeout=600) as client:
-        for backend in backends:
-            target = Target(backend.url, model, {})
-            result = await send_request(client, target, random.Random(0).choices(range(2, vocab_size), k=prompt_len), 2)
-            if not result.success:
-                raise SystemExit(f"warm-up on {backend.url} failed: {result.error}")
 
 
 async def _run_policy(router_url: str, model: str, workload: LiveWorkload, args: argparse.Namespace):
@@ -207,7 +122,7 @@ def run_live(args: argparse.Namespace) -> list[dict[str, Any]]:
             args.seed, vocab_size, args.tenants, args.system_len, args.user_len, args.num_requests
         )
         ideal = workload.ideal_hit_rate(args.block_size)
-        asyncio.run(_warm_up(backends, model, vocab_size, args.user_len))
+        asyncio.run(warm_up(backends, model, vocab_size, args.user_len))
         for policy in args.policy:
             asyncio.run(_reset_all(backends))
             router_args = ["router", "--policy", policy, "--prefix-weight", str(args.prefix_weight)]
@@ -216,7 +131,7 @@ def run_live(args: argparse.Namespace) -> list[dict[str, Any]]:
             router = Process(router_args, logs / f"router-{policy}.log")
             with running([router], args.startup_timeout):
                 results, duration = asyncio.run(_run_policy(router.url, model, workload, args))
-                metrics = scrape(router.url)
+                metrics = scrape(router.url, "backend")
             row = {
                 "policy": policy,
                 "engines": args.engines,

@@ -46,6 +46,7 @@ class RequestResult:
     output_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int | None = None  # None: the server reported no prompt_tokens_details
+    output_token_ids: list[int] = field(default_factory=list)  # only when asked for (``send_request``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +64,14 @@ def make_prompts(
     return [prefix + rng.choices(token_ids, k=input_len - prefix_len) for _ in range(num_prompts)]
 
 
-async def send_request(client: httpx.AsyncClient, target: Target, prompt: list[int], output_len: int) -> RequestResult:
-    """Stream one completion; a token is a chunk with choices, the usage chunk gives the server's counts."""
-    payload = {
+async def send_request(
+    client: httpx.AsyncClient, target: Target, prompt: list[int], output_len: int, output_ids: bool = False
+) -> RequestResult:
+    """Stream one completion; a token is a chunk with choices, the usage chunk gives the server's counts.
+
+    ``output_ids`` also collects the generated token ids (from log-probabilities named ``token_id:<id>``, vLLM's
+    extension), for a follow-up prompt that must continue exactly what the server computed."""
+    payload: dict[str, Any] = {
         "model": target.model,
         "prompt": prompt,
         "max_tokens": output_len,
@@ -74,6 +80,8 @@ async def send_request(client: httpx.AsyncClient, target: Target, prompt: list[i
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if output_ids:
+        payload |= {"logprobs": 0, "return_tokens_as_token_ids": True}
     result = RequestResult(prompt_tokens=len(prompt))
     start = last = time.perf_counter()
     try:
@@ -93,7 +101,10 @@ async def send_request(client: httpx.AsyncClient, target: Target, prompt: list[i
                 if "error" in chunk:
                     result.error = str(chunk["error"])
                     return result
-                if chunk.get("choices"):
+                if choices := chunk.get("choices"):
+                    if output_ids:
+                        tokens = (choices[0].get("logprobs") or {}).get("tokens") or []
+                        result.output_token_ids += [int(t.removeprefix("token_id:")) for t in tokens]
                     now = time.perf_counter()
                     if result.output_tokens == 0:
                         result.ttft = now - start
@@ -153,8 +164,8 @@ async def run_point(
     return results, duration
 
 
-def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
-    """vLLM's result keys (ms, mean/median/p99) plus the server-reported prefix-cache hit rate."""
+def summarize(results: list[RequestResult], duration: float, percentiles: Sequence[int] = (99,)) -> dict[str, Any]:
+    """vLLM's result keys (ms, mean/median/p99 or the given percentiles) plus the server-reported hit rate."""
     import numpy as np
 
     done = [r for r in results if r.success]
@@ -181,7 +192,8 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         ms = np.asarray(values, dtype=float) * 1000 if values else np.zeros(1)
         summary[f"mean_{name}_ms"] = float(ms.mean())
         summary[f"median_{name}_ms"] = float(np.median(ms))
-        summary[f"p99_{name}_ms"] = float(np.percentile(ms, 99))
+        for p in percentiles:
+            summary[f"p{p}_{name}_ms"] = float(np.percentile(ms, p))
     summary["errors"] = sorted({r.error for r in results if r.error})[:5]
     return summary
 

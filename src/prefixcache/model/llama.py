@@ -60,6 +60,10 @@ class ModelConfig:
             return None
         return self.sliding_window
 
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """Bytes one token's K and V take across all layers, to size a cache before any model is loaded."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> ModelConfig:
         """Read a transformers config (v4 or v5 field names); ValueError for anything unsupported."""
@@ -373,8 +377,7 @@ class LlamaForCausalLM(nn.Module):
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype | None = None) -> int:
         """Bytes one block takes across all layers (K and V), to size the cache from a memory budget."""
-        itemsize = (dtype or self.model.embed_tokens.weight.dtype).itemsize
-        return 2 * self.config.num_layers * block_size * self.config.num_kv_heads * self.config.head_dim * itemsize
+        return block_size * self.config.kv_bytes_per_token((dtype or self.model.embed_tokens.weight.dtype).itemsize)
 
     @torch.no_grad()
     def load_weights(

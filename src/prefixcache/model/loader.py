@@ -68,7 +68,7 @@ def load_model(
     torch_dtype = _parse_dtype(dtype)
     model_dir, name = resolve_model(model)
     start = time.perf_counter()
-    config = _read_config(model_dir)
+    config = read_config(model_dir)
     tokenizer = load_tokenizer(model_dir)
     config = replace(config, eos_token_ids=_eos_token_ids(config, model_dir, tokenizer))
     with torch.device("meta"):
@@ -238,7 +238,8 @@ def _make_portable(folder: Path, config: ModelConfig) -> None:
     tok_path.write_text(json.dumps(tok, indent=2) + "\n")
 
 
-def _read_config(model_dir: Path) -> ModelConfig:
+def read_config(model_dir: Path) -> ModelConfig:
+    """The architecture of a checkpoint folder (from ``resolve_model``), without loading its weights."""
     from transformers import AutoConfig
 
     return ModelConfig.from_hf_config(AutoConfig.from_pretrained(model_dir, local_files_only=True))
