@@ -16,6 +16,7 @@ from prefixcache.router.cli import BACKEND_API_KEY_ENV, backend_api_key
 from prefixcache.router.index import PrefixIndex
 from prefixcache.router.metrics import RouterMetrics
 from prefixcache.server.tenants import SALT_BY_API_KEY, engine_salt, tenant_salt
+from tests.helpers import wait_until
 from tests.router.fakes import (
     PROMPT,
     cache_config,
@@ -25,7 +26,6 @@ from tests.router.fakes import (
     metric,
     served_by,
     stored,
-    wait_until,
 )
 
 ROUTER_KEY = "router-key"

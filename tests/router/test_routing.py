@@ -8,6 +8,7 @@ import pytest
 from prefixcache.router.backends import BackendPool, BackendRefusedError, HealthSettings
 from prefixcache.router.index import PrefixIndex
 from prefixcache.router.metrics import RouterMetrics
+from tests.helpers import wait_until
 from tests.router.fakes import (
     CLEARED,
     PROMPT,
@@ -19,7 +20,6 @@ from tests.router.fakes import (
     removed,
     served_by,
     stored,
-    wait_until,
 )
 
 
