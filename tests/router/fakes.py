@@ -8,6 +8,7 @@ each event a map tagged under "type"; replay requests [identity, "", start_seq] 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -107,6 +108,7 @@ def cache_config(**overrides: Any) -> dict[str, Any]:
 class FakeBackend:
     """Answers like a prefixcache server, records what it got, and can be told to fail.
 
+    Clearing ``proceed`` holds generation requests (after they are recorded) until it is set again.
     With ``api_key`` its cache config wants ``Authorization: Bearer <api_key>`` (401 otherwise), as a
     server started with ``--api-key`` does; generation records each request's Authorization header.
     """
@@ -120,6 +122,8 @@ class FakeBackend:
         self.config_requests = 0
         self.fail_with: int | None = None
         self.healthy = True
+        self.proceed = threading.Event()
+        self.proceed.set()
         app = FastAPI()
 
         @app.get("/health")
@@ -141,6 +145,7 @@ class FakeBackend:
             body = json.loads(await request.body())
             self.received.append(body)
             self.authorizations.append(request.headers.get("authorization"))
+            await asyncio.to_thread(self.proceed.wait, 30)
             if self.fail_with is not None:
                 return JSONResponse({"error": {"message": "engine died"}}, status_code=self.fail_with)
             if body.get("stream"):

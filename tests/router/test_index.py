@@ -43,6 +43,26 @@ def test_clearing_one_backend_keeps_the_others():
     assert len(index) == 1
 
 
+def test_hashes_of_requests_in_flight_count_as_held_until_each_is_released():
+    index = PrefixIndex()
+    index.store("a", [1])
+    index.hold("b", [1, 2])
+    index.hold("b", [1, 2])
+    assert index.matched_blocks([1, 2, 3], ["a", "b"]) == {"a": 1, "b": 2}
+    assert len(index) == 1 and index.num_blocks("b") == 0  # the index's size is what events said
+    index.release("b", [1, 2])
+    assert index.matched_blocks([1, 2], ["b"]) == {"b": 2}
+    index.release("b", [1, 2])
+    assert index.matched_blocks([1, 2], ["b"]) == {"b": 0}
+    # events and a request in flight join into one prefix; a clear forgets the events, not the request
+    index.store("b", [1])
+    index.hold("b", [2])
+    assert index.matched_blocks([1, 2], ["b"]) == {"b": 2}
+    index.clear("b")
+    assert index.matched_blocks([1, 2], ["b"]) == {"b": 0}
+    assert index.matched_blocks([2], ["b"]) == {"b": 1}
+
+
 def test_a_listener_on_real_pools_predicts_every_lookup_exactly():
     """Prompts over shared prefixes through two small caches with eviction: prediction == the manager's hit."""
     rng = random.Random(3)

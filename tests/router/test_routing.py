@@ -1,6 +1,7 @@
 """The router between fake backends and fake KV event publishers on loopback."""
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -36,6 +37,28 @@ def test_routing_follows_the_index(backend, publisher, router):
     wait_until(lambda: index_blocks(r, b) == 0 and index_blocks(r, a) == 2, what="the move to a")
     assert served_by(complete(r)) == a.url
     assert metric(r, "events_received_total") == 3
+
+
+def test_a_burst_follows_the_request_in_flight_before_its_events_arrive(backend, publisher, router):
+    """The backend computing a prompt is where the same prefix goes next, not where no events say it is."""
+    pub_a, pub_b = publisher(), publisher()
+    a, b = backend("a", pub_a), backend("b", pub_b)
+    r = router([a, b])
+    a.proceed.clear()
+    b.proceed.clear()
+    with ThreadPoolExecutor(4) as clients:
+        first = clients.submit(complete, r)
+        wait_until(lambda: len(a.received) + len(b.received) == 1, what="the first request at a backend")
+        computing = a if a.received else b
+        rest = [clients.submit(complete, r) for _ in range(3)]
+        wait_until(lambda: len(a.received) + len(b.received) == 4, what="the burst at the backends")
+        assert len(computing.received) == 4
+        assert index_blocks(r, computing) == 0  # no event came: only the requests in flight hold the prefix
+        a.proceed.set()
+        b.proceed.set()
+        assert {served_by(f.result()) for f in [first, *rest]} == {computing.url}
+    # once they ended and still no event came, the two backends are alike again and take turns
+    assert {served_by(complete(r)) for _ in range(4)} == {a.url, b.url}
 
 
 def test_salts_isolate_in_the_index(backend, publisher, router):

@@ -4,10 +4,15 @@ Fed from KV cache events (or, in the simulation, straight from each engine's blo
 :class:`IndexListener`). A hash is held by a backend while any of its media (``GPU``, an offload tier)
 holds it; the chain of hashes means a backend's longest cached prefix is the longest run of a
 prompt's block hashes that it holds from the first block on.
+
+Events only tell what a backend has computed. A request routed there is about to compute its prompt's
+blocks, so while it is in flight its hashes count as held too (``hold``/``release``): a burst of one
+tenant's requests follows the first one instead of spreading before its events arrive.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from prefixcache.core.block_pool import BlockPoolListener, StoredBlocks
@@ -19,9 +24,10 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._holders: dict[int, dict[str, set[str]]] = {}  # hash -> backend -> media holding it
         self._by_backend: dict[str, set[int]] = {}
+        self._in_flight: dict[str, Counter[int]] = {}  # backend -> hashes of requests routed there, counted
 
     def __len__(self) -> int:
-        """Distinct block hashes held anywhere."""
+        """Distinct block hashes held anywhere (by events; in-flight requests' hashes are not counted)."""
         return len(self._holders)
 
     def num_blocks(self, backend: str) -> int:
@@ -48,8 +54,21 @@ class PrefixIndex:
                 if not holders:
                     del self._holders[block_hash]
 
+    def hold(self, backend: str, block_hashes: Iterable[int]) -> None:
+        """A request routed to ``backend`` will compute these blocks: count them as there until ``release``."""
+        self._in_flight.setdefault(backend, Counter()).update(block_hashes)
+
+    def release(self, backend: str, block_hashes: Iterable[int]) -> None:
+        """The request that ``hold`` counted ended: from now on only events say what ``backend`` holds."""
+        counts = self._in_flight[backend]
+        for block_hash in block_hashes:
+            if counts[block_hash] > 1:
+                counts[block_hash] -= 1
+            else:
+                del counts[block_hash]
+
     def clear(self, backend: str) -> None:
-        """Drop everything ``backend`` holds (reset, restart, or it left the rotation)."""
+        """Drop everything ``backend`` holds by events (reset, restart, or it left the rotation)."""
         for block_hash in self._by_backend.pop(backend, ()):
             holders = self._holders[block_hash]
             del holders[backend]
@@ -57,14 +76,12 @@ class PrefixIndex:
                 del self._holders[block_hash]
 
     def matched_blocks(self, block_hashes: Sequence[int], backends: Iterable[str]) -> dict[str, int]:
-        """For each backend, how many of the leading ``block_hashes`` it holds without a gap."""
+        """For each backend, how many of the leading ``block_hashes`` it holds (or is computing) without a gap."""
         matched = dict.fromkeys(backends, 0)
         remaining = set(matched)
         for depth, block_hash in enumerate(block_hashes, start=1):
-            holders = self._holders.get(block_hash)
-            if not holders:
-                break
-            remaining.intersection_update(holders)
+            holders = self._holders.get(block_hash, {})
+            remaining = {b for b in remaining if b in holders or block_hash in self._in_flight.get(b, ())}
             if not remaining:
                 break
             for backend in remaining:

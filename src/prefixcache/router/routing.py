@@ -9,7 +9,7 @@ a request without one is routed by load (the backend will refuse it).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -30,13 +30,17 @@ class RoutePlan:
 
 
 class Lease:
-    """A request's share of a backend's load, from routing until its response ends; released once."""
+    """A request's share of a backend's load and its prompt's place in the index, from routing until its
+    response ends; released once."""
 
-    def __init__(self, backend: Backend, tokens: int) -> None:
+    def __init__(self, backend: Backend, tokens: int, index: PrefixIndex, block_hashes: Sequence[int]) -> None:
         self.backend = backend
         self.tokens = tokens
+        self._index = index
+        self._block_hashes = block_hashes
         backend.tokens_in_flight += tokens
         backend.requests_in_flight += 1
+        index.hold(backend.url, block_hashes)
         self._held = True
 
     def release(self) -> None:
@@ -44,6 +48,7 @@ class Lease:
             self._held = False
             self.backend.tokens_in_flight -= self.tokens
             self.backend.requests_in_flight -= 1
+            self._index.release(self.backend.url, self._block_hashes)
 
 
 class Router:
@@ -99,7 +104,8 @@ class Router:
         return backends[candidates.index(chosen)], chosen
 
     def admit(self, backend: Backend, plan: RoutePlan, chosen: Candidate) -> Lease:
-        return Lease(backend, chosen.tokens_to_compute + plan.output_tokens)
+        block_hashes = plan.key.block_hashes if plan.key is not None else []
+        return Lease(backend, chosen.tokens_to_compute + plan.output_tokens, self.index, block_hashes)
 
     def _prompt_hasher(self) -> PromptHasher | None:
         if self._hasher is None and self.pool.reference is not None:
