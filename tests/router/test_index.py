@@ -43,6 +43,15 @@ def test_clearing_one_backend_keeps_the_others():
     assert len(index) == 1
 
 
+def test_clearing_one_medium_keeps_what_other_media_hold():
+    index = PrefixIndex()
+    index.store("a", [1, 2, 3])
+    index.store("a", [1, 2], "CPU")
+    index.clear("a", "GPU")
+    assert index.matched_blocks([1, 2, 3], ["a"]) == {"a": 2}
+    assert index.num_blocks("a") == 2 and len(index) == 2
+
+
 def test_hashes_of_requests_in_flight_count_as_held_until_each_is_released():
     index = PrefixIndex()
     index.store("a", [1])

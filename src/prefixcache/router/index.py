@@ -67,8 +67,12 @@ class PrefixIndex:
             else:
                 del counts[block_hash]
 
-    def clear(self, backend: str) -> None:
-        """Drop everything ``backend`` holds by events (reset, restart, or it left the rotation)."""
+    def clear(self, backend: str, medium: str | None = None) -> None:
+        """Drop what ``backend`` holds by events: on ``medium`` only (a reset clears the engine's own cache,
+        not its offload tiers), or everywhere (a restart, or it left the rotation)."""
+        if medium is not None:
+            self.remove(backend, list(self._by_backend.get(backend, ())), medium)
+            return
         for block_hash in self._by_backend.pop(backend, ()):
             holders = self._holders[block_hash]
             del holders[backend]

@@ -8,7 +8,8 @@ after the backend learns what is cached already). Each batch must carry the next
 - a sequence number already seen is a duplicate when its timestamp is not newer than the last batch
   applied (a replay overlapping the live feed), otherwise the publisher restarted: the backend's
   entries are dropped and rebuilt from its replay;
-- ``AllBlocksCleared`` drops the backend's entries.
+- ``AllBlocksCleared`` (a reset of the engine's own cache) drops the backend's ``GPU`` entries; what its
+  offload tiers hold stays.
 
 Everything runs on the router's event loop, as does routing, so the index needs no lock.
 """
@@ -131,7 +132,7 @@ class EventSubscriber:
             elif isinstance(event, BlockRemoved):
                 index.remove(backend, map(external_block_hash, event.block_hashes), event.medium or MEDIUM_GPU)
             elif isinstance(event, AllBlocksCleared):
-                index.clear(backend)
+                index.clear(backend, MEDIUM_GPU)
         self.metrics.events_received.labels(backend).inc(len(batch.events))
         self.next_seq = seq + 1
         self.last_ts = max(self.last_ts, batch.ts)
