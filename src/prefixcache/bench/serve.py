@@ -324,22 +324,26 @@ def load_results(paths: Sequence[Path]) -> list[dict[str, Any]]:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """TTFT and TPOT (mean, ms) against the shared fraction, one line per label."""
+    """TTFT and TPOT (mean, ms) against the shared fraction, one line per label; on a log scale when the
+    values span more than a factor of 10 (an overloaded point next to cached ones)."""
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(11, 4.2))
-    axes = figure.subplots(1, 2)
     labels = list(dict.fromkeys(row["label"] for row in rows))
-    for label in labels:
-        points = sorted((r for r in rows if r["label"] == label), key=lambda r: r["shared_fraction"])
-        x = [r["shared_fraction"] for r in points]
-        for ax, key in zip(axes, ("mean_ttft_ms", "mean_tpot_ms"), strict=True):
-            ax.plot(x, [r[key] for r in points], marker="o", label=label)
-    for ax, title in zip(axes, ("time to first token", "time per output token"), strict=True):
+    panels = (("mean_ttft_ms", "time to first token"), ("mean_tpot_ms", "time per output token"))
+    for ax, (key, title) in zip(figure.subplots(1, 2), panels, strict=True):
+        for label in labels:
+            points = sorted((r for r in rows if r["label"] == label), key=lambda r: r["shared_fraction"])
+            ax.plot([r["shared_fraction"] for r in points], [r[key] for r in points], marker="o", label=label)
         ax.set_title(f"{title} (mean)")
         ax.set_xlabel("shared fraction of the prompt")
-        ax.set_ylabel("ms")
-        ax.set_ylim(bottom=0)
+        values = [r[key] for r in rows if r[key] > 0]
+        if values and max(values) > 10 * min(values):
+            ax.set_yscale("log")
+            ax.set_ylabel("ms (log scale)")
+        else:
+            ax.set_ylabel("ms")
+            ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend()
     figure.tight_layout()

@@ -86,9 +86,6 @@ def api_keys(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str,
 
 def serve(args: argparse.Namespace) -> None:
     """Exits 0 after a clean shutdown (SIGTERM/SIGINT), 1 when the engine core died or failed to start."""
-    # Idle OpenMP threads sleep instead of spinning, in both processes (the core inherits the environment):
-    # spinning threads starved the HTTP side on 2 cores. Set before torch loads; an explicit setting wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import dataclasses
 
     from prefixcache.config import EngineConfig
