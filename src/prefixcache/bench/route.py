@@ -35,7 +35,7 @@ from prefixcache.bench.trace import (
     load_trace,
     trace_request,
 )
-from prefixcache.core import KVCacheManager
+from prefixcache.core import KVCacheManager, hittable_blocks
 from prefixcache.router.index import IndexListener, PrefixIndex
 from prefixcache.router.policy import DEFAULT_PREFIX_WEIGHT, POLICIES, Candidate, RoutingPolicy, make_policy
 from prefixcache.router.wire import external_block_hash
@@ -104,7 +104,7 @@ def simulate(
         request = trace_request(i, record)
         matched = dict.fromkeys(names, 0)
         if policy.uses_prefix:
-            hittable = (record.input_length - 1) // block_size
+            hittable = hittable_blocks(record.input_length, block_size)
             hashes = caches[0].manager.block_hashes(request)[:hittable]
             matched = index.matched_blocks([external_block_hash(h) for h in hashes], names)
         candidates = [

@@ -27,7 +27,7 @@ import httpx
 
 from prefixcache.bench.live import Process, free_port, running, scrape, warm_up
 from prefixcache.bench.serve import Target, reset_prefix_cache, run_point, summarize
-from prefixcache.core import Request
+from prefixcache.core import Request, hittable_blocks
 from prefixcache.core.hashing import root_hash
 
 
@@ -51,7 +51,7 @@ class LiveWorkload:
         hits = total = 0
         for i, prompt in enumerate(self.prompts):
             hashes = Request(str(i), prompt).hash_blocks("sha256", root, 0, len(prompt) // block_size, block_size)
-            hittable = hashes[: (len(prompt) - 1) // block_size]
+            hittable = hashes[: hittable_blocks(len(prompt), block_size)]
             found = next((k for k, h in enumerate(hittable) if h not in seen), len(hittable))
             hits += found * block_size
             total += len(prompt)

@@ -35,7 +35,15 @@ import numpy as np
 from tqdm import tqdm
 
 from prefixcache.argtypes import positive_int
-from prefixcache.core import EVICTION_POLICIES, HASH_ALGOS, Block, BlockHash, KVCacheManager, Request
+from prefixcache.core import (
+    EVICTION_POLICIES,
+    HASH_ALGOS,
+    Block,
+    BlockHash,
+    KVCacheManager,
+    Request,
+    hittable_blocks,
+)
 from prefixcache.offload import HostMemoryStore, KVLayout
 from prefixcache.offload.connector import OFFLOAD_MODES, WRITE_BACK, OffloadConnector, TierWriter
 
@@ -119,11 +127,6 @@ def _sub_blocks_per_trace_block(block_size: int) -> int:
     return TRACE_BLOCK_TOKENS // block_size
 
 
-def _hittable_blocks(request: TraceRequest, block_size: int) -> int:
-    """Blocks a lookup may return: full ones, leaving the last prompt token to compute (the manager's cap)."""
-    return (request.input_length - 1) // block_size
-
-
 def _trace_block_coverage(num_blocks: int, position: int, per_trace_block: int) -> int:
     """How many of the manager blocks inside the trace block at ``position`` lie within ``num_blocks``."""
     return min(max(num_blocks - position * per_trace_block, 0), per_trace_block)
@@ -135,7 +138,7 @@ def infinite_hit_rate(trace: Sequence[TraceRequest], block_size: int) -> float:
     filled: dict[int, int] = {}  # trace id -> how many of its manager blocks some request filled
     hits = queries = 0
     for request in trace:
-        hittable = _hittable_blocks(request, block_size)
+        hittable = hittable_blocks(request.input_length, block_size)
         full = request.input_length // block_size
         hit = 0
         for position, k in enumerate(request.hash_ids):
@@ -193,7 +196,7 @@ class FutureUses:
         per = _sub_blocks_per_trace_block(block_size)
         self._uses: dict[int, list[tuple[int, int]]] = {}  # id -> [(request index, hittable blocks of it)]
         for index, request in enumerate(trace):
-            hittable = _hittable_blocks(request, block_size)
+            hittable = hittable_blocks(request.input_length, block_size)
             for position, k in enumerate(request.hash_ids):
                 covered = _trace_block_coverage(hittable, position, per)
                 if covered == 0:

@@ -4,7 +4,7 @@ from prefixcache.core.block_pool import Block, BlockPool
 from prefixcache.core.eviction import EVICTION_POLICIES
 from prefixcache.core.hashing import HASH_ALGOS, BlockHash, hash_block_tokens, root_hash
 from prefixcache.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
-from prefixcache.core.miss import MISS_REASONS, EvictedHashes, PrefixLookup
+from prefixcache.core.miss import MISS_REASONS, EvictedHashes, PrefixLookup, hittable_blocks
 from prefixcache.core.request import MultiModalFeature, Request
 
 __all__ = [
@@ -21,5 +21,6 @@ __all__ = [
     "PrefixLookup",
     "Request",
     "hash_block_tokens",
+    "hittable_blocks",
     "root_hash",
 ]

@@ -13,6 +13,7 @@ from prefixcache.core.miss import (
     EvictedHashes,
     PrefixLookup,
     first_miss_reason,
+    hittable_blocks,
     hittable_tokens,
 )
 from prefixcache.core.request import MultiModalFeature, Request
@@ -138,7 +139,7 @@ class KVCacheManager:
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
         hashes = self.block_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = hittable_blocks(request.num_tokens, self.block_size)
         get_cached = self.pool.get_cached_block
         hits: list[Block] = []
         for block_hash in hashes[:max_blocks]:

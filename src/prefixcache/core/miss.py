@@ -74,9 +74,15 @@ class EvictedHashes(BlockPoolListener):
         self._previous.clear()
 
 
+def hittable_blocks(num_tokens: int, block_size: int) -> int:
+    """Blocks a lookup may return for a prompt of ``num_tokens``: whole ones, leaving the last token to compute
+    (its logits are needed). The manager, the offload tiers, the router and the simulators all cap by it."""
+    return (num_tokens - 1) // block_size
+
+
 def hittable_tokens(num_tokens: int, block_size: int) -> int:
-    """Prompt tokens a block-granular lookup may return: whole blocks, leaving the last token to compute."""
-    return (num_tokens - 1) // block_size * block_size
+    """Prompt tokens a block-granular lookup may return: :func:`hittable_blocks` in tokens."""
+    return hittable_blocks(num_tokens, block_size) * block_size
 
 
 def first_miss_reason(missed: dict[str, int]) -> str:

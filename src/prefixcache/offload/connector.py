@@ -37,6 +37,7 @@ from typing import TypeVar
 from prefixcache.core.block_pool import Block, BlockPoolListener, StoredBlocks
 from prefixcache.core.hashing import BlockHash
 from prefixcache.core.kv_cache_manager import KVCacheManager
+from prefixcache.core.miss import hittable_blocks
 from prefixcache.core.request import Request
 from prefixcache.offload.store import KVStore, TierEventListener, TierStats
 
@@ -282,7 +283,7 @@ class OffloadConnector(BlockPoolListener, TierEventListener):
 
     def _hittable_after(self, request: Request, start: int) -> list[BlockHash]:
         """The request's block hashes from block ``start`` on that a hit may cover (not the last token's)."""
-        return self.manager.block_hashes(request)[start : (request.num_tokens - 1) // self.block_size]
+        return self.manager.block_hashes(request)[start : hittable_blocks(request.num_tokens, self.block_size)]
 
     def _run(
         self, hashes: Sequence[BlockHash], take: Callable[[KVStore, Sequence[BlockHash]], Sequence[T]]

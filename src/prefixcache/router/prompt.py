@@ -14,7 +14,7 @@ from typing import Any
 from jinja2 import TemplateError
 from pydantic import ValidationError
 
-from prefixcache.core import Request
+from prefixcache.core import Request, hittable_blocks
 from prefixcache.core.hashing import root_hash
 from prefixcache.engine.input_processor import chat_token_ids, tokenize_prompt
 from prefixcache.router.backend_config import CacheConfig
@@ -61,7 +61,7 @@ class PromptHasher:
     def key(self, token_ids: list[int], cache_salt: str | None = None, lora_name: str | None = None) -> PromptKey:
         """Raises ValueError for ids the engine would refuse (empty, negative, too large)."""
         request = Request("route", token_ids, cache_salt=cache_salt, lora_name=lora_name)
-        hittable = (len(token_ids) - 1) // self.block_size
+        hittable = hittable_blocks(len(token_ids), self.block_size)
         hashes = request.hash_blocks(self.hash_algo, self.root, 0, hittable, self.block_size)
         return PromptKey(len(token_ids), [external_block_hash(h) for h in hashes])
 
