@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from importlib.metadata import version
 from typing import Any, TypeVar
 
@@ -32,7 +32,6 @@ from prefixcache.engine import RequestOutput
 from prefixcache.engine.input_processor import PromptInput
 from prefixcache.engine.sampling_params import InvalidParameter
 from prefixcache.server.async_llm import AsyncLLM, EngineDeadError, RequestStream
-from prefixcache.server.cli import DEFAULT_MAX_REQUEST_BYTES
 from prefixcache.server.middleware import (
     APIKeyMiddleware,
     BodyLimitMiddleware,
@@ -53,38 +52,14 @@ from prefixcache.server.protocol import (
     usage,
 )
 from prefixcache.server.responses import CHAT, COMPLETION, ChoiceShaper, Endpoint
-from prefixcache.server.tenants import SALT_BY_API_KEY, engine_salt, valid_api_key
+from prefixcache.server.settings import ServerSettings
+from prefixcache.server.tenants import SALT_BY_API_KEY, engine_salt
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for legacy completions
-LOG_STATS_INTERVAL_S = 10.0
-
-
-@dataclass(frozen=True, slots=True)
-class ServerSettings:
-    """``served_model_names[0]`` is the name reported by /v1/models; requests may use any of them.
-
-    Each of ``api_keys`` is a tenant with its own prefix cache unless ``share_cache_across_keys``.
-    """
-
-    served_model_names: tuple[str, ...]
-    api_keys: tuple[str, ...] = ()
-    share_cache_across_keys: bool = False
-    enable_reset_prefix_cache: bool = False
-    log_stats_interval: float | None = LOG_STATS_INTERVAL_S
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    log_requests: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.served_model_names:
-            raise ValueError("at least one served model name is needed")
-        if not all(map(valid_api_key, self.api_keys)):
-            raise ValueError("API keys must be non-empty printable ASCII without spaces")
-        if self.max_request_bytes < 1:
-            raise ValueError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
 
 
 class APIError(Exception):
