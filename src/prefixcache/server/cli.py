@@ -9,13 +9,20 @@ import argparse
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 from prefixcache.config import parse_memory
 from prefixcache.engine.args import add_engine_args, engine_kwargs
-from prefixcache.server.settings import DEFAULT_MAX_REQUEST_BYTES, LOG_STATS_INTERVAL_S, ServerSettings
+from prefixcache.server.settings import LOG_STATS_INTERVAL_S, ServerSettings
 
 API_KEY_ENV = "PREFIXCACHE_API_KEY"
+
+
+def _default(name: str) -> Any:
+    """The default of a ``ServerSettings`` field: the flags' defaults are the settings', never a second copy."""
+    return next(f.default for f in fields(ServerSettings) if f.name == name)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -51,7 +58,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     group.add_argument(
         "--max-request-bytes",
         type=parse_memory,
-        default=DEFAULT_MAX_REQUEST_BYTES,
+        default=_default("max_request_bytes"),
         help="refuse request bodies larger than this with 413, e.g. 8MiB (default 8MiB)",
     )
     group.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
@@ -84,6 +91,20 @@ def api_keys(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str,
     return tuple(dict.fromkeys(keys))
 
 
+def server_settings(args: argparse.Namespace, model_name: str, environ: Mapping[str, str]) -> ServerSettings:
+    """The server's options, read once into its frozen settings (OSError for an unreadable key file, ValueError
+    for a bad value)."""
+    return ServerSettings(
+        served_model_names=tuple(args.served_model_name or [model_name]),
+        api_keys=api_keys(args, environ),
+        share_cache_across_keys=args.share_cache_across_keys,
+        enable_reset_prefix_cache=args.enable_reset_prefix_cache,
+        log_stats_interval=None if args.disable_log_stats else LOG_STATS_INTERVAL_S,
+        max_request_bytes=args.max_request_bytes,
+        log_requests=not args.disable_log_requests,
+    )
+
+
 def serve(args: argparse.Namespace) -> None:
     """Exits 0 after a clean shutdown (SIGTERM/SIGINT), 1 when the engine core died or failed to start."""
     import dataclasses
@@ -101,24 +122,16 @@ def serve(args: argparse.Namespace) -> None:
         tokenizer = load_tokenizer(model_dir)
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"prefixcache serve: {exc}") from exc
-    names = tuple(args.served_model_name or [model_name])
     try:
-        settings = ServerSettings(
-            served_model_names=names,
-            api_keys=api_keys(args, os.environ),
-            share_cache_across_keys=args.share_cache_across_keys,
-            enable_reset_prefix_cache=args.enable_reset_prefix_cache,
-            log_stats_interval=None if args.disable_log_stats else LOG_STATS_INTERVAL_S,
-            max_request_bytes=args.max_request_bytes,
-            log_requests=not args.disable_log_requests,
-        )
+        settings = server_settings(args, model_name, os.environ)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"prefixcache serve: {exc}") from exc
     # The stats line and uvicorn's startup line are the server's heartbeat: shown at INFO even under the CLI's
     # default WARNING level (--disable-log-stats and --disable-uvicorn-access-log quiet the periodic ones).
     level = min(logging.INFO, logging.getLogger().getEffectiveLevel())
     logging.getLogger("prefixcache.server").setLevel(level)
-    engine = AsyncLLM(dataclasses.replace(config, model=str(model_dir)), tokenizer, ServerMetrics(names[0]))
+    metrics = ServerMetrics(settings.served_model_names[0])
+    engine = AsyncLLM(dataclasses.replace(config, model=str(model_dir)), tokenizer, metrics)
     server = DrainingServer(
         build_app(engine, settings),
         engine,
