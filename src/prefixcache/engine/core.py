@@ -61,7 +61,15 @@ class EngineCore:
             sub_block_size=config.sub_block_size,
         )
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, dtype, config.device, config.seed)
+        self.runner = ModelRunner(
+            self.loaded.model,
+            num_blocks,
+            config.block_size,
+            dtype,
+            config.device,
+            config.seed,
+            tuple(model_config.eos_token_ids),
+        )
         self.offload = attach_offload(self, config, self.scheduler, self.runner)
         self.kv_events = KVEventSink.create(config.kv_events_config, self.manager.pool)
         if self.kv_events is not None and self.offload is not None:

@@ -41,13 +41,20 @@ class ModelRunner:
     """
 
     def __init__(
-        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: str, seed: int
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: str,
+        seed: int,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, dtype, self.device)
-        self.sampler = Sampler(seed, self.device)
+        self.sampler = Sampler(seed, self.device, eos_token_ids)
         self.offload: OffloadWorker | None = None
 
     @torch.inference_mode()
