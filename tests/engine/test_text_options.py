@@ -85,3 +85,23 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(tokenizer):
     assert text == "The quick" and short.prompt_token_ids == tokenizer.encode("The quick", add_special_tokens=False)
     with pytest.raises(ValueError, match="context length"):
         processor.process(prompt, SamplingParams(max_tokens=4), "d")
+
+
+def test_the_stop_token_is_left_out_of_the_text_unless_asked_for(tokenizer):
+    fox, dog = (tokenizer.encode(word, add_special_tokens=False) for word in ("fox", " dog"))
+    stop = dog[0]
+    processor = OutputProcessor(tokenizer)
+
+    def text(params: SamplingParams, last: int, reason: str = "stop", stop_reason: int | None = None) -> str:
+        processor.add_request(EngineCoreRequest("r", [5, 6], params), None)
+        processor.process_outputs([EngineCoreOutput("r", fox, 0)])
+        [output], _ = processor.process_outputs([EngineCoreOutput("r", [last], 0, reason, stop_reason)])
+        assert output.outputs[0].token_ids == [*fox, last]
+        return output.outputs[0].text
+
+    assert text(SamplingParams(stop_token_ids=(stop,)), stop, stop_reason=stop) == "fox"
+    kept = SamplingParams(stop_token_ids=(stop,), include_stop_str_in_output=True)
+    assert text(kept, stop, stop_reason=stop) == "fox" + tokenizer.decode([stop])
+    eos = tokenizer.eos_token_id
+    assert text(SamplingParams(skip_special_tokens=False), eos) == "fox"  # EOS ended it: not text
+    assert text(SamplingParams(skip_special_tokens=False), eos, "length") == "fox<|eos|>"

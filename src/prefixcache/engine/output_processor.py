@@ -79,16 +79,20 @@ class OutputProcessor:
     @staticmethod
     def _advance(state: _RequestState, output: EngineCoreOutput) -> tuple[str | None, int | str | None]:
         """Append the new tokens and text; a stop string beats ``length`` but not a stop token or EOS, and
-        none counts within the first ``min_tokens`` tokens."""
+        none counts within the first ``min_tokens`` tokens. The stop token itself shows in the text only with
+        ``include_stop_str_in_output`` (it stays in the token ids)."""
         if output.prompt_logprobs is not None:
             state.prompt_logprobs = output.prompt_logprobs
         state.output_token_ids.extend(output.new_token_ids)
         if state.logprobs is not None and output.logprobs is not None:
             state.logprobs.extend(output.logprobs)
-        searched_from = max(len(state.text), state.stop_search_start)
-        state.text += state.detokenizer.decode_new(state.output_token_ids)
         finish_reason, stop_reason = output.finish_reason, output.stop_reason
         params = state.params
+        shown = state.output_token_ids
+        if finish_reason == "stop" and not params.include_stop_str_in_output:
+            shown = shown[:-1]  # vLLM: the token that stopped it (EOS or a stop token id) is not in the text
+        searched_from = max(len(state.text), state.stop_search_start)
+        state.text += state.detokenizer.decode_new(shown)
         if len(state.output_token_ids) <= params.min_tokens:  # vLLM: no stop string ends the first min_tokens
             state.stop_search_start = len(state.text)
         elif finish_reason in (None, "length"):
@@ -101,7 +105,7 @@ class OutputProcessor:
                     break
         if finish_reason is not None:
             if stop_reason is None or isinstance(stop_reason, int):  # a stop string already cut the text
-                state.text += state.detokenizer.decode_new(state.output_token_ids, final=True)
+                state.text += state.detokenizer.decode_new(shown, final=True)
             return finish_reason, stop_reason
         return None, None
 
