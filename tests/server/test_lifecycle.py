@@ -16,6 +16,7 @@ import httpx
 import psutil
 import pytest
 
+from tests.helpers import wait_until
 from tests.server.harness import ServerProcess, random_prompt, scrape, start_streams
 
 ARGS = ["--block-size", "4", "--num-blocks", "1024", "--max-model-len", "1024", "--disable-uvicorn-access-log"]
@@ -113,8 +114,7 @@ def test_sigterm_lets_streams_finish_refuses_new_work_and_exits_zero(start_serve
     results, threads = start_streams(server.url, 2, max_tokens=400)
     whole, whole_thread = start_whole(server.url, max_tokens=400)
     server.process.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
-    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
+    wait_until(lambda: httpx.get(f"{server.url}/health", timeout=5).status_code == 503, what="the drain to start")
     refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"}, timeout=5)
     assert refused.status_code == 503
     assert "shutting down" in refused.json()["error"]["message"]

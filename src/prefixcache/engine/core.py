@@ -95,6 +95,10 @@ class EngineCore:
             hash_algo=self.manager.hash_algo,
             hash_seed=resolve_hash_seed(self.config.hash_seed),
             enable_prefix_caching=self.manager.enable_caching,
+            architecture=self.loaded.config.architecture,
+            dtype=str(self.runner.kv_caches[0][0].dtype).removeprefix("torch."),
+            device=str(self.runner.device),
+            kv_cache_bytes=sum(k.nbytes + v.nbytes for k, v in self.runner.kv_caches),
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:
