@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from prefixcache.model import AttentionMetadata, LlamaForCausalLM
+from prefixcache.model import AttentionMetadata, DecoderForCausalLM
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -119,7 +119,7 @@ def hf_models(checkpoint_dirs: dict[str, Path]) -> dict[str, Any]:
 class PagedRunner:
     """A minimal engine: hands out blocks in shuffled order, keeps block tables and runs batched steps."""
 
-    def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int = 96, seed: int = 0) -> None:
+    def __init__(self, model: DecoderForCausalLM, block_size: int, num_blocks: int = 96, seed: int = 0) -> None:
         self.model = model
         self.block_size = block_size
         dtype = model.model.embed_tokens.weight.dtype

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from prefixcache.model import DEFAULT_MODEL, LlamaForCausalLM, LoadedModel, ModelConfig, load_model
+from prefixcache.model import DEFAULT_MODEL, DecoderForCausalLM, LoadedModel, ModelConfig, load_model
 from prefixcache.model import loader as loader_mod
 from tests.model.conftest import PagedRunner
 
@@ -26,7 +26,7 @@ def test_loads_hf_checkpoint_dir(checkpoint_dirs) -> None:
     path = checkpoint_dirs["llama"]
     loaded = load_model(path)
     assert isinstance(loaded, LoadedModel)
-    assert isinstance(loaded.model, LlamaForCausalLM)
+    assert isinstance(loaded.model, DecoderForCausalLM)
     assert loaded.model_dir == path.resolve()
     assert loaded.name == "llama"
     assert loaded.config.architecture == "LlamaForCausalLM"

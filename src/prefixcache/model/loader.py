@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from prefixcache.model.llama import LlamaForCausalLM, ModelConfig
+from prefixcache.model.decoder import DecoderForCausalLM, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ _DTYPES = {
 class LoadedModel:
     """A ready model with its tokenizer; ``model_dir`` is an HF checkpoint folder holding exactly its weights."""
 
-    model: LlamaForCausalLM
+    model: DecoderForCausalLM
     config: ModelConfig
     tokenizer: Any  # transformers.PreTrainedTokenizerBase
     model_dir: Path
@@ -72,7 +72,7 @@ def load_model(
     tokenizer = load_tokenizer(model_dir)
     config = replace(config, eos_token_ids=_eos_token_ids(config, model_dir, tokenizer))
     with torch.device("meta"):
-        net = LlamaForCausalLM(config)
+        net = DecoderForCausalLM(config)
     net = net.to(dtype=torch_dtype)
     net.load_weights(_iter_safetensors(model_dir), device=device)
     net.requires_grad_(False).eval()

@@ -1,8 +1,8 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) running on a paged KV cache.
+"""One configurable decoder for the Llama family (Llama, Mistral, Qwen2) running on a paged KV cache.
 
 The math mirrors HF transformers' implementation op for op (RMSNorm in float32, RoPE cos/sin computed in
 float32 then cast, SDPA with the same scale) so that logits match it. Q/K/V and gate/up projections are fused
-into one matmul each; :meth:`LlamaForCausalLM.load_weights` maps HF's separate weights onto them.
+into one matmul each; :meth:`DecoderForCausalLM.load_weights` maps HF's separate weights onto them.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class LlamaAttention(nn.Module):
+class DecoderAttention(nn.Module):
     """GQA self-attention with one fused QKV matmul; K/V go to the paged cache (see paged_attention)."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
@@ -237,7 +237,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out)
 
 
-class LlamaMLP(nn.Module):
+class GatedMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -251,13 +251,13 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class LlamaDecoderLayer(nn.Module):
+class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = DecoderAttention(config, layer)
+        self.mlp = GatedMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -274,13 +274,13 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
     """The decoder stack, named like HF's ``model.*`` so checkpoint names map directly."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -295,7 +295,7 @@ _STACKED = {
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-class LlamaForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
     """Decoder whose attention reads and writes a paged KV cache (see :mod:`prefixcache.model.attention`).
 
     Parameter names follow HF's except for the fused ``qkv_proj`` and ``gate_up_proj``.
@@ -308,7 +308,7 @@ class LlamaForCausalLM(nn.Module):
         if not config.is_causal:
             raise ValueError("only causal decoders are implemented")
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = DecoderModel(config)
         self.lm_head = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from prefixcache.model import AttentionMetadata, LlamaForCausalLM, load_model
+from prefixcache.model import AttentionMetadata, DecoderForCausalLM, load_model
 from prefixcache.model import attention as attention_mod
 from prefixcache.model.attention import _partition
 from tests.model.conftest import TINY_MODELS, VOCAB_SIZE, PagedRunner
@@ -33,7 +33,7 @@ def assert_matches(ours: torch.Tensor, hf_model: Any, tokens: list[int], start: 
 
 
 @pytest.fixture(scope="module")
-def models(checkpoint_dirs: dict[str, Path]) -> dict[str, LlamaForCausalLM]:
+def models(checkpoint_dirs: dict[str, Path]) -> dict[str, DecoderForCausalLM]:
     return {kind: load_model(path).model for kind, path in checkpoint_dirs.items()}
 
 
@@ -83,7 +83,7 @@ def test_prefix_written_by_another_request(kind: str, models, hf_models) -> None
     assert_matches(out["b"], hf_models[kind], b_tokens, len(b_tokens) - 1)
 
 
-def run_mixed_batch(model: LlamaForCausalLM, hf_model: Any) -> None:
+def run_mixed_batch(model: DecoderForCausalLM, hf_model: Any) -> None:
     """Two prefill chunks, two decodes, and a request reading blocks another one writes in the same step."""
     block_size = 4
     runner = PagedRunner(model, block_size)
