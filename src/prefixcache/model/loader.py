@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from prefixcache.model.decoder import DecoderForCausalLM, ModelConfig
+from prefixcache.model.config import ModelConfig
+from prefixcache.model.decoder import DecoderForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -225,6 +226,8 @@ def _make_portable(folder: Path, config: ModelConfig) -> None:
     data.setdefault("rope_theta", config.rope_theta)
     if config.rope_scaling is not None:
         data.setdefault("rope_scaling", config.rope_scaling)
+    if config.sliding_rope_theta is not None:
+        data.setdefault("rope_local_base_freq", config.sliding_rope_theta)
     data.setdefault("torch_dtype", data.get("dtype", "float32"))
     config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
