@@ -204,3 +204,40 @@ def test_sglang_metadata_paths_answer_what_sglang_router_reads(server, model_nam
     model_info = httpx.get(f"{server.url}/{prefix}model_info").json()
     assert model_info["is_generation"] is True and model_info["architectures"] == ["LlamaForCausalLM"]
     assert model_info["tokenizer_path"] == str(tiny_llama_dir)
+
+
+# What the peer routers send on (captured between sglang-router 0.3.2 / vllm-router 0.1.17 and this server).
+SGLANG_ROUTER_FIELDS = {
+    "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True, "return_hidden_states": False,
+}  # fmt: skip
+SGLANG_ROUTER_CHAT_FIELDS = {
+    **SGLANG_ROUTER_FIELDS, "logprobs": False, "continue_final_message": False, "separate_reasoning": True,
+    "stream_reasoning": True,
+}  # fmt: skip
+VLLM_ROUTER_CHAT_FIELDS = {**SGLANG_ROUTER_CHAT_FIELDS, "include_reasoning": True}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (COMPLETIONS, {"prompt": "hi", "max_tokens": 3, "echo": False, **SGLANG_ROUTER_FIELDS}),
+        (CHAT, {"messages": HI, "max_completion_tokens": 3, **SGLANG_ROUTER_CHAT_FIELDS}),
+        (CHAT, {"messages": HI, "max_tokens": 3, **VLLM_ROUTER_CHAT_FIELDS}),
+        ("/v1/chat/completions/render", {"messages": HI, "max_tokens": 3, **VLLM_ROUTER_CHAT_FIELDS}),
+        ("/v1/completions/render", {"prompt": "hi", "max_tokens": 3, "echo": False, **SGLANG_ROUTER_FIELDS}),
+    ],
+    ids=["sglang-completion", "sglang-chat", "vllm-router-chat", "vllm-router-chat-render", "completion-render"],
+)
+def test_what_the_peer_routers_send_is_accepted(server, path, body):
+    for stream_it in (False, True):
+        if stream_it and path.endswith("render"):
+            continue
+        if stream_it:
+            assert stream(server.url, path, body)[-1]["choices"][0]["finish_reason"] is not None
+        else:
+            assert post(server.url, path, body)
+
+
+def test_continuing_the_final_message_is_refused_by_name(server):
+    message = refused(server.url, CHAT, {"messages": HI, "continue_final_message": True}, "continue_final_message")
+    assert "new assistant message" in message

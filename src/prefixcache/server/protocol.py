@@ -245,11 +245,31 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_GenerationRequest):
+    """``continue_final_message`` (vLLM's and SGLang's) is accepted as false only: the reply always starts a new
+    assistant message. The reasoning switches, SGLang's ``separate_reasoning`` and ``stream_reasoning`` and
+    vLLM's ``include_reasoning``, act only with a reasoning parser, which this server, like either of them
+    started without ``--reasoning-parser``, does not have: the model's text comes back whole in ``content``
+    whatever their value (sglang-router and vllm-router send them with every chat request)."""
+
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
+    continue_final_message: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    include_reasoning: bool = True
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _starts_a_new_message(cls, wanted: bool) -> bool:
+        if wanted:
+            raise ValueError(
+                "true is not implemented: the reply always starts a new assistant message after the last one; "
+                "send false or leave it out"
+            )
+        return wanted
 
     @field_validator("messages")
     @classmethod
