@@ -60,6 +60,18 @@ def _unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_unicode)]
 
 
+def only_false(what_we_do: str) -> Any:
+    """A boolean field accepted at false, what this server always does; true asks for what it lacks and is a
+    400 saying ``what_we_do`` instead."""
+
+    def check(wanted: bool) -> bool:
+        if wanted:
+            raise ValueError(f"true is not implemented: {what_we_do}; send false or leave it out")
+        return wanted
+
+    return Annotated[bool, AfterValidator(check)]
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -111,7 +123,9 @@ class _GenerationRequest(_Body):
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     return_tokens_as_token_ids: bool = False
-    return_hidden_states: bool = False
+    return_hidden_states: only_false(
+        "this server returns text, token log-probabilities and usage, no hidden states"
+    ) = False
     cache_salt: Text | None = None
     prompt_cache_key: Text | None = None
 
@@ -136,16 +150,6 @@ class _GenerationRequest(_Body):
         if key is not None and len(key) > MAX_PROMPT_CACHE_KEY_LEN:
             raise ValueError(f"prompt_cache_key must be at most {MAX_PROMPT_CACHE_KEY_LEN} characters")
         return key
-
-    @field_validator("return_hidden_states")
-    @classmethod
-    def _no_hidden_states(cls, wanted: bool) -> bool:
-        if wanted:
-            raise ValueError(
-                "true is not implemented (this server returns text, token "
-                "log-probabilities and usage, no hidden states); send false or leave it out"
-            )
-        return wanted
 
     @model_validator(mode="after")
     def _options_need_stream(self) -> _GenerationRequest:
@@ -256,20 +260,10 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
-    continue_final_message: bool = False
+    continue_final_message: only_false("the reply always starts a new assistant message after the last one") = False
     separate_reasoning: bool = True
     stream_reasoning: bool = True
     include_reasoning: bool = True
-
-    @field_validator("continue_final_message")
-    @classmethod
-    def _starts_a_new_message(cls, wanted: bool) -> bool:
-        if wanted:
-            raise ValueError(
-                "true is not implemented: the reply always starts a new assistant message after the last one; "
-                "send false or leave it out"
-            )
-        return wanted
 
     @field_validator("messages")
     @classmethod
