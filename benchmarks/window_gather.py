@@ -19,6 +19,7 @@ from functools import partial
 
 import torch
 
+from prefixcache.argtypes import positive_int
 from prefixcache.model import AttentionMetadata, DecoderForCausalLM, KVCacheGroup, ModelConfig
 
 
@@ -78,12 +79,12 @@ def timed(run: Callable[[], object]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--chunk", type=int, default=1024, help="prefill chunk size of the chunked case")
-    parser.add_argument("--decodes", type=int, default=8, help="requests in the decode batch")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=positive_int, default=4096)
+    parser.add_argument("--window", type=positive_int, default=512)
+    parser.add_argument("--chunk", type=positive_int, default=1024, help="prefill chunk size of the chunked case")
+    parser.add_argument("--decodes", type=positive_int, default=8, help="requests in the decode batch")
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
