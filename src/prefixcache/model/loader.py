@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from prefixcache.model.cache import files_digest
 from prefixcache.model.llama import LlamaForCausalLM, ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -46,13 +47,18 @@ _DTYPES = {
 
 @dataclass
 class LoadedModel:
-    """A ready model with its tokenizer; ``model_dir`` is an HF checkpoint folder holding exactly its weights."""
+    """A ready model with its tokenizer; ``model_dir`` is an HF checkpoint folder holding exactly its weights.
+
+    ``weights_digest`` is a SHA-256 over every byte of the weight files loaded (see ``model.cache``): any
+    change to any weight changes it, so it tells fine-tunes of one base apart.
+    """
 
     model: LlamaForCausalLM
     config: ModelConfig
     tokenizer: Any  # transformers.PreTrainedTokenizerBase
     model_dir: Path
     name: str
+    weights_digest: str
 
 
 def load_model(
@@ -74,8 +80,17 @@ def load_model(
     with torch.device("meta"):
         net = LlamaForCausalLM(config)
     net = net.to(dtype=torch_dtype)
-    net.load_weights(_iter_safetensors(model_dir), device=device)
+    files = weight_files(model_dir)
+    net.load_weights(_iter_safetensors(files), device=device)
     net.requires_grad_(False).eval()
+    digest_start = time.perf_counter()
+    weights_digest = files_digest(files)
+    logger.debug(
+        "weights digest %s of %d files in %.2fs (cached by file identity)",
+        weights_digest[:16],
+        len(files),
+        time.perf_counter() - digest_start,
+    )
     logger.info(
         "loaded %s (%s) from %s as %s on %s in %.1fs",
         name,
@@ -85,7 +100,9 @@ def load_model(
         device,
         time.perf_counter() - start,
     )
-    return LoadedModel(model=net, config=config, tokenizer=tokenizer, model_dir=model_dir, name=name)
+    return LoadedModel(
+        model=net, config=config, tokenizer=tokenizer, model_dir=model_dir, name=name, weights_digest=weights_digest
+    )
 
 
 def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -267,8 +284,8 @@ def _eos_token_ids(config: ModelConfig, model_dir: Path, tokenizer: Any) -> tupl
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from every ``*.safetensors`` file of the checkpoint (sharded or not)."""
+def weight_files(model_dir: Path) -> list[Path]:
+    """The ``*.safetensors`` files of the checkpoint (the index's shards, or every one); FileNotFoundError if none."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         files = sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
@@ -276,6 +293,11 @@ def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir} has no *.safetensors weights (other formats are not supported)")
+    return files
+
+
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from each of the checkpoint's weight files (sharded or not)."""
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open objects have no __iter__

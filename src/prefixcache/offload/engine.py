@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 from prefixcache.offload.connector import OffloadConnector, TierWriter
 from prefixcache.offload.disk import DiskStore
 from prefixcache.offload.host import HostMemoryStore
-from prefixcache.offload.record import KVLayout
+from prefixcache.offload.record import KVLayout, model_fingerprint
 from prefixcache.offload.store import KVStore
-from prefixcache.offload.worker import OffloadWorker, model_fingerprint
+from prefixcache.offload.worker import OffloadWorker
 
 if TYPE_CHECKING:
     from prefixcache.config import EngineConfig
@@ -22,9 +22,11 @@ logger = logging.getLogger(__name__)
 
 
 def attach_offload(
-    owner: object, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner
+    owner: object, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, weights_digest: str
 ) -> OffloadConnector | None:
     """Build the tiers ``config`` asks for and connect them to ``scheduler`` and ``runner``; None without tiers.
+
+    ``weights_digest`` (``LoadedModel.weights_digest``) identifies the model's weights in the tiers' namespace.
 
     The tiers are closed (queued writes finished, connections dropped) when ``owner`` is garbage-collected
     or the interpreter exits, or earlier by ``connector.close()``.
@@ -39,7 +41,7 @@ def attach_offload(
     model = runner.model
     model_config = model.config
     layout = KVLayout(
-        model_fingerprint=model_fingerprint(model, model_config),
+        model_fingerprint=model_fingerprint(model_config, weights_digest),
         dtype=config.dtype,
         block_size=manager.block_size,
         num_layers=model_config.num_layers,

@@ -36,8 +36,8 @@ KV_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 class KVLayout:
     """Everything that makes one block's K/V valid, and its shape ``[layers, 2, block_size, kv_heads, head_dim]``.
 
-    ``model_fingerprint`` identifies the weights (the engine derives it from the model config and a sample
-    of every parameter); ``root_hash`` is the parent of every chain's first block, so it stands for the
+    ``model_fingerprint`` identifies the model (:func:`model_fingerprint`: its config and a digest of every
+    byte of its weights); ``root_hash`` is the parent of every chain's first block, so it stands for the
     hash algorithm and seed.
     """
 
@@ -76,6 +76,12 @@ class KVLayout:
         described = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
         described["root_hash"] = self.root_hash.hex()
         return described
+
+
+def model_fingerprint(model_config: object, weights_digest: str) -> str:
+    """Identifies a model for :class:`KVLayout`: its parsed architecture and the digest of all its weight files
+    (``LoadedModel.weights_digest``), so a fine-tune that changes one embedding row gets another namespace."""
+    return hashlib.sha256(f"{model_config!r}\n{weights_digest}".encode()).hexdigest()
 
 
 class RecordError(enum.Enum):
