@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import pytest
@@ -9,7 +10,10 @@ import pytest
 from prefixcache.bench.live import RedisServer
 from prefixcache.core import BlockHash
 from prefixcache.offload import KVLayout
+from prefixcache.offload.record import RecordKey
 from prefixcache.offload.store import KVStore
+
+SECRET = b"0123456789abcdef-deployment-secret"
 
 
 def make_layout(**overrides) -> KVLayout:
@@ -25,6 +29,19 @@ def make_layout(**overrides) -> KVLayout:
     )
     fields.update(overrides)
     return KVLayout(**fields)
+
+
+def keyed_layout(**overrides) -> KVLayout:
+    """The tiny layout with records authenticated under SECRET."""
+    return make_layout(record_key=RecordKey(SECRET), **overrides)
+
+
+def forger(layout: KVLayout, secret: bytes | None) -> KVLayout:
+    """``layout`` as written by someone who can write to its store and read its namespace (a directory or key
+    name shows it) but lacks its secret: records under ``secret`` instead, or only checksummed with None."""
+    forged = dataclasses.replace(layout, record_key=None if secret is None else RecordKey(secret))
+    object.__setattr__(forged, "namespace", layout.namespace)
+    return forged
 
 
 def block_hash(i: int) -> BlockHash:

@@ -9,10 +9,12 @@ from prefixcache.engine.args import add_engine_args, engine_kwargs
 from prefixcache.offload.config import (
     DEFAULT_DISK_BYTES,
     DEFAULT_REDIS_BYTES,
+    SECRET_ENV,
     OffloadConfig,
     parse_disk_spec,
     parse_redis_spec,
 )
+from prefixcache.offload.record import RecordKey
 
 
 @pytest.mark.parametrize(
@@ -62,3 +64,35 @@ def test_bad_options_are_refused_by_the_engine_config():
         EngineConfig(kv_offload_disk=" ")
     with pytest.raises(ValueError, match="kv_offload_mode"):
         EngineConfig(kv_offload_mode="lazy")
+
+
+def test_the_secret_comes_from_the_file_flag_else_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    assert EngineConfig(kv_offload_disk=str(tmp_path)).offload_config().record_key is None
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("from-the-file-0123456789\n")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--kv-offload-disk", str(tmp_path), "--kv-offload-secret-file", str(secret_file)])
+    offload = EngineConfig(**engine_kwargs(args)).offload_config()
+    assert offload.record_key == RecordKey(b"from-the-file-0123456789")
+    assert "from-the-file" not in repr(offload) + repr(EngineConfig(**engine_kwargs(args)))
+    monkeypatch.setenv(SECRET_ENV, "from-the-environment-0123")
+    assert EngineConfig(kv_offload_disk=str(tmp_path)).offload_config().record_key == RecordKey(
+        b"from-the-environment-0123"
+    )
+    assert offload == EngineConfig(**engine_kwargs(args)).offload_config()  # the file wins
+
+
+def test_an_unreadable_or_short_secret_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    disk = str(tmp_path / "kv")
+    with pytest.raises(ValueError, match="kv_offload_secret_file: cannot read"):
+        EngineConfig(kv_offload_disk=disk, kv_offload_secret_file=str(tmp_path / "missing"))
+    (tmp_path / "short").write_text("pin\n")
+    with pytest.raises(ValueError, match=r"kv_offload_secret_file .*short: .* at least 16"):
+        EngineConfig(kv_offload_redis="redis://r:6379", kv_offload_secret_file=str(tmp_path / "short"))
+    monkeypatch.setenv(SECRET_ENV, "")
+    with pytest.raises(ValueError, match=f"{SECRET_ENV}: .* at least 16"):
+        EngineConfig(kv_offload_disk=disk)
+    assert EngineConfig(kv_offload_cpu="1GiB").offload_config().record_key is None  # no shared tier reads it

@@ -7,7 +7,15 @@ import os
 
 from prefixcache.offload import DiskStore
 from prefixcache.offload import disk as disk_module
-from tests.offload.conftest import block_hash, blocks, check_held_prefix_reads_nothing, make_layout, payload
+from tests.offload.conftest import (
+    block_hash,
+    blocks,
+    check_held_prefix_reads_nothing,
+    forger,
+    keyed_layout,
+    make_layout,
+    payload,
+)
 
 
 def hashes(*ids):
@@ -174,3 +182,17 @@ def test_other_write_errors_skip_the_block_and_keep_the_tier(layout, tmp_path, m
     assert store.available
     assert store.load_prefix(hashes(1)) == [] and store.load_prefix(hashes(2)) == [payload(layout, 2)]
     assert store.snapshot().errors == 1
+
+
+def test_with_a_secret_forged_records_are_misses_deleted_and_stored_again(tmp_path):
+    layout = keyed_layout()
+    store = DiskStore(layout, tmp_path, capacity_bytes=2**20)
+    store.store(blocks(layout, [1, 2]))
+    for forger_secret in (None, b"a guessed secret of some length"):
+        forged = disk_module.encode_record(forger(layout, forger_secret), block_hash(2), payload(layout, 9))
+        store.path_of(block_hash(2)).write_bytes(forged)
+        assert store.load_prefix(hashes(1, 2)) == [payload(layout, 1)]
+        assert not store.path_of(block_hash(2)).exists()
+        store.store(blocks(layout, [2]))
+        assert store.load_prefix(hashes(1, 2)) == [payload(layout, 1), payload(layout, 2)]
+    assert store.snapshot().bad_records == 2

@@ -13,10 +13,11 @@ from safetensors.torch import load_file, save_file
 from prefixcache.core import Request
 from prefixcache.engine import LLM, SamplingParams
 from prefixcache.model import load_model
-from prefixcache.offload.record import model_fingerprint
+from prefixcache.offload.record import encode_record, model_fingerprint
 from prefixcache.offload.worker import read_blocks
 from tests.engine.conftest import assert_no_leaks
 from tests.helpers import write_tiny_checkpoint
+from tests.offload.conftest import SECRET, forger
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 BLOCK = 4
@@ -218,6 +219,28 @@ def test_a_fine_tune_one_embedding_row_apart_never_loads_its_base_models_blocks(
     out = generate(tuned_llm, TUNED_PROMPT)
     assert out.num_cached_tokens == 0 and tier_tokens(tuned_llm) == {tier.upper(): 0}
     assert out.outputs[0].token_ids == expected
+
+
+def test_with_a_secret_forged_disk_records_never_load(make_llm, reference, tmp_path):
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(SECRET + b"\n")
+    disk = f"{tmp_path}/kv:1MiB"
+    first = make_llm(kv_offload_disk=disk, kv_offload_secret_file=str(secret_file))
+    generate(first, PROMPT)
+    first.engine.core.offload.close()
+    (store,) = first.engine.core.offload.stores
+    hashes = first.engine.core.manager.block_hashes(Request("probe", PROMPT))
+    zeros = bytes(store.layout.block_bytes)  # K/V that would change every output token
+    for block_hash in hashes:
+        assert store.path_of(block_hash).exists()
+        store.path_of(block_hash).write_bytes(encode_record(forger(store.layout, None), block_hash, zeros))
+
+    restarted = make_llm(kv_offload_disk=disk, kv_offload_secret_file=str(secret_file))
+    out = generate(restarted, FOLLOW_UP)
+    assert out.outputs[0].token_ids == reference
+    assert out.num_cached_tokens == 0
+    (disk_stats,) = restarted.stats().kv_offload
+    assert disk_stats.bad_records == 1 and disk_stats.hit_tokens == 0  # the first block ends the lookup
 
 
 def test_redis_shares_blocks_between_two_engines(make_llm, reference, redis_server):

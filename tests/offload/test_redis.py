@@ -9,7 +9,15 @@ import redis
 from prefixcache.offload import HostMemoryStore
 from prefixcache.offload.record import encode_record
 from prefixcache.offload.redis_store import RedisStore
-from tests.offload.conftest import block_hash, blocks, check_held_prefix_reads_nothing, make_layout, payload
+from tests.offload.conftest import (
+    block_hash,
+    blocks,
+    check_held_prefix_reads_nothing,
+    forger,
+    keyed_layout,
+    make_layout,
+    payload,
+)
 from tests.offload.test_host import Recorder
 
 
@@ -102,6 +110,24 @@ def test_a_corrupt_value_is_a_miss_and_is_deleted(layout, make_store, redis_serv
         raw.close()
     assert store.snapshot().bad_records == 1
     assert "corrupt" in caplog.text
+
+
+def test_with_a_secret_forged_records_are_misses_deleted_and_stored_again(make_store, redis_server):
+    layout = keyed_layout()
+    store = make_store(layout)
+    store.store(blocks(layout, [1, 2]))
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        for forger_secret in (None, b"a guessed secret of some length"):
+            forged = encode_record(forger(layout, forger_secret), block_hash(2), payload(layout, 9))
+            raw.set(store.key_of(block_hash(2)), forged)
+            assert store.load_prefix(hashes(1, 2)) == [payload(layout, 1)]
+            assert raw.exists(store.key_of(block_hash(2))) == 0
+            store.store(blocks(layout, [2]))
+            assert store.load_prefix(hashes(1, 2)) == [payload(layout, 1), payload(layout, 2)]
+    finally:
+        raw.close()
+    assert store.snapshot().bad_records == 2
 
 
 def test_redis_down_at_start_serves_misses_then_is_used_when_it_comes_back(layout, redis_server, caplog):

@@ -1,22 +1,30 @@
 """The offload options as the user writes them (``--kv-offload-cpu 8GiB``, ``--kv-offload-disk PATH[:SIZE]``,
-``--kv-offload-redis redis://HOST:PORT[/DB][?capacity=SIZE]``), read and checked once."""
+``--kv-offload-redis redis://HOST:PORT[/DB][?capacity=SIZE]``, ``--kv-offload-secret-file PATH``), read and
+checked once."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from prefixcache.config import parse_memory
 from prefixcache.offload.connector import OFFLOAD_MODES, WRITE_BACK
+from prefixcache.offload.record import RecordKey
 
 DEFAULT_DISK_BYTES = 10 * 2**30
 DEFAULT_REDIS_BYTES = 4 * 2**30
 REDIS_SCHEMES = ("redis", "rediss", "unix")
+SECRET_ENV = "PREFIXCACHE_KV_OFFLOAD_SECRET"
 
 
 @dataclass(frozen=True, slots=True)
 class OffloadConfig:
-    """Which tiers sit behind the device cache, how large each is, and how the host tier is filled."""
+    """Which tiers sit behind the device cache, how large each is, and how the host tier is filled.
+
+    ``record_key`` authenticates the records of the disk and Redis tiers (None: checksummed only).
+    """
 
     cpu_bytes: int | None = None
     disk_path: str | None = None
@@ -24,6 +32,7 @@ class OffloadConfig:
     redis_url: str | None = None
     redis_bytes: int = DEFAULT_REDIS_BYTES
     mode: str = WRITE_BACK
+    record_key: RecordKey | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in OFFLOAD_MODES:
@@ -39,7 +48,12 @@ class OffloadConfig:
 
     @classmethod
     def parse(
-        cls, cpu: str | int | None, disk: str | None, redis_url: str | None, mode: str = WRITE_BACK
+        cls,
+        cpu: str | int | None,
+        disk: str | None,
+        redis_url: str | None,
+        mode: str = WRITE_BACK,
+        secret_file: str | None = None,
     ) -> OffloadConfig:
         """From the engine options; ValueError naming the option for anything unreadable."""
         disk_path, disk_bytes = parse_disk_spec(disk) if disk else (None, DEFAULT_DISK_BYTES)
@@ -48,7 +62,28 @@ class OffloadConfig:
             cpu_bytes = None if cpu is None else parse_memory(cpu)
         except ValueError as exc:
             raise ValueError(f"kv_offload_cpu: {exc}") from None
-        return cls(cpu_bytes, disk_path, disk_bytes, url, redis_bytes, mode)
+        record_key = read_record_key(secret_file) if disk_path or url else None  # only shared tiers use it
+        return cls(cpu_bytes, disk_path, disk_bytes, url, redis_bytes, mode, record_key)
+
+
+def read_record_key(secret_file: str | None) -> RecordKey | None:
+    """The deployment secret from ``secret_file`` (surrounding whitespace stripped), else from
+    ``$PREFIXCACHE_KV_OFFLOAD_SECRET``; None when neither is given."""
+    if secret_file is not None:
+        try:
+            secret = Path(secret_file).expanduser().read_bytes().strip()
+        except OSError as exc:
+            raise ValueError(f"kv_offload_secret_file: cannot read {secret_file}: {exc.strerror or exc}") from None
+        source = f"kv_offload_secret_file {secret_file}"
+    elif SECRET_ENV in os.environ:
+        secret = os.environ[SECRET_ENV].strip().encode()
+        source = f"${SECRET_ENV}"
+    else:
+        return None
+    try:
+        return RecordKey(secret)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
 
 
 def parse_disk_spec(spec: str) -> tuple[str, int]:

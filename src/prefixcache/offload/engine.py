@@ -49,6 +49,7 @@ def attach_offload(
         head_dim=model_config.head_dim,
         hash_algo=manager.hash_algo,
         root_hash=manager.root_hash,
+        record_key=offload.record_key,
     )
     stores: list[KVStore] = []
     if offload.cpu_bytes is not None:
@@ -65,11 +66,14 @@ def attach_offload(
     runner.offload = OffloadWorker(runner.kv_caches, layout, writer)
     weakref.finalize(owner, connector.close)
     logger.info(
-        "KV offload: %s, host tier %s; blocks of %.2f MiB, namespace %s",
+        "KV offload: %s, host tier %s; blocks of %.2f MiB, namespace %s; %s",
         ", ".join(f"{s.medium} {s.capacity_bytes / 2**30:.2f} GiB" for s in stores),
         offload.mode.replace("_", "-"),
         layout.block_bytes / 2**20,
         layout.namespace.hex(),
+        "records checksummed, not authenticated (no --kv-offload-secret-file)"
+        if offload.record_key is None
+        else f"records authenticated with HMAC-SHA256, key {offload.record_key.key_id}",
     )
     return connector
 
