@@ -143,6 +143,15 @@ def test_disk_tier_serves_after_a_restart(make_llm, reference, tmp_path):
     assert out.num_cached_tokens == 40 and tier_tokens(restarted) == {"DISK": 40}
 
 
+def test_a_second_engine_on_the_same_disk_directory_is_refused(make_llm, tmp_path):
+    disk = f"{tmp_path}/kv:1MiB"
+    first = make_llm(kv_offload_disk=disk)
+    with pytest.raises(ValueError, match="in use by another engine"):
+        make_llm(kv_offload_disk=disk)
+    first.engine.core.offload.close()
+    assert make_llm(kv_offload_disk=disk).stats().kv_offload[0].available
+
+
 def test_disk_blocks_of_another_block_size_or_model_never_load(make_llm, tmp_path, tiny_llama_dir):
     disk = f"{tmp_path}/kv:1MiB"
     first = make_llm(kv_offload_disk=disk)
