@@ -112,6 +112,54 @@ def test_a_corrupt_value_is_a_miss_and_is_deleted(layout, make_store, redis_serv
     assert "corrupt" in caplog.text
 
 
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        lambda raw, key: raw.set(key, b""),
+        lambda raw, key: (raw.delete(key), raw.rpush(key, b"not", b"a record")),
+        lambda raw, key: (raw.delete(key), raw.hset(key, "field", "value")),
+    ],
+    ids=["empty-value", "list", "hash"],
+)
+def test_a_key_that_holds_no_record_is_a_miss_deleted_and_stored_again(layout, make_store, redis_server, spoil):
+    store = make_store(layout)
+    store.store(blocks(layout, [1, 2, 3]))
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        spoil(raw, store.key_of(block_hash(2)))
+        assert store.load_prefix(hashes(1, 2, 3)) == [payload(layout, 1)]  # the lookup itself never fails
+        assert raw.exists(store.key_of(block_hash(2))) == 0
+        assert store.snapshot().bad_records == 1 and store.snapshot().errors == 0
+        store.store(blocks(layout, [2]))
+        assert store.load_prefix(hashes(1, 2, 3)) == [payload(layout, i) for i in (1, 2, 3)]
+
+        # spoiled before anyone reads it: a write replaces it
+        spoil(raw, store.key_of(block_hash(4)))
+        store.store(blocks(layout, [4]))
+        assert store.load_prefix(hashes(4)) == [payload(layout, 4)]
+        assert store.snapshot().bad_records == 2
+        assert store.snapshot().used_bytes == int(raw.get(f"prefixcache:{layout.namespace.hex()}:bytes"))
+        assert store.snapshot().used_bytes == 4 * record_bytes(layout)
+    finally:
+        raw.close()
+
+
+def test_a_spoiled_key_neither_skews_the_byte_count_nor_blocks_eviction(layout, make_store, redis_server):
+    capacity = 2 * record_bytes(layout)
+    store = make_store(layout, capacity)
+    store.store(blocks(layout, [1, 2]))
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        raw.delete(store.key_of(block_hash(1)))
+        raw.rpush(store.key_of(block_hash(1)), b"x")  # the least recently used key, now a list
+        store.store(blocks(layout, [3]))  # evicts it
+        assert raw.exists(store.key_of(block_hash(1))) == 0
+        assert store.load_prefix(hashes(2)) == [payload(layout, 2)] and store.load_prefix(hashes(3)) != []
+        assert store.snapshot().used_bytes == capacity
+    finally:
+        raw.close()
+
+
 def test_with_a_secret_forged_records_are_misses_deleted_and_stored_again(make_store, redis_server):
     layout = keyed_layout()
     store = make_store(layout)
