@@ -3,16 +3,19 @@
 import argparse
 
 import pytest
+import redis
 
 from prefixcache.config import EngineConfig
 from prefixcache.engine.args import add_engine_args, engine_kwargs
 from prefixcache.offload.config import (
     DEFAULT_DISK_BYTES,
     DEFAULT_REDIS_BYTES,
+    REDIS_PASSWORD_ENV,
     SECRET_ENV,
     OffloadConfig,
     parse_disk_spec,
     parse_redis_spec,
+    redacted_url,
 )
 from prefixcache.offload.record import RecordKey
 
@@ -33,8 +36,8 @@ def test_disk_spec(spec, expected):
 def test_redis_spec_takes_the_capacity_out_of_the_url():
     assert parse_redis_spec("redis://10.0.0.5:6379/2?capacity=1GiB") == ("redis://10.0.0.5:6379/2", 2**30)
     assert parse_redis_spec("redis://h:6379") == ("redis://h:6379", DEFAULT_REDIS_BYTES)
-    assert parse_redis_spec("redis://h:6379/0?capacity=2MiB&ssl_cert_reqs=none") == (
-        "redis://h:6379/0?ssl_cert_reqs=none",
+    assert parse_redis_spec("rediss://u:p@h:6379/0?capacity=2MiB&ssl_cert_reqs=none") == (
+        "rediss://u:p@h:6379/0?ssl_cert_reqs=none",
         2 * 2**20,
     )
     with pytest.raises(ValueError, match="redis:// URL"):
@@ -96,3 +99,36 @@ def test_an_unreadable_or_short_secret_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=f"{SECRET_ENV}: .* at least 16"):
         EngineConfig(kv_offload_disk=disk)
     assert EngineConfig(kv_offload_cpu="1GiB").offload_config().record_key is None  # no shared tier reads it
+
+
+def test_redis_tls_options_are_checked_before_anything_connects(tmp_path):
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    url = f"rediss://h:6380/0?ssl_ca_certs={ca}&ssl_check_hostname=true"
+    rebuilt, capacity = parse_redis_spec(url + "&capacity=1GiB")
+    options = redis.connection.parse_url(rebuilt)  # what redis-py will connect with
+    assert capacity == 2**30 and options["ssl_ca_certs"] == str(ca) and options["ssl_check_hostname"] is True
+    for spec, error in [
+        (f"redis://h:6379?ssl_ca_certs={ca}", "ssl_ca_certs is a TLS option, it needs a rediss:// URL"),
+        (f"rediss://h:6379?ssl_ca_certs={tmp_path / 'missing.pem'}", "ssl_ca_certs: .*missing.pem not found"),
+        (f"rediss://h:6379?ssl_ca_path={ca}", "ssl_ca_path: .* not found"),
+        ("rediss://h:6379?ssl_cert_reqs=maybe", "ssl_cert_reqs must be one of none, optional, required"),
+        ("redis://h:6379?sll_ca_certs=x", "unknown option 'sll_ca_certs'; known: capacity, client_name"),
+    ]:
+        with pytest.raises(ValueError, match=error):
+            EngineConfig(kv_offload_redis=spec)
+
+
+def test_passwords_never_reach_a_log_line_or_a_repr(monkeypatch):
+    assert redacted_url("rediss://kv:s3cret@h:6380/0?ssl_password=k3y&db=1") == (
+        "rediss://kv:***@h:6380/0?ssl_password=%2A%2A%2A&db=1"
+    )
+    assert redacted_url("redis://:s3cret@h:6379") == "redis://:***@h:6379"
+    assert redacted_url("redis://h:6379/0") == "redis://h:6379/0"
+    with pytest.raises(ValueError) as refused:
+        parse_redis_spec("http://:s3cret@h:6379")
+    assert "s3cret" not in str(refused.value)
+    monkeypatch.setenv(REDIS_PASSWORD_ENV, "from-the-env")
+    assert EngineConfig(kv_offload_redis="redis://kv@h:6379").offload_config().redis_password == "from-the-env"
+    assert EngineConfig(kv_offload_redis="redis://kv:url@h:6379").offload_config().redis_password is None
+    assert "from-the-env" not in repr(EngineConfig(kv_offload_redis="redis://kv@h:6379").offload_config())

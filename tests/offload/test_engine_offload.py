@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from prefixcache.core import Request
 from prefixcache.engine import LLM, SamplingParams
 from prefixcache.model import load_model
+from prefixcache.offload.config import REDIS_PASSWORD_ENV
 from prefixcache.offload.record import encode_record, model_fingerprint
 from prefixcache.offload.worker import read_blocks
 from tests.engine.conftest import assert_no_leaks
@@ -260,6 +261,17 @@ def test_redis_shares_blocks_between_two_engines(make_llm, reference, redis_serv
     out = generate(second, FOLLOW_UP)
     assert out.outputs[0].token_ids == reference
     assert prompt_kv(second) == prompt_kv(first)
+    assert out.num_cached_tokens == 40 and tier_tokens(second) == {"REDIS": 40}
+
+
+def test_redis_over_tls_with_an_acl_user_shares_blocks(make_llm, reference, secured_redis, monkeypatch):
+    monkeypatch.setenv(REDIS_PASSWORD_ENV, secured_redis.user_password)  # kept out of the command line
+    url = secured_redis.url(secured_redis.user, tls=True, query=secured_redis.tls_files)
+    first, second = make_llm(kv_offload_redis=url), make_llm(kv_offload_redis=url)
+    generate(first, PROMPT)
+    settle(first)
+    out = generate(second, FOLLOW_UP)
+    assert out.outputs[0].token_ids == reference
     assert out.num_cached_tokens == 40 and tier_tokens(second) == {"REDIS": 40}
 
 

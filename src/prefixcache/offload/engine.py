@@ -59,7 +59,8 @@ def attach_offload(
     if offload.redis_url is not None:
         from prefixcache.offload.redis_store import RedisStore
 
-        stores.append(RedisStore(layout, offload.redis_url, _at_least_one_block(offload.redis_bytes, layout, "redis")))
+        capacity = _at_least_one_block(offload.redis_bytes, layout, "redis")
+        stores.append(RedisStore(layout, offload.redis_url, capacity, password=offload.redis_password))
     writer = TierWriter(stores)
     connector = OffloadConnector(manager, stores, offload.mode, writer)
     scheduler.connector = connector

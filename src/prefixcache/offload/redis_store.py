@@ -11,9 +11,15 @@ keys.
 
 Redis down, at start or mid-run, marks the tier unavailable: lookups miss and writes are dropped at once,
 and a reconnection is tried after a backoff that doubles up to ``retry_max_s``; when Redis answers again
-the tier is used again. A record that fails its check is deleted and counts as a miss, and so does a
-block key that holds no record (an empty string, or a list or hash written there by something else): it
-is deleted when read and replaced when written, so no prefix stays uncached for good.
+the tier is used again.
+
+The URL says how to connect: ``redis://USER:PASSWORD@...`` authenticates (an ACL user, or the
+``requirepass`` password with an empty user), ``rediss://`` speaks TLS with redis-py's ``ssl_*`` options
+(``ssl_ca_certs``, ``ssl_certfile``...); logs show the URL without its passwords.
+
+A record that fails its check is deleted and counts as a miss, and so does a block key that holds no record
+(an empty string, or a list or hash written there by something else): it is deleted when read and replaced
+when written, so no prefix stays uncached for good.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from prefixcache.core.hashing import BlockHash
+from prefixcache.offload.config import redacted_url
 from prefixcache.offload.record import BadRecord, KVLayout, RecordError, decode_record, encode_record
 from prefixcache.offload.store import KVStore
 
@@ -141,15 +148,20 @@ class RedisStore(KVStore):
         url: str,
         capacity_bytes: int,
         *,
+        password: str | None = None,
         timeout_s: float = 2.0,
         retry_initial_s: float = 0.5,
         retry_max_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(layout, capacity_bytes)
-        self.url = url
-        self._client = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+        self.url = redacted_url(url)  # what logs show
+        self._client = redis.Redis.from_url(  # a password in the URL wins over ``password``
+            url,
+            password=password,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
         )
         prefix = f"prefixcache:{layout.namespace.hex()}:"
         self._block_prefix = f"{prefix}kv:"
