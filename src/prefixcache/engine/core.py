@@ -68,9 +68,9 @@ class EngineCore:
             dtype,
             config.device,
             config.seed,
-            tuple(model_config.eos_token_ids),
+            eos_token_ids=tuple(model_config.eos_token_ids),
         )
-        self.offload = attach_offload(self, config, self.scheduler, self.runner)
+        self.offload = attach_offload(self, config, self.scheduler, self.runner, self.loaded.weights_digest)
         self.kv_events = KVEventSink.create(config.kv_events_config, self.manager.pool)
         if self.kv_events is not None and self.offload is not None:
             self.offload.add_listener(self.kv_events.collector)
