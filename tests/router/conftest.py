@@ -5,7 +5,7 @@ import pytest
 from prefixcache.router.app import RouterSettings, build_app
 from prefixcache.router.backends import HealthSettings
 from prefixcache.router.policy import DEFAULT_AFFINITY_BALANCE
-from tests.router.fakes import BLOCK_SIZE, FakeBackend, FakePublisher, ThreadedServer, cache_config
+from tests.router.fakes import BLOCK_SIZE, FakeBackend, FakePublisher, FakeVllm, ThreadedServer, cache_config
 
 
 @pytest.fixture
@@ -32,6 +32,16 @@ def backend(stoppables):
         if events is not None:
             config["kv_events"] = events.kv_events()
         fake = FakeBackend(name, cache_config(**config), api_key)
+        stoppables.append(fake)
+        return fake
+
+    return make
+
+
+@pytest.fixture
+def vllm(stoppables):
+    def make(name: str, **options) -> FakeVllm:
+        fake = FakeVllm(name, **options)
         stoppables.append(fake)
         return fake
 
