@@ -333,6 +333,18 @@ class FakeVllm:
 
         return self.url, EventSource(self.publisher.endpoint, self.publisher.replay_endpoint)
 
+    def wait_subscribed(self, router) -> None:
+        """Until the router applies a live event: a SUB socket only hears what is sent after it joined, so a
+        test whose last event went out before that would wait for nothing. The probe removes a block nobody
+        holds, which changes nothing."""
+        before = metric(router, "events_received_total", self)
+        wait_until(
+            lambda: (
+                self.publisher.publish([removed([0])]) >= 0 and metric(router, "events_received_total", self) > before
+            ),
+            what=f"{self.name} subscribed",
+        )
+
     def held_tokens(self, prompt: list[int]) -> int:
         held = 0
         for k in range((len(prompt) - 1) // self.block_size):

@@ -32,6 +32,8 @@ def in_step(r, *fakes) -> bool:
 def test_predictions_match_what_the_backend_holds_after_stores_and_removals(vllm, router):
     a, b = vllm("a"), vllm("b")
     r = router([a, b], event_sources=[a.source(), b.source()])
+    a.wait_subscribed(r)
+    b.wait_subscribed(r)
     b.store(PROMPT)
     wait_until(lambda: in_step(r, a, b) and index_blocks(r, b) == 5, what="b's blocks in the index")
     assert served_by(complete(r)) == b.url
@@ -51,6 +53,8 @@ def test_served_prompts_and_evictions_keep_the_prediction_exact(vllm, router):
     rng = random.Random(7)
     a, b = (vllm(name, capacity=12, auto_store=True) for name in ("a", "b"))
     r = router([a, b], event_sources=[a.source(), b.source()])
+    a.wait_subscribed(r)
+    b.wait_subscribed(r)
     systems = [[rng.randrange(1000) for _ in range(12)] for _ in range(6)]
     for _ in range(40):
         prompt = rng.choice(systems) + [rng.randrange(1000) for _ in range(rng.randint(1, 9))]
@@ -64,6 +68,7 @@ def test_served_prompts_and_evictions_keep_the_prediction_exact(vllm, router):
 def test_a_clear_drops_the_gpu_copies_and_keeps_the_offload_tiers(vllm, router):
     a = vllm("a")
     r = router([a], event_sources=[a.source()])
+    a.wait_subscribed(r)
     a.store(PROMPT)
     a.store(PROMPT[:8], medium="CPU", with_tokens=False)  # vLLM's offloading: hashes only, known from the GPU store
     wait_until(lambda: index_blocks(r, a) == 5, what="a's blocks")
@@ -81,6 +86,7 @@ def test_a_late_router_learns_from_the_replay_and_a_restart_is_resynced(vllm, ro
     a.store(PROMPT)  # before any router listened: only the replay buffer has it
     r = router([a], event_sources=[a.source()])
     wait_until(lambda: index_blocks(r, a) == 5, what="the replayed blocks")
+    a.wait_subscribed(r)  # the live feed too, before the restart
     assert served_by(complete(r)) == a.url
     assert predicted(r, a) == reported(r, a) == 16
     a.restart()  # new ids, the sequence from 0, nothing said about the old blocks
@@ -93,6 +99,7 @@ def test_a_late_router_learns_from_the_replay_and_a_restart_is_resynced(vllm, ro
 def test_garbage_on_the_wire_is_dropped_and_counted_and_routing_goes_on(vllm, router):
     a, b = vllm("a"), vllm("b")
     r = router([a, b], event_sources=[a.source(), b.source()])
+    a.wait_subscribed(r)
     a.store(PROMPT)
     wait_until(lambda: index_blocks(r, a) == 5, what="a's blocks")
     pub = a.publisher
@@ -132,6 +139,7 @@ def test_a_sequence_jump_is_believed_only_when_the_next_batch_follows_it(vllm, r
     """Without a replay to check against: one wild number is dropped; two in a row are a new sequence."""
     a = vllm("a")
     r = router([a], event_sources=[(a.url, EventSource(a.publisher.endpoint, None))])
+    a.wait_subscribed(r)
     a.store(PROMPT[:8])
     wait_until(lambda: index_blocks(r, a) == 2, what="a's blocks")
     real_next = a.publisher.next_seq
@@ -154,6 +162,7 @@ def test_events_of_another_block_size_refuse_the_backend_naming_the_flag(vllm, r
     caplog.set_level(logging.INFO, logger="prefixcache.router")
     a, b = vllm("a", block_size=8), vllm("b")
     r = router([a, b], event_sources=[a.source(), b.source()], kv_event_block_size=4)
+    a.wait_subscribed(r)
     a.store(PROMPT)
     wait_until(lambda: metric(r, "backend_up", a) == 0, what="a refused")
     assert (
@@ -199,6 +208,8 @@ def test_a_subscribed_backend_that_sends_nothing_while_serving_is_warned_about_o
 def test_salted_and_multimodal_blocks_are_not_indexed_and_a_lora_is_read_from_the_model(vllm, router):
     a, b = vllm("a"), vllm("b")
     r = router([a, b], event_sources=[a.source(), b.source()], affinity_balance=0)
+    a.wait_subscribed(r)
+    b.wait_subscribed(r)
     a.store(PROMPT, lora_name="adapter-1", extra_keys=[["adapter-1"]] * 5)
     b.store(PROMPT, extra_keys=[["a-cache-salt"]] + [None] * 4)  # the salt is on the first block: none keyable
     wait_until(lambda: index_blocks(r, a) == 5 and metric(r, "blocks_unindexed_total", b) == 5, what="both stores read")
@@ -215,6 +226,7 @@ def test_prefixcache_and_vllm_backends_in_one_rotation(backend, publisher, vllm,
     pub = publisher()
     ours, theirs = backend("ours", pub), vllm("theirs")
     r = router([ours, theirs], event_sources=[theirs.source()])
+    theirs.wait_subscribed(r)
     other = [5] * 20
     pub.publish([stored(event_hashes(PROMPT[:16]))])
     theirs.store(other)
