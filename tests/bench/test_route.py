@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from prefixcache.bench.route import SINGLE, main, simulate, simulate_single
-from prefixcache.bench.route_live import LiveWorkload
+from prefixcache.bench.route_live import LiveWorkload, ideal_hit_rate
 from prefixcache.bench.trace import ReplayConfig, TraceRequest, load_trace
 from prefixcache.router.policy import make_policy
 from tests.bench.test_trace import conversations, write_jsonl
@@ -71,7 +71,7 @@ def test_the_live_workloads_ideal_counts_blocks_an_earlier_request_filled():
     assert len(workload.prompts) == 10 and all(len(p) == 36 for p in workload.prompts)
     # each tenant's first request hits nothing, every later one its 32 system tokens (2 blocks of 16)
     repeats = len(workload.tenants) - len(set(workload.tenants))
-    assert workload.ideal_hit_rate(16) == pytest.approx(repeats * 32 / (10 * 36))
+    assert ideal_hit_rate(workload.prompts, 16) == pytest.approx(repeats * 32 / (10 * 36))
 
 
 def test_prefix_stays_within_five_percent_of_one_big_engine_on_the_mooncake_trace():
