@@ -12,12 +12,14 @@ Routers, each run over the same requests after every backend's cache was reset: 
 (trees of the request text each one routed). With ``--replicas R`` every router runs R processes and the
 requests are dealt among them in turn, as a load balancer in front of the replicas would.
 
-Workloads:
+Workloads, in text (sglang-router takes no token-id prompts) made of random lowercase words, so that a
+prompt's length in tokens is known from its words:
 
-- ``tenants``: T tenants with their own random system prompt of ``system_len`` token ids; each request
-  one tenant's system prompt plus ``user_len`` ids of its own, tenants drawn at random (Poisson arrivals).
+- ``tenants``: T tenants with their own random system prompt of about ``system_len`` tokens; each request
+  one tenant's system prompt plus about ``user_len`` tokens of its own, tenants drawn at random (Poisson
+  arrivals).
 - ``fleet``, where a stale picture of the caches costs: conversations of ``--turns`` turns whose prompt
-  grows (each turn is the previous prompt, an answer-sized run of ids and a new user message; what can
+  grows (each turn is the previous prompt, an answer-sized run of words and a new user message; what can
   hit is the previous prompt), tenants' popularity moving in ``--phases`` (a Zipf order rotated at each
   phase), one backend's cache reset when half the requests are sent, and with ``--backend-offload-cpu``
   a host tier on each prefixcache backend.
@@ -34,6 +36,7 @@ import asyncio
 import json
 import os
 import random
+import string
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -71,13 +74,32 @@ def ideal_hit_rate(prompts: Sequence[Sequence[int]], block_size: int) -> float:
     return hits / total if total else 0.0
 
 
+class Words:
+    """Random lowercase words with their length in tokens (each word after a space: a byte-level BPE splits
+    text there, so a prompt's tokens are its words' tokens)."""
+
+    def __init__(self, tokenizer: Any, rng: random.Random, count: int = 4096) -> None:
+        letters = string.ascii_lowercase
+        self.words = sorted({"".join(rng.choices(letters, k=rng.randint(3, 8))) for _ in range(count)})
+        self.tokens = [len(tokenizer.encode(" " + w, add_special_tokens=False)) for w in self.words]
+
+    def text(self, rng: random.Random, num_tokens: int) -> str:
+        """Words adding up to at least ``num_tokens`` tokens."""
+        out, total = [], 0
+        while total < num_tokens:
+            k = rng.randrange(len(self.words))
+            out.append(" " + self.words[k])
+            total += self.tokens[k]
+        return "".join(out)
+
+
 @dataclass(frozen=True, slots=True)
 class Conversation:
     """``turns`` are whole prompts, each sent once the one before it answered, ``think`` seconds later."""
 
     start: float
     tenant: int
-    turns: list[list[int]]
+    turns: list[str]
     think: float = 0.0
 
 
@@ -90,7 +112,7 @@ class LiveWorkload:
         return sum(len(c.turns) for c in self.conversations)
 
     @property
-    def prompts(self) -> list[list[int]]:
+    def prompts(self) -> list[str]:
         return [turn for c in self.conversations for turn in c.turns]
 
     @property
@@ -99,16 +121,16 @@ class LiveWorkload:
 
     @classmethod
     def make(
-        cls, seed: int, vocab_size: int, tenants: int, system_len: int, user_len: int, num_requests: int, rate=1.0
+        cls, seed: int, tokenizer: Any, tenants: int, system_len: int, user_len: int, num_requests: int, rate=1.0
     ) -> LiveWorkload:
         """Single-turn requests of random tenants, Poisson arrivals at ``rate``."""
         rng = random.Random(seed)
-        draw = range(2, vocab_size)  # clear of the usual special ids at the bottom of a vocabulary
-        systems = [rng.choices(draw, k=system_len) for _ in range(tenants)]
+        words = Words(tokenizer, rng)
+        systems = [words.text(rng, system_len) for _ in range(tenants)]
         start, conversations = 0.0, []
         for _ in range(num_requests):
             tenant = rng.randrange(tenants)
-            conversations.append(Conversation(start, tenant, [systems[tenant] + rng.choices(draw, k=user_len)]))
+            conversations.append(Conversation(start, tenant, [systems[tenant] + words.text(rng, user_len)]))
             start += rng.expovariate(rate)
         return cls(conversations)
 
@@ -116,7 +138,7 @@ class LiveWorkload:
     def fleet(
         cls,
         seed: int,
-        vocab_size: int,
+        tokenizer: Any,
         tenants: int,
         system_len: int,
         user_len: int,
@@ -129,18 +151,18 @@ class LiveWorkload:
     ) -> LiveWorkload:
         """Conversations of ``turns`` growing prompts; tenants drawn by Zipf over an order rotated per phase."""
         rng = random.Random(seed)
-        draw = range(2, vocab_size)
-        systems = [rng.choices(draw, k=system_len) for _ in range(tenants)]
+        words = Words(tokenizer, rng)
+        systems = [words.text(rng, system_len) for _ in range(tenants)]
         count = -(-num_requests // turns)
         weights = [1.0 / (rank + 1) for rank in range(tenants)]
         start, conversations = 0.0, []
         for c in range(count):
             shift = (c * phases // count) * tenants // phases
             tenant = (rng.choices(range(tenants), weights)[0] + shift) % tenants
-            prompt = systems[tenant] + rng.choices(draw, k=user_len)
+            prompt = systems[tenant] + words.text(rng, user_len)
             prompts = [prompt]
             for _ in range(turns - 1):
-                prompt = prompt + rng.choices(draw, k=answer_len) + rng.choices(draw, k=user_len)
+                prompt = prompt + words.text(rng, answer_len) + words.text(rng, user_len)
                 prompts.append(prompt)
             conversations.append(Conversation(start, tenant, prompts, think))
             start += rng.expovariate(rate / turns)
@@ -182,6 +204,7 @@ class RunContext:
     backends: list[Backend]
     model: str
     tokenizer_dir: Path
+    tokenizer: Any
     block_size: int
     logs: Path
     peers: dict[str, Path] = field(default_factory=dict)
@@ -317,12 +340,12 @@ def install_peers(ctx: RunContext) -> None:
 
 async def send_workload(
     routers: Sequence[str], model: str, workload: LiveWorkload, args: argparse.Namespace, reset: str | None
-) -> tuple[list[RequestResult], list[list[int]], float]:
+) -> tuple[list[RequestResult], list[str], float]:
     """Every conversation from its start time, its turns in order, requests dealt to the routers in turn;
     ``reset``: a backend whose cache is reset once half the requests are sent. Returns the results, the
     prompts in the order sent, and the wall time."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    sent: list[list[int]] = []
+    sent: list[str] = []
     results: list[RequestResult] = []
     half = workload.num_requests // 2
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
@@ -379,7 +402,9 @@ def run_row(ctx: RunContext, row: RouterRow, workload: LiveWorkload) -> dict[str
         "backend_kind": args.backend_kind,
         "engines": args.engines,
         "tenants": args.tenants,
-        "ideal_hit_rate": ideal_hit_rate(sent, ctx.block_size),
+        "ideal_hit_rate": ideal_hit_rate(
+            [ctx.tokenizer.encode(p, add_special_tokens=False) for p in sent], ctx.block_size
+        ),
         **summarize(results, duration, percentiles=(90, 99)),
         "requests_per_backend": [a - b for a, b in zip(after, before, strict=True)],
         "predicted_cached_tokens": predicted if row.predicts else None,
@@ -406,7 +431,7 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run_live(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from prefixcache.model.loader import resolve_model
+    from prefixcache.model.loader import load_tokenizer, resolve_model
 
     args = resolve_defaults(args)
     model_dir = resolve_model(args.model)[0]
@@ -423,17 +448,18 @@ def run_live(args: argparse.Namespace) -> list[dict[str, Any]]:
     with running([b.process for b in backends], args.startup_timeout):
         model = httpx.get(f"{backends[0].url}/v1/models", timeout=10).json()["data"][0]["id"]
         vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        ctx = RunContext(args, backends, model, model_dir, args.block_size, logs)
+        tokenizer = load_tokenizer(model_dir)
+        ctx = RunContext(args, backends, model, model_dir, tokenizer, args.block_size, logs)
         if args.compare_peers:
             install_peers(ctx)
         if args.workload == "fleet":
             workload = LiveWorkload.fleet(
-                args.seed, vocab_size, args.tenants, args.system_len, args.user_len, args.num_requests,
+                args.seed, tokenizer, args.tenants, args.system_len, args.user_len, args.num_requests,
                 args.request_rate, args.turns, args.phases, args.output_len, args.think_time,
             )  # fmt: skip
         else:
             workload = LiveWorkload.make(
-                args.seed, vocab_size, args.tenants, args.system_len, args.user_len, args.num_requests,
+                args.seed, tokenizer, args.tenants, args.system_len, args.user_len, args.num_requests,
                 args.request_rate,
             )  # fmt: skip
         asyncio.run(warm_up([b.process for b in backends], model, vocab_size, args.user_len))
