@@ -348,8 +348,17 @@ async def send_workload(
     sent: list[str] = []
     results: list[RequestResult] = []
     half = workload.num_requests // 2
+    resets: list[asyncio.Task[None]] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
         begin = time.perf_counter()
+
+        async def reset_when_possible(url: str) -> None:
+            """An engine refuses a reset while requests hold blocks (vLLM too): ask again until it is done."""
+            deadline = time.monotonic() + args.timeout
+            while not (done := await reset_prefix_cache(client, url, {})):
+                if done is None or time.monotonic() > deadline:
+                    raise SystemExit(f"{url} did not reset its prefix cache")
+                await asyncio.sleep(0.2)
 
         async def converse(conversation: Conversation) -> None:
             await asyncio.sleep(max(0.0, conversation.start - (time.perf_counter() - begin)))
@@ -358,11 +367,12 @@ async def send_workload(
                     await asyncio.sleep(conversation.think)
                 target = Target(routers[len(sent) % len(routers)], model, {})
                 sent.append(prompt)
-                if reset is not None and len(sent) == half and not await reset_prefix_cache(client, reset, {}):
-                    raise SystemExit(f"{reset} did not reset its prefix cache")
+                if reset is not None and len(sent) == half:
+                    resets.append(asyncio.create_task(reset_when_possible(reset)))
                 results.append(await send_request(client, target, prompt, args.output_len))
 
         await asyncio.gather(*(converse(c) for c in workload.conversations))
+        await asyncio.gather(*resets)
         return results, sent, time.perf_counter() - begin
 
 
