@@ -255,8 +255,8 @@ def vllm_command(
         str(args.block_size),
         "--num-gpu-blocks-override",
         str(num_blocks),
-        "--max-model-len",  # vLLM refuses a context its cache cannot hold once
-        str(num_blocks * args.block_size),
+        "--max-model-len",  # vLLM refuses a context its cache cannot hold once (it keeps a block back)
+        str((num_blocks - 1) * args.block_size),
         "--kv-events-config",
         _events_config(*events),
         "--disable-log-stats",
