@@ -72,11 +72,15 @@ class Process:
             url = self.ready_url(log)
             if url:
                 self.url = url
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                with contextlib.suppress(httpx.TransportError, ValueError):
+                    if self.serving():
                         return
             time.sleep(0.1)
         raise SystemExit(f"{self.log_path.name} not ready after {timeout:.0f}s:\n{self.log()[-3000:]}")
+
+    def serving(self) -> bool:
+        """Whether it takes requests now (``/health`` answers 200)."""
+        return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
 
     def stop(self) -> None:
         """Terminate (the server shuts down its engine core and flushes its tiers), kill if that hangs; reap."""
@@ -105,6 +109,15 @@ class ExternalProcess(Process):
 
     def ready_url(self, log: str) -> str | None:
         return self.url
+
+    def serving(self) -> bool:
+        if not super().serving():
+            return False
+        if self.workers is None:
+            return True
+        listed = httpx.get(f"{self.url}/workers", timeout=2).json()
+        workers = listed.get("workers", []) if isinstance(listed, dict) else listed
+        return sum(1 for w in workers if isinstance(w, dict) and w.get("is_healthy")) >= self.workers
 
 
 @contextlib.contextmanager

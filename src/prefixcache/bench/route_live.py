@@ -259,7 +259,6 @@ def vllm_command(
         str((num_blocks - 1) * args.block_size),
         "--kv-events-config",
         _events_config(*events),
-        "--disable-log-stats",
         "--uvicorn-log-level",
         "warning",
     ]
@@ -316,7 +315,8 @@ def router_rows(ctx: RunContext) -> list[RouterRow]:
                 command += [x for b in backends for x in ("--kv-event-source", f"{b.url}={b.events}")]
                 command += [x for b in backends for x in ("--kv-event-replay-source", f"{b.url}={b.replay}")]
                 command += ["--kv-event-block-size", str(ctx.block_size), "--kv-event-model", ctx.model]
-            return ExternalProcess(command, port, logs / f"{tool}-{policy}-{i}.log")
+            workers = len(urls) if tool == "sglang-router" else None  # it registers them after it answers
+            return ExternalProcess(command, port, logs / f"{tool}-{policy}-{i}.log", workers=workers)
 
         return start
 
