@@ -94,10 +94,20 @@ class Process:
 
 
 class ExternalProcess(Process):
-    """Another program (a vLLM server, a peer router) on a port picked for it: it cannot report a port 0."""
+    """Another program (a vLLM server, a peer router) on a port picked for it: it cannot report a port 0.
+    ``workers``: a router that registers its backends after it starts answering (sglang-router) is ready once
+    its ``/workers`` lists that many healthy ones."""
 
-    def __init__(self, command: Sequence[str], port: int, log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        command: Sequence[str],
+        port: int,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        workers: int | None = None,
+    ) -> None:
         self.log_path = log_path
+        self.workers = workers
         self.url = f"http://127.0.0.1:{port}"
         with log_path.open("wb") as log:
             self.process = subprocess.Popen(
