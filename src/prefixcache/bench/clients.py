@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from prefixcache.bench.live import Process, free_port
+from prefixcache.bench.live import ExternalProcess, Process, free_port
 
 TOOLS = ("guidellm", "sglang-router", "vllm-router")
 _LOGGED = re.compile(r"request_id=\S+ (GET|POST) (\S+) (\d{3})")
@@ -49,27 +49,6 @@ class ClientResult:
     checks: dict[str, bool] = field(default_factory=dict)
     server_calls: dict[str, int] = field(default_factory=dict)  # "POST /v1/completions 200": count
     detail: str = ""
-
-
-class _Peer(Process):
-    """A peer router on a port picked for it (it cannot report a port 0), ready once /health answers."""
-
-    def __init__(self, command: Sequence[str], port: int, log_path: Path) -> None:
-        self.log_path = log_path
-        self.url = f"http://127.0.0.1:{port}"
-        with log_path.open("wb") as log:
-            self.process = subprocess.Popen(list(command), stdout=log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise SystemExit(f"{self.log_path.name} exited with {self.process.returncode}:\n{self.log()[-3000:]}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.2)
-        raise SystemExit(f"{self.log_path.name} not ready after {timeout:.0f}s:\n{self.log()[-3000:]}")
 
 
 def _server_calls(log: str) -> dict[str, int]:
@@ -173,11 +152,12 @@ def run_router(name: str, server: Process, model: str, args: argparse.Namespace,
     executable = ensure_installed(tool)
     expected = _answers(server.url, model, args.output_tokens)
     port = free_port()
-    with _calls_during(server, result), _Peer(_router_command(name, executable, port, server.url), port,
-                                               work / f"{name}.log") as router:  # fmt: skip
+    workers = 1 if name == "sglang-router" else None  # it registers its worker after it answers /health
+    command = _router_command(name, executable, port, server.url)
+    with _calls_during(server, result), ExternalProcess(command, port, work / f"{name}.log", workers=workers) as router:
         router.wait_ready(args.timeout)
         deadline = time.monotonic() + args.timeout
-        while True:  # a router answers /health before its worker is registered: retry until one request passes
+        while True:  # a router may take a moment after /health before it forwards: retry until one request passes
             try:
                 got = _answers(router.url, model, args.output_tokens)
                 break
