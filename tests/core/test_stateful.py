@@ -35,9 +35,9 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def _run_step(self, req: Request, start: int) -> None:
         """What the model runner and engine do after an allocation: copies, writes, then indexing."""
-        for op in self.mgr.take_copy_ops():
+        for op in self.mgr.take_transfers()[0]:
             self.slots.setdefault(op.dst, [None] * BLOCK_SIZE)[: op.num_tokens] = self.slots[op.src][: op.num_tokens]
-        table = self.mgr._tables[req.request_id]
+        table = self.mgr._tables[req.request_id][0]
         for pos in range(start, req.num_computed_tokens):
             block = table[pos // BLOCK_SIZE].block_id
             self.slots.setdefault(block, [None] * BLOCK_SIZE)[pos % BLOCK_SIZE] = (
@@ -47,13 +47,14 @@ class ManagerMachine(RuleBasedStateMachine):
         self.mgr.index_written_sub_blocks()
 
     def _admit(self, req: Request, chunk: int) -> bool:
-        blocks, num_cached = self.mgr.get_computed_blocks(req)
-        for i, block in enumerate(blocks):
+        hit = self.mgr.find_prefix(req)
+        num_cached = hit.num_tokens
+        for i, block in enumerate(hit.blocks[0]):
             n = min(BLOCK_SIZE, num_cached - i * BLOCK_SIZE)
             expected = [(req.cache_salt, t) for t in req.all_token_ids[i * BLOCK_SIZE : i * BLOCK_SIZE + n]]
             assert self.slots[block.block_id][:n] == expected, "a hit returned a block holding other tokens"
         num_new = min(chunk, req.num_tokens - num_cached)
-        if self.mgr.allocate_slots(req, num_new, num_cached, blocks) is None:
+        if self.mgr.allocate_slots(req, num_new, hit) is None:
             return False
         self._run_step(req, num_cached)
         self.running.append(req)
@@ -114,7 +115,7 @@ class ManagerMachine(RuleBasedStateMachine):
         before = manager_state(self.mgr)
         found = self.mgr.lookup(tokens, cache_salt=salt)
         assert manager_state(self.mgr) == before
-        assert found.cached_tokens == self.mgr.get_computed_blocks(Request("probe", tokens, cache_salt=salt))[1]
+        assert found.cached_tokens == self.mgr.find_prefix(Request("probe", tokens, cache_salt=salt)).num_tokens
         assert found.cached_tokens + sum(found.missed_tokens.values()) == len(tokens)
 
     @rule()
@@ -122,14 +123,14 @@ class ManagerMachine(RuleBasedStateMachine):
         ok = self.mgr.reset_prefix_cache()
         assert ok == (not self.running)
         if ok:
-            assert self.mgr.get_computed_blocks(Request("probe", PREFIXES[0] + [1]))[1] == 0
+            assert self.mgr.find_prefix(Request("probe", PREFIXES[0] + [1])).num_tokens == 0
 
     @invariant()
     def bookkeeping_is_consistent(self):
         self.mgr.check_invariants()
         stats = self.mgr.stats
         assert stats.queries == stats.hits + sum(stats.missed_tokens.values())
-        held = {b for r in self.running for b in self.mgr.block_ids(r)}
+        held = {b for r in self.running for b in self.mgr.block_ids(r)[0]}
         assert self.mgr.num_free_blocks == self.mgr.num_blocks - len(held)
 
 

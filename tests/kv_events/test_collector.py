@@ -101,7 +101,7 @@ def test_removal_is_reported_only_when_the_last_copy_of_a_hash_goes():
     manager, collector = make_manager(num_blocks=4)
     a, b = make_request(unique_tokens(5, 0)), make_request(unique_tokens(5, 0))
     for request in (a, b):  # both admitted before either is cached: two copies of block 0
-        assert manager.allocate_slots(request, 0, 0, []) is not None
+        assert manager.allocate_slots(request, 0) is not None
     for request in (a, b):
         manager.allocate_slots(request, request.num_tokens)
     manager.free(a)

@@ -88,9 +88,10 @@ def test_a_listener_on_real_pools_predicts_every_lookup_exactly():
         hittable = (request.num_tokens - 1) // 4
         hashes = [external_block_hash(h) for h in manager.block_hashes(request)[:hittable]]
         predicted = index.matched_blocks(hashes, [name])[name] * 4
-        blocks, num_cached = manager.get_computed_blocks(request)
+        hit = manager.find_prefix(request)
+        num_cached = hit.num_tokens
         assert predicted == num_cached
-        manager.allocate_slots(request, request.num_tokens - num_cached, num_cached, blocks)
+        manager.allocate_slots(request, request.num_tokens - num_cached, hit)
         manager.free(request)
     for name, manager in managers.items():
         assert index.num_blocks(name) == len(manager.pool.cached)
