@@ -81,7 +81,10 @@ def manager_state(mgr: KVCacheManager):
         [(b.block_id, b.ref_cnt, b.block_hash, b.group) for b in pool.blocks],
         [b.block_id for b in pool.uncached_free],
         [b.block_id for b in pool.evictable],
-        [{h: (e.block_id if hasattr(e, "block_id") else tuple(e)) for h, e in cached.items()} for cached in pool.cached],
+        [
+            {h: (e.block_id if hasattr(e, "block_id") else tuple(e)) for h, e in cached.items()}
+            for cached in pool.cached
+        ],
         policy,
         {rid: [[b.block_id for b in t] for t in tables] for rid, tables in mgr._tables.items()},
         dataclasses.astuple(mgr.stats),

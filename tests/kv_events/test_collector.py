@@ -10,9 +10,8 @@ from tests.kv_events import vllm_wire
 
 
 def make_manager(num_blocks: int = 10, **collector_args) -> tuple[KVCacheManager, KVEventCollector]:
-    manager = KVCacheManager(num_blocks=num_blocks, block_size=BLOCK_SIZE)
     collector = KVEventCollector(**collector_args)
-    manager.pool.add_listener(collector)
+    manager = KVCacheManager(num_blocks=num_blocks, block_size=BLOCK_SIZE, listeners=[collector])
     return manager, collector
 
 

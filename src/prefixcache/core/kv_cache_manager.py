@@ -617,7 +617,11 @@ class KVCacheManager:
             if block is not null and (block.block_hash != block_hash or block.group != g)
         ]
         source = hit.blocks[0][-1] if num_copied else None
-        if source is not None and not stale and not self.sub_blocks.holds(source, request, hashes, num_full, num_copied):
+        if (
+            source is not None
+            and not stale
+            and not self.sub_blocks.holds(source, request, hashes, num_full, num_copied)
+        ):
             stale = [source]
         if stale:
             raise ValueError(

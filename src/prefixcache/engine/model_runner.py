@@ -36,19 +36,25 @@ class ModelRunnerOutput:
 class ModelRunner:
     """Owns the paged KV cache tensors and the sampler; knows nothing of scheduling or caching policy.
 
-    ``offload`` (set when KV offload tiers are on) moves blocks between the cache tensors and the tiers
-    around the forward pass.
+    ``kv_caches`` are the model's per-layer cache tensors (``allocate_kv_cache``); ``offload`` (when KV
+    offload tiers are on) moves blocks between them and the tiers around the forward pass.
     """
 
     def __init__(
-        self, model: DecoderForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: str, seed: int
+        self,
+        model: DecoderForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        device: str,
+        seed: int,
+        offload: OffloadWorker | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
-        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, dtype, self.device)
+        self.kv_caches = kv_caches
         self.sampler = Sampler(seed, self.device)
-        self.offload: OffloadWorker | None = None
+        self.offload = offload
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
@@ -60,7 +66,7 @@ class ModelRunner:
         for chunk in chunks:
             token_ids.extend(chunk.request.all_token_ids[chunk.start : chunk.start + chunk.num_new_tokens])
         metadata = AttentionMetadata.build(
-            [c.block_ids for c in chunks],
+            [c.block_ids[0] for c in chunks],
             [c.start for c in chunks],
             [c.num_new_tokens for c in chunks],
             self.block_size,

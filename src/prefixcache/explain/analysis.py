@@ -30,10 +30,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from prefixcache.bench.trace import HeldCache, ReplayConfig
 from prefixcache.core import EVICTION_POLICIES, HASH_ALGOS, KVCacheManager, Request
 from prefixcache.core.miss import hittable_tokens
 from prefixcache.explain.log import Decode, Prompt
+from prefixcache.replay import HeldCache
 
 # Two prompts "agree again" when SYNC_TOKENS tokens match; a varying field is at most MAX_SPAN_TOKENS long.
 SYNC_TOKENS = 8
@@ -279,7 +279,7 @@ def _replay(prompts: Sequence[Prompt], config: ExplainConfig) -> list[int]:
         hash_algo=config.hash_algo,
         eviction_policy=config.eviction_policy,
     )
-    cache = HeldCache(manager, ReplayConfig(in_flight=1))  # a request is freed when the next one arrives
+    cache = HeldCache(manager, in_flight=1)  # a request is freed when the next one arrives
     hits = []
     for i, prompt in enumerate(prompts):
         cache.advance(float(i))

@@ -20,9 +20,8 @@ that keeps what each group holds predicts the engine's hit with
 
 from __future__ import annotations
 
-from typing import Any
-
 from collections.abc import Sequence
+from typing import Any
 
 from prefixcache.core.block_pool import BlockPoolListener, StoredBlocks
 from prefixcache.core.hashing import LORA_TAG, MM_TAG, SALT_TAG, BlockHash, ExtraKeys
