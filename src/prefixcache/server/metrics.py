@@ -64,7 +64,7 @@ class ServerMetrics:
             ),
             "prefix_cache_preempted_hits": counter(
                 "prefix_cache_preempted_hits",
-                "Of those, tokens found cached: mostly the request's own blocks, not sharing (not in prefix_cache_hits).",
+                "Of those, tokens found cached: mostly their own blocks, not sharing (not in prefix_cache_hits).",
             ),
             "num_preemptions": counter("num_preemptions", "Requests preempted because KV blocks ran out."),
             "kv_events_dropped": counter(
