@@ -229,3 +229,25 @@ def test_misuse_is_refused(tmp_path):
         OffloadConnector([], 8)
     with pytest.raises(ValueError, match="write_back needs one KV cache group"):
         OffloadConnector([HostMemoryStore(make_layout(), 2**20)], 4, groups=[SLIDING, KVCacheGroupSpec()])
+
+
+def test_with_a_sliding_group_each_load_and_save_names_the_block_of_every_group_that_has_one():
+    """A tier record holds every layer: loaded into the full group's blocks, and into the sliding group's only
+    inside the window before the hit's end; a computed block is saved from both groups' blocks."""
+    manager, connector, layout = make_connector(num_blocks=30, mode=WRITE_THROUGH, groups=(KVCacheGroupSpec(), SLIDING))
+    request = make_request(6 * B + 1)
+    hashes = manager.block_hashes(request)
+    put(connector, layout, 0, hashes[:5])
+    assert admit(manager, request) == (0, 5 * B)
+    # Tokens 20.. are computed; their queries read 13.. on: the sliding group needs blocks 3 and 4 only.
+    assert manager.block_ids(request) == [[1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 8, 9, 10, 11]]
+    plan = take_plan(manager)
+    assert [(load.block_ids, load.block_hash) for load in plan.loads] == [
+        ((1, None), hashes[0]),
+        ((2, None), hashes[1]),
+        ((3, None), hashes[2]),
+        ((4, 8), hashes[3]),
+        ((5, 9), hashes[4]),
+    ]
+    assert [(s.block_ids, s.block_hash) for s in plan.save_after] == [((6, 10), hashes[5])]
+    manager.check_invariants()
