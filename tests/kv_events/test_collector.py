@@ -198,6 +198,10 @@ class GroupAwareConsumer:
             else:
                 self.held.clear()
 
+    @staticmethod
+    def _holds(held: set):
+        return lambda block_hash: True if block_hash in held else None
+
     def predicted_hit(self, request) -> int:
         hashes = [
             encode_block_hash(h, "uint64")
@@ -206,7 +210,7 @@ class GroupAwareConsumer:
         if not self.specs:  # no event yet: it holds nothing
             return 0
         groups = [self.specs[g] for g in sorted(self.specs)]
-        lookups = [(lambda h, held=self.held.get(g, set()): True if h in held else None) for g in sorted(self.specs)]
+        lookups = [self._holds(self.held.get(g, set())) for g in sorted(self.specs)]
         k, _ = longest_common_hit(groups, lookups, hashes, hittable_blocks(request.num_tokens, BLOCK_SIZE), BLOCK_SIZE)
         return k * BLOCK_SIZE
 
@@ -240,7 +244,7 @@ def test_a_consumer_of_a_hybrid_backends_events_predicts_every_hit_exactly():
     prefixes = [[rng.randrange(50) for _ in range(n)] for n in (9, 20, 26)]
     running = []
     checked = 0
-    for step in range(300):
+    for _ in range(300):
         if running and rng.random() < 0.4:
             request = running.pop(rng.randrange(len(running)))
             manager.free(request)
