@@ -135,59 +135,48 @@ class BlockPool:
         return next(iter(entry.values()))
 
     def touch(self, blocks: Iterable[Block]) -> None:
-        """Take a reference on hit blocks; a free one leaves the free queue. The null block is skipped."""
-        evictable, null = self.evictable, self.null_block
+        """Take a reference on hit blocks (never the null block); a free one leaves the free queue."""
+        evictable = self.evictable
         for block in blocks:
-            if block is null:
-                continue
             if block.ref_cnt == 0:
                 evictable.remove(block)
             block.ref_cnt += 1
 
     def get_new_blocks(self, num_blocks: int) -> list[Block]:
-        """Pop ``num_blocks`` free blocks (caller checked there are enough), evicting cached ones last."""
-        uncached, evictable, on_reused = self.uncached_free, self.evictable, self._on_reused
+        """Pop ``num_blocks`` free blocks (caller checked there are enough), evicting cached ones last.
+
+        An evicted block leaves its group's map; listeners hear of the hashes whose last block it was.
+        """
+        uncached, evictable, on_reused, maps = self.uncached_free, self.evictable, self._on_reused, self.cached
         out: list[Block] = []
-        removed: dict[int, list[BlockHash]] | None = None
+        removed: list[list[BlockHash]] | None = None  # by group, made at the first eviction
         for _ in range(num_blocks):
             block = uncached.popleft() if uncached else evictable.pop()
+            block_hash = block.block_hash
             last_copy = False
-            if block.block_hash is not None:
-                last_copy = self._drop_from_index(block)
-                if last_copy:
+            if block_hash is not None:
+                cached = maps[block.group]
+                entry = cached[block_hash]
+                if type(entry) is Block:
+                    del cached[block_hash]
+                    last_copy = True
                     if removed is None:
-                        removed = {}
-                    removed.setdefault(block.group, []).append(block.block_hash)
+                        removed = [[] for _ in maps]
+                    removed[block.group].append(block_hash)
+                else:
+                    del entry[block.block_id]
+                    if len(entry) == 1:
+                        cached[block_hash] = next(iter(entry.values()))
             for listener in on_reused:
                 listener.block_reused(block, last_copy)
             block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
-        if removed:
-            for group, hashes in removed.items():
+        for group, hashes in enumerate(removed or ()):
+            if hashes:
                 for listener in self._on_removed:
                     listener.blocks_removed(hashes, group)
         return out
-
-    def cache_block(self, block: Block, block_hash: BlockHash, group: int = 0) -> bool:
-        """Index a block that just became full in ``group``'s map; True when its hash is new to that group.
-
-        A block already holding a hash (a hit) is left alone.
-        """
-        if block.block_hash is not None:
-            return False
-        block.block_hash = block_hash
-        block.group = group
-        cached = self.cached[group]
-        entry = cached.get(block_hash)
-        if entry is None:
-            cached[block_hash] = block
-            return True
-        if type(entry) is Block:
-            cached[block_hash] = {entry.block_id: entry, block.block_id: block}
-        else:
-            entry[block.block_id] = block
-        return False
 
     def cache_full_blocks(
         self,
@@ -200,19 +189,30 @@ class BlockPool:
         group: int = 0,
     ) -> None:
         """Index blocks ``start`` .. ``end`` - 1 of ``request``'s table of ``group``, which just became full
-        (null entries are skipped).
+        (null entries and blocks already holding a hash, hits, are skipped).
 
+        A hash already in the group's map gets the block too (two requests filled it independently).
         Listeners hear of each run of consecutive blocks whose hashes are new to the group.
         """
         runs: list[tuple[int, int]] = []
-        null = self.null_block
+        null, cached = self.null_block, self.cached[group]
         for i in range(start, end):
             block = table[i]
-            if block is not null and self.cache_block(block, block_hashes[i], group):
+            if block is null or block.block_hash is not None:  # a hit block keeps its hash
+                continue
+            block_hash = block.block_hash = block_hashes[i]
+            block.group = group
+            entry = cached.get(block_hash)
+            if entry is None:  # new to the group
+                cached[block_hash] = block
                 if runs and runs[-1][1] == i:
                     runs[-1] = (runs[-1][0], i + 1)
                 else:
                     runs.append((i, i + 1))
+            elif type(entry) is Block:
+                cached[block_hash] = {entry.block_id: entry, block.block_id: block}
+            else:
+                entry[block.block_id] = block
         if not self._on_stored:
             return
         for first, last in runs:
@@ -229,12 +229,10 @@ class BlockPool:
                 listener.blocks_stored(stored)
 
     def free_blocks(self, blocks: Iterable[Block]) -> None:
-        """Drop one reference from each block, in eviction order (the first freed is evicted first); the null
-        block is skipped."""
-        uncached, evictable, null = self.uncached_free, self.evictable, self.null_block
+        """Drop one reference from each block (never the null block), in eviction order (the first freed is
+        evicted first)."""
+        uncached, evictable = self.uncached_free, self.evictable
         for block in blocks:
-            if block is null:
-                continue
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is None:
@@ -255,19 +253,6 @@ class BlockPool:
         for listener in self._on_cleared:
             listener.cache_cleared()
         return True
-
-    def _drop_from_index(self, block: Block) -> bool:
-        """Forget that ``block`` holds its hash; True when it was the hash's last block in its group."""
-        block_hash = block.block_hash
-        cached = self.cached[block.group]
-        entry = cached[block_hash]
-        if type(entry) is Block:
-            del cached[block_hash]
-            return True
-        del entry[block.block_id]
-        if len(entry) == 1:
-            cached[block_hash] = next(iter(entry.values()))
-        return False
 
     def check_invariants(self, block_tables: Iterable[list[Block]]) -> None:
         """Assert the pool's bookkeeping; ``block_tables`` are all live tables. For tests and debugging."""

@@ -381,27 +381,21 @@ class KVCacheManager:
             raise ValueError("num_new_tokens and num_lookahead_tokens must be >= 0")
         tables = self._tables.get(request.request_id)
         admitting = tables is None
+        if not admitting and hit is not None:
+            raise ValueError(f"request {request.request_id!r} is already admitted; pass no hit")
         block_size = self.block_size
+        null = self.null_block
         if admitting:
             hit = hit if hit is not None else PrefixHit(self._no_hit_blocks)
             self._check_hit(request, hit)
             num_computed = hit.num_tokens
             num_copied = hit.num_copied_tokens
             held = hit.blocks
-            copy_source = None
-            if num_copied:
-                copy_source = held[0][-1]
-                held = [held[0][:-1]]
-            num_held = len(held[0])
-            num_to_touch = sum(self._num_free_held(blocks) for blocks in held)
-            reserve = self.watermark_blocks
+            copy_source = held[0][-1] if num_copied else None
+            num_held = len(held[0]) - (num_copied > 0)
         else:
-            if hit is not None:
-                raise ValueError(f"request {request.request_id!r} is already admitted; pass no hit")
             num_computed = request.num_computed_tokens
             num_held = len(tables[0])
-            num_to_touch = 0
-            reserve = 0
         total = num_computed + num_new_tokens
         if total > request.num_tokens:
             raise ValueError(
@@ -409,36 +403,37 @@ class KVCacheManager:
             )
         num_needed = _cdiv(total + num_lookahead_tokens, block_size)
         num_new_blocks = max(0, num_needed - num_held)
-        # A sliding group holds no block wholly before its window: `skips[g]` of its table positions are
-        # the null block (at admission) or given back now (`leaving[g]`, which frees what no one else holds).
-        skips: dict[int, int] = {}
-        leaving: dict[int, list[int]] = {}
+        # A sliding group holds no block wholly before its window, the first `skips[g]` positions: at admission
+        # the null block stands there (and for as many new positions), later those blocks are given back
+        # (`leaving[g]`), which frees the ones no other request holds.
+        skips = [spec.first_needed_block(num_computed, block_size) for spec in self.groups] if self._sliding else None
         num_allocated = num_new_blocks * len(self.groups)
-        num_released = 0
-        for g in self._sliding:
-            skip = self.groups[g].first_needed_block(num_computed, block_size)
-            skips[g] = skip
-            if admitting:
-                num_allocated -= max(0, min(skip, num_needed) - num_held)
-                num_to_touch -= self._num_free_held(held[g][:skip])
-            else:
-                positions = self._leaving_window(tables[g], skip)
-                leaving[g] = positions
+        if admitting:
+            reserve = self.watermark_blocks
+            num_released = 0
+            tables = []
+            for g, blocks in enumerate(held):
+                skip = min(skips[g], num_held) if skips else 0
+                table = [null] * skip + blocks[skip:num_held] if skip else blocks[:num_held]
+                tables.append(table)
+                if skips:
+                    num_allocated -= max(0, min(skips[g], num_needed) - num_held)
+            # Hit blocks in the free queue leave it when taken (the null block is never taken).
+            num_to_touch = sum(1 for table in tables for block in table if block.ref_cnt == 0)
+            if null is not None:
+                num_to_touch -= sum(table.count(null) for table in tables)
+        else:
+            reserve = num_to_touch = num_released = 0
+            leaving = {g: self._leaving_window(tables[g], skips[g]) for g in self._sliding}
+            for g, positions in leaving.items():
                 num_released += sum(1 for i in positions if tables[g][i].ref_cnt == 1)
         if self.pool.num_free_blocks + num_released - num_allocated - num_to_touch < reserve:
             return None
 
         new_blocks: list[Block] = []
         if admitting:
-            tables = []
-            for g, blocks in enumerate(held):
-                table = list(blocks)
-                skip = skips.get(g, 0)
-                for i in range(min(skip, num_held)):
-                    table[i] = self.null_block
-                tables.append(table)
             for table in tables:
-                self.pool.touch(table)
+                self.pool.touch(table if null is None else [block for block in table if block is not null])
             self._tables[request.request_id] = tables
             self._num_cached_blocks[request.request_id] = num_held
             self._count_admission(request, num_held * block_size + hit.num_external_tokens, num_copied)
@@ -450,11 +445,12 @@ class KVCacheManager:
                 table = tables[g]
                 self.pool.free_blocks([table[i] for i in positions])
                 for i in positions:
-                    table[i] = self.null_block
+                    table[i] = null
         if num_new_blocks:
             for g, table in enumerate(tables):
-                num_null = max(0, min(skips.get(g, 0), num_needed) - num_held) if admitting else 0
-                table.extend([self.null_block] * num_null)
+                num_null = max(0, min(skips[g], num_needed) - num_held) if admitting and skips else 0
+                if num_null:
+                    table.extend([null] * num_null)
                 blocks = self.pool.get_new_blocks(num_new_blocks - num_null)
                 table.extend(blocks)
                 new_blocks.extend(blocks)
@@ -481,10 +477,13 @@ class KVCacheManager:
         del self._num_cached_blocks[request.request_id]
         self._sub_block_requests.pop(request.request_id, None)
         self._sub_block_indexed.pop(request.request_id, None)
-        if len(tables) == 1:
+        null = self.null_block
+        if null is None and len(tables) == 1:
             self.pool.free_blocks(reversed(tables[0]))
         else:
-            self.pool.free_blocks(table[i] for i in range(len(tables[0]) - 1, -1, -1) for table in tables)
+            self.pool.free_blocks(
+                table[i] for i in range(len(tables[0]) - 1, -1, -1) for table in tables if table[i] is not null
+            )
         request.num_computed_tokens = 0
 
     def take_transfers(self) -> tuple[list[CopyOp], Any]:
@@ -558,11 +557,6 @@ class KVCacheManager:
             found[g] = [self.null_block] * (num_blocks - len(found[g])) + found[g]
         return num_blocks, found
 
-    def _num_free_held(self, blocks: list[Block]) -> int:
-        """Hit blocks that sit in the free queue (taking them leaves fewer free blocks)."""
-        null = self.null_block
-        return sum(1 for block in blocks if block.ref_cnt == 0 and block is not null)
-
     def _leaving_window(self, table: list[Block], skip: int) -> list[int]:
         """Positions before ``skip`` that still hold a block, last first (the earlier ones were given back)."""
         positions = []
@@ -594,8 +588,12 @@ class KVCacheManager:
         copies_ok = num_copied == hit.num_copied_tokens and (
             num_copied == 0 or (self.sub_blocks is not None and num_copied % self.sub_block_size == 0)
         )
-        sizes = {len(blocks) for blocks in hit.blocks[1:]} | {len(hit.blocks[0]) - (num_copied > 0)}
-        if sizes != {num_full} or not copies_ok:
+        others = hit.blocks[1:]
+        if (
+            len(hit.blocks[0]) != num_full + (num_copied > 0)
+            or (others and any(len(blocks) != num_full for blocks in others))
+            or not copies_ok
+        ):
             raise ValueError(
                 f"num_local_tokens={hit.num_local_tokens} does not match the hit's blocks "
                 f"{[len(blocks) for blocks in hit.blocks]}"
@@ -609,13 +607,19 @@ class KVCacheManager:
         if not num_full and not num_copied:
             return
         hashes = self.block_hashes(request)
-        null = self.null_block
-        stale = [
-            block
-            for g, blocks in enumerate(hit.blocks)
-            for block, block_hash in zip(blocks[:num_full], hashes, strict=False)
-            if block is not null and (block.block_hash != block_hash or block.group != g)
-        ]
+        stale: list[Block] = []
+        if self.null_block is None and len(self.groups) == 1:  # one group: a block holds its hash there or not
+            stale = [b for b, h in zip(hit.blocks[0][:num_full], hashes, strict=False) if b.block_hash != h]
+        else:
+            for g, blocks in enumerate(hit.blocks):
+                first = 0  # a sliding group holds the null block before its window
+                while first < num_full and blocks[first] is self.null_block:
+                    first += 1
+                stale += [
+                    block
+                    for block, block_hash in zip(blocks[first:num_full], hashes[first:num_full], strict=True)
+                    if block.block_hash != block_hash or block.group != g
+                ]
         source = hit.blocks[0][-1] if num_copied else None
         if (
             source is not None
