@@ -122,11 +122,15 @@ class RedisServer:
     """One ``redis-server`` on a free loopback port, keeping nothing on disk; ``stop`` kills it (as a crash
     would) and ``start`` brings it back on the same port. FileNotFoundError where redis-server is not installed."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, extra_args: Sequence[str] = (), password: str | None = None) -> None:
+        """``extra_args`` are more ``redis-server`` options (an ACL ``--user``, a ``--tls-port``...); with
+        ``password`` it is started with ``--requirepass`` and the readiness check authenticates."""
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise FileNotFoundError("redis-server not found on PATH")
         self.directory = directory
+        self.extra_args = [*extra_args, *(["--requirepass", password] if password is not None else [])]
+        self.password = password
         self.port = free_port()
         self.process: subprocess.Popen | None = None
 
@@ -159,6 +163,7 @@ class RedisServer:
                     "no",
                     "--protected-mode",
                     "no",
+                    *self.extra_args,
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -172,7 +177,7 @@ class RedisServer:
     def _wait_ready(self, timeout: float = 20.0) -> bool:
         import redis
 
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        client = redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline:

@@ -57,7 +57,9 @@ class EngineCore:
         self.kv_events = KVEventSink.create(config.kv_events_config, groups)
         listeners = [self.kv_events.collector] if self.kv_events is not None else []
         root = root_hash(config.hash_algo, config.hash_seed)
-        tiers = build_offload(self, config, model, root, groups, enable_caching, listeners)
+        tiers = build_offload(
+            self, config, model_config, self.loaded.weights_digest, root, groups, enable_caching, listeners
+        )
         self.offload = tiers.connector if tiers is not None else None
         self.manager = KVCacheManager(
             num_blocks=num_blocks,

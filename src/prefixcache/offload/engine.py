@@ -12,13 +12,12 @@ from prefixcache.core.kv_cache_groups import KVCacheGroupSpec
 from prefixcache.offload.connector import WRITE_BACK, WRITE_THROUGH, OffloadConnector, TierWriter
 from prefixcache.offload.disk import DiskStore
 from prefixcache.offload.host import HostMemoryStore
-from prefixcache.offload.record import KVLayout
+from prefixcache.offload.record import KVLayout, model_fingerprint
 from prefixcache.offload.store import KVStore, TierEventListener
-from prefixcache.offload.worker import model_fingerprint
 
 if TYPE_CHECKING:
     from prefixcache.config import EngineConfig
-    from prefixcache.model import LlamaForCausalLM
+    from prefixcache.model import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +35,8 @@ class OffloadTiers:
 def build_offload(
     owner: object,
     config: EngineConfig,
-    model: LlamaForCausalLM,
+    model_config: ModelConfig,
+    weights_digest: str,
     root_hash: bytes,
     groups: Sequence[KVCacheGroupSpec],
     enable_caching: bool,
@@ -44,6 +44,7 @@ def build_offload(
 ) -> OffloadTiers | None:
     """The tiers ``config`` asks for, None without tiers (or with prefix caching off).
 
+    ``weights_digest`` (``LoadedModel.weights_digest``) identifies the model's weights in the tiers' namespace.
     With more than one KV cache group the host tier is filled write-through (see
     :mod:`prefixcache.offload.connector`). The tiers are closed (queued writes finished, connections dropped)
     when ``owner`` is garbage-collected or the interpreter exits, or earlier by ``connector.close()``.
@@ -54,9 +55,8 @@ def build_offload(
     if not enable_caching:
         logger.warning("KV offload tiers ignored: prefix caching is off")
         return None
-    model_config = model.config
     layout = KVLayout(
-        model_fingerprint=model_fingerprint(model, model_config),
+        model_fingerprint=model_fingerprint(model_config, weights_digest),
         dtype=config.dtype,
         block_size=config.block_size,
         num_layers=model_config.num_layers,
@@ -64,6 +64,7 @@ def build_offload(
         head_dim=model_config.head_dim,
         hash_algo=config.hash_algo,
         root_hash=root_hash,
+        record_key=offload.record_key,
     )
     mode = offload.mode
     if mode == WRITE_BACK and len(groups) > 1:
@@ -81,16 +82,20 @@ def build_offload(
     if offload.redis_url is not None:
         from prefixcache.offload.redis_store import RedisStore
 
-        stores.append(RedisStore(layout, offload.redis_url, _at_least_one_block(offload.redis_bytes, layout, "redis")))
+        capacity = _at_least_one_block(offload.redis_bytes, layout, "redis")
+        stores.append(RedisStore(layout, offload.redis_url, capacity, password=offload.redis_password))
     writer = TierWriter(stores)
     connector = OffloadConnector(stores, config.block_size, mode, writer, groups, tier_listeners)
     weakref.finalize(owner, connector.close)
     logger.info(
-        "KV offload: %s, host tier %s; blocks of %.2f MiB, namespace %s",
+        "KV offload: %s, host tier %s; blocks of %.2f MiB, namespace %s; %s",
         ", ".join(f"{s.medium} {s.capacity_bytes / 2**30:.2f} GiB" for s in stores),
         mode.replace("_", "-"),
         layout.block_bytes / 2**20,
         layout.namespace.hex(),
+        "records checksummed, not authenticated (no --kv-offload-secret-file)"
+        if offload.record_key is None
+        else f"records authenticated with HMAC-SHA256, key {offload.record_key.key_id}",
     )
     return OffloadTiers(connector, layout, writer)
 
