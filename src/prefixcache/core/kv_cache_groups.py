@@ -52,6 +52,9 @@ class KVCacheGroupSpec:
         """vLLM's name of the spec, as KV cache events carry it (``kv_cache_spec_kind``)."""
         return FULL_ATTENTION_KIND if self.sliding_window is None else SLIDING_WINDOW_KIND
 
+    def describe(self) -> str:
+        return "full attention" if self.sliding_window is None else f"sliding window {self.sliding_window}"
+
     def window_blocks(self, block_size: int) -> int | None:
         """Blocks a hit must hold before its end: None for full attention (all of them)."""
         if self.sliding_window is None:
@@ -78,6 +81,17 @@ def check_groups(groups: Sequence[KVCacheGroupSpec]) -> tuple[KVCacheGroupSpec, 
         if not isinstance(group, KVCacheGroupSpec):
             raise ValueError(f"KV cache groups must be KVCacheGroupSpec, got {group!r}")
     return groups
+
+
+def check_sub_blocks(groups: Sequence[KVCacheGroupSpec], block_size: int, sub_block_size: int | None) -> None:
+    """Sub-block prefix matching copies a partial block into one table; ValueError unless the cache is one
+    full-attention group (a model with sliding-window layers needs the hybrid KV cache manager disabled)."""
+    if sub_block_size is not None and sub_block_size < block_size and tuple(groups) != (FULL_ATTENTION,):
+        raise ValueError(
+            "sub-block prefix matching supports one full-attention KV cache group; this cache has "
+            f"{len(groups)} group(s) ({', '.join(g.describe() for g in groups)}): turn sub-blocks off or disable "
+            "the hybrid KV cache manager"
+        )
 
 
 def window_hit(

@@ -21,6 +21,7 @@ from prefixcache.core.kv_cache_groups import (
     FULL_ATTENTION,
     KVCacheGroupSpec,
     check_groups,
+    check_sub_blocks,
     full_hit,
     longest_common_hit,
 )
@@ -176,12 +177,7 @@ class KVCacheManager:
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.groups = check_groups(groups)
-        if sub_block_size < block_size and self.groups != (FULL_ATTENTION,):
-            raise ValueError(
-                "sub-block prefix matching supports one full-attention KV cache group; this cache has "
-                f"{len(self.groups)} group(s) ({', '.join(g.kind for g in self.groups)}): turn sub-blocks off "
-                "or disable the hybrid KV cache manager"
-            )
+        check_sub_blocks(self.groups, block_size, sub_block_size)
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo

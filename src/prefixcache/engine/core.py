@@ -17,8 +17,9 @@ from collections import deque
 import torch
 
 from prefixcache.config import EngineConfig, parse_memory
-from prefixcache.core import FULL_ATTENTION, KVCacheManager, PrefixLookup
+from prefixcache.core import KVCacheGroupSpec, KVCacheManager, PrefixLookup
 from prefixcache.core.hashing import resolve_hash_seed, root_hash
+from prefixcache.core.kv_cache_groups import check_sub_blocks
 from prefixcache.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, EngineStats
 from prefixcache.engine.model_runner import ModelRunner
 from prefixcache.engine.request import EngineRequest, RequestStatus
@@ -47,13 +48,15 @@ class EngineCore:
             logger.warning("prefix caching turned off: %s attention is not causal", model_config.architecture)
             enable_caching = False
         dtype = getattr(torch, config.dtype)
-        num_blocks = config.num_blocks or parse_memory(config.kv_cache_memory) // self.loaded.model.kv_bytes_per_block(
-            config.block_size, dtype
-        )
+        model = self.loaded.model
+        # Layers of one attention spec form a KV cache group; without the hybrid manager, one group of all.
+        model_groups = model_config.kv_cache_groups(hybrid=not config.disable_hybrid_kv_cache_manager)
+        groups = tuple(KVCacheGroupSpec(group.sliding_window) for group in model_groups)
+        block_bytes = model.kv_bytes_per_block(config.block_size, dtype, model_groups)
+        num_blocks = config.num_blocks or parse_memory(config.kv_cache_memory) // block_bytes
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory!r} holds fewer than 2 blocks")
-        groups = (FULL_ATTENTION,)
-        model = self.loaded.model
+        check_sub_blocks(groups, config.block_size, config.sub_block_size)  # before any tier starts
         self.kv_events = KVEventSink.create(config.kv_events_config, groups)
         listeners = [self.kv_events.collector] if self.kv_events is not None else []
         root = root_hash(config.hash_algo, config.hash_seed)
@@ -75,19 +78,26 @@ class EngineCore:
         )
         self.kv_capacity_tokens = self.manager.max_request_tokens(config.max_num_batched_tokens)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
-        kv_caches = model.allocate_kv_cache(num_blocks, config.block_size, dtype, torch.device(config.device))
+        device = torch.device(config.device)
+        kv_caches = model.allocate_kv_cache(num_blocks, config.block_size, dtype, device, model_groups)
         worker = None
         if tiers is not None:
-            worker = OffloadWorker(kv_caches, tiers.layout, tiers.writer)
-        self.runner = ModelRunner(model, kv_caches, config.block_size, config.device, config.seed, worker)
+            layer_groups = [0] * model_config.num_layers
+            for g, group in enumerate(model_groups):
+                for layer in group.layers:
+                    layer_groups[layer] = g
+            worker = OffloadWorker(kv_caches, tiers.layout, tiers.writer, layer_groups)
+        self.runner = ModelRunner(model, kv_caches, config.block_size, config.device, config.seed, model_groups, worker)
         self.requests: dict[str, EngineRequest] = {}
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self._recent: deque[tuple[int, int]] = deque(maxlen=ROLLING_WINDOW)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens), prefix caching %s",
+            "KV cache: %d blocks of %d tokens, %d KV cache group(s) (%s), requests up to %d tokens, prefix caching %s",
             num_blocks,
             config.block_size,
-            num_blocks * config.block_size,
+            len(groups),
+            ", ".join(spec.describe() for spec in groups),
+            self.kv_capacity_tokens,
             "on" if enable_caching else "off",
         )
 

@@ -7,6 +7,7 @@ The forward pass is the batch's: if it raises, the step fails. What follows it i
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -15,7 +16,7 @@ import torch
 from prefixcache.core.sub_block import CopyOp
 from prefixcache.engine.sampler import Sampler
 from prefixcache.engine.scheduler import ScheduledChunk, SchedulerOutput
-from prefixcache.model import AttentionMetadata, DecoderForCausalLM
+from prefixcache.model import AttentionMetadata, DecoderForCausalLM, KVCacheGroup
 
 if TYPE_CHECKING:
     from prefixcache.offload.worker import OffloadWorker
@@ -36,8 +37,9 @@ class ModelRunnerOutput:
 class ModelRunner:
     """Owns the paged KV cache tensors and the sampler; knows nothing of scheduling or caching policy.
 
-    ``kv_caches`` are the model's per-layer cache tensors (``allocate_kv_cache``); ``offload`` (when KV
-    offload tiers are on) moves blocks between them and the tiers around the forward pass.
+    ``kv_caches`` are the model's per-layer cache tensors (``allocate_kv_cache`` for ``kv_cache_groups``); each
+    chunk brings one block table per group. ``offload`` (when KV offload tiers are on) moves blocks between the
+    cache tensors and the tiers around the forward pass.
     """
 
     def __init__(
@@ -47,12 +49,14 @@ class ModelRunner:
         block_size: int,
         device: str,
         seed: int,
+        kv_cache_groups: Sequence[KVCacheGroup],
         offload: OffloadWorker | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
         self.kv_caches = kv_caches
+        self.kv_cache_groups = tuple(kv_cache_groups)
         self.sampler = Sampler(seed, self.device)
         self.offload = offload
 
@@ -65,18 +69,23 @@ class ModelRunner:
         token_ids: list[int] = []
         for chunk in chunks:
             token_ids.extend(chunk.request.all_token_ids[chunk.start : chunk.start + chunk.num_new_tokens])
-        metadata = AttentionMetadata.build(
-            [c.block_ids[0] for c in chunks],
-            [c.start for c in chunks],
-            [c.num_new_tokens for c in chunks],
-            self.block_size,
-            self.device,
-        )
+        num_groups = len(self.kv_cache_groups)
+        for chunk in chunks:
+            if len(chunk.block_ids) != num_groups:
+                raise ValueError(f"a chunk has {len(chunk.block_ids)} block tables for {num_groups} KV cache groups")
+        starts, num_new = [c.start for c in chunks], [c.num_new_tokens for c in chunks]
+        group_metadata = [
+            AttentionMetadata.build(
+                [c.block_ids[g] for c in chunks], starts, num_new, self.block_size, self.device, group.sliding_window
+            )
+            for g, group in enumerate(self.kv_cache_groups)
+        ]
+        metadata = group_metadata[0]  # the groups' token layout is the same: positions, rows of each request
         hidden = self.model(
             torch.tensor(token_ids, dtype=torch.long, device=self.device),
             metadata.positions,
             self.kv_caches,
-            metadata,
+            group_metadata,
         )
         if self.offload is not None:
             self.offload.after_forward(step.offload)
