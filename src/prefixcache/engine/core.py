@@ -52,8 +52,8 @@ class EngineCore:
         # Layers of one attention spec form a KV cache group; without the hybrid manager, one group of all.
         model_groups = model_config.kv_cache_groups(hybrid=not config.disable_hybrid_kv_cache_manager)
         groups = tuple(KVCacheGroupSpec(group.sliding_window) for group in model_groups)
-        block_bytes = model.kv_bytes_per_block(config.block_size, dtype, model_groups)
-        num_blocks = config.num_blocks or parse_memory(config.kv_cache_memory) // block_bytes
+        self.block_bytes = model.kv_bytes_per_block(config.block_size, dtype, model_groups)
+        num_blocks = config.num_blocks or parse_memory(config.kv_cache_memory) // self.block_bytes
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory!r} holds fewer than 2 blocks")
         check_sub_blocks(groups, config.block_size, config.sub_block_size)  # before any tier starts
