@@ -152,25 +152,15 @@ def test_take_hands_over_the_events_once():
 # ---- several KV cache groups ------------------------------------------------------------------------
 
 
-class GroupedBlockStored(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockStored"):
+class GroupedBlockStored(vllm_wire.BlockStored, tag="BlockStored"):
     """vLLM's BlockStored with the group fields it carries (``group_idx``, the group's spec)."""
 
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
 
 
-class GroupedBlockRemoved(msgspec.Struct, omit_defaults=True, gc=False, tag="BlockRemoved"):
-    block_hashes: list[int | bytes]
-    medium: str | None
+class GroupedBlockRemoved(vllm_wire.BlockRemoved, tag="BlockRemoved"):
     group_idx: int | None = None
 
 
