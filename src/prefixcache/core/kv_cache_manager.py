@@ -290,15 +290,8 @@ class KVCacheManager:
             return PrefixHit([[] for _ in self.groups])
         hashes = self.block_hashes(request)
         max_blocks = hittable_blocks(request.num_tokens, self.block_size)
-        num_blocks, blocks = self._local_hit(hashes, max_blocks)
+        num_blocks, blocks, num_copied = self._local_hit(request, hashes, max_blocks)
         num_cached = num_blocks * self.block_size
-        num_copied = 0
-        room = request.num_tokens - 1 - num_cached
-        if self.sub_blocks is not None and room >= self.sub_block_size:
-            found = self.sub_blocks.lookup(request, hashes, num_blocks, room)
-            if found is not None:
-                blocks[0].append(found[0])
-                num_copied = found[1]
         num_external = 0
         if self.connector is not None:
             num_external = self.connector.extend_hit(request, hashes, num_blocks, max_blocks) * self.block_size
@@ -330,12 +323,8 @@ class KVCacheManager:
         if self.enable_caching and not request.skip_reading_prefix_cache:
             hashes = self.block_hashes(request)
             max_blocks = hittable_blocks(request.num_tokens, self.block_size)
-            num_blocks, _ = self._local_hit(hashes, max_blocks)
+            num_blocks, _, num_copied = self._local_hit(request, hashes, max_blocks)
             num_cached = num_blocks * self.block_size
-            room = request.num_tokens - 1 - num_cached
-            if self.sub_blocks is not None and room >= self.sub_block_size:
-                found = self.sub_blocks.lookup(request, hashes, num_blocks, room)
-                num_copied = 0 if found is None else found[1]
             if self.connector is not None:
                 tiers = self.connector.held(request, hashes, num_blocks, max_blocks)
                 if sum(tiers.values()) > num_copied:
@@ -543,15 +532,26 @@ class KVCacheManager:
                     f"{request_id}: sliding group {g} holds a block after a null block"
                 )
 
-    def _local_hit(self, hashes: list[BlockHash], max_blocks: int) -> tuple[int, list[list[Block]]]:
-        """The pool's hit every group agrees on, each sliding group's table padded with the null block."""
+    def _local_hit(
+        self, request: Request, hashes: list[BlockHash], max_blocks: int
+    ) -> tuple[int, list[list[Block]], int]:
+        """The pool's hit: ``(k, blocks, copied)``. The groups agree on ``k`` whole blocks (a sliding group's
+        table padded with the null block); with sub-blocks, ``copied`` more tokens of block ``k`` come from
+        the copy source appended to ``blocks[0]``."""
         if self._single_full:
-            blocks = full_hit(self._lookups[0], hashes, max_blocks)
-            return len(blocks), [blocks]
-        num_blocks, found = longest_common_hit(self.groups, self._lookups, hashes, max_blocks, self.block_size)
-        for g in self._sliding:
-            found[g] = [self.null_block] * (num_blocks - len(found[g])) + found[g]
-        return num_blocks, found
+            found = full_hit(self._lookups[0], hashes, max_blocks)
+            num_blocks, blocks = len(found), [found]
+        else:
+            num_blocks, blocks = longest_common_hit(self.groups, self._lookups, hashes, max_blocks, self.block_size)
+            for g in self._sliding:
+                blocks[g] = [self.null_block] * (num_blocks - len(blocks[g])) + blocks[g]
+        room = request.num_tokens - 1 - num_blocks * self.block_size
+        if self.sub_blocks is not None and room >= self.sub_block_size:
+            found_copy = self.sub_blocks.lookup(request, hashes, num_blocks, room)
+            if found_copy is not None:
+                blocks[0].append(found_copy[0])
+                return num_blocks, blocks, found_copy[1]
+        return num_blocks, blocks, 0
 
     def _leaving_window(self, table: list[Block], skip: int) -> list[int]:
         """Positions before ``skip`` that still hold a block, last first (the earlier ones were given back)."""
