@@ -12,7 +12,7 @@ from prefixcache.engine.messages import EngineCoreOutput, EngineCoreRequest, Eng
 from prefixcache.engine.output_processor import OutputProcessor
 from tests.helpers import build_tokenizer
 
-INFO = EngineInfo("tiny", 32, 512, 4, 64, "sha256", "prefixcache", True)
+INFO = EngineInfo("tiny", 32, 512, 4, 64, "sha256", "prefixcache", True, 256)
 
 
 @pytest.fixture(scope="module")
