@@ -9,6 +9,7 @@ import logging
 import httpx
 import pytest
 
+from prefixcache.core import FULL_ATTENTION, KVCacheGroupSpec
 from prefixcache.router.app import RouterSettings
 from prefixcache.router.backend_config import CacheConfig, hashing_mismatch, parse_cache_config
 from prefixcache.router.backends import BackendPool, BackendRefusedError, HealthSettings
@@ -18,6 +19,7 @@ from prefixcache.router.metrics import RouterMetrics
 from prefixcache.server.tenants import SALT_BY_API_KEY, engine_salt, tenant_salt
 from tests.helpers import wait_until
 from tests.router.fakes import (
+    BLOCK_SIZE,
     PROMPT,
     cache_config,
     complete,
@@ -112,6 +114,23 @@ def test_the_cache_config_says_how_requests_are_salted():
     )
     with pytest.raises(ValueError, match=r"tenant_salt 'user' is unknown to this router"):
         parsed(cache_config(tenant_salt="user"))
+
+
+def test_the_cache_config_reports_the_kv_cache_groups_each_spec_or_none_for_an_unknown_kind():
+    def group(idx, kind, window=None, block_size=BLOCK_SIZE) -> dict:
+        return {"group_idx": idx, "kind": kind, "block_size": block_size, "sliding_window": window}
+
+    assert parsed(cache_config()).group_specs == ()  # a server from before kv_cache_groups: learned from events
+    groups = [group(0, "sliding_window", 32), group(1, "full_attention"), group(2, "mamba")]
+    assert parsed(cache_config(kv_cache_groups=groups)).group_specs == (KVCacheGroupSpec(32), FULL_ATTENTION, None)
+    for bad, message in (
+        ([group(1, "full_attention")], "kv_cache_groups\\[0\\] is group 1"),
+        ([group(0, "full_attention", block_size=16)], "of blocks of 16 tokens, not group 0 of 4"),
+        ([group(0, "sliding_window")], "a sliding_window group needs its sliding window"),
+        ([group(0, "sliding_window", 0)], "sliding_window must be a positive integer"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parsed(cache_config(kv_cache_groups=bad))
 
 
 def test_the_backend_key_comes_from_the_flag_else_the_environment_and_is_never_shown():

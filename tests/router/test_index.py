@@ -2,8 +2,17 @@
 
 import random
 
-from prefixcache.core import KVCacheManager, Request
+import msgspec
+import pytest
+
+from prefixcache.core import FULL_ATTENTION, KVCacheGroupSpec, KVCacheManager, Request, hittable_blocks
+from prefixcache.kv_events.collector import KVEventCollector
+from prefixcache.kv_events.events import KVEventBatch
+from prefixcache.router import wire
+from prefixcache.router.blocks import MAX_KV_CACHE_GROUPS, BadEventError, ContentKeyedBlocks, EngineKeyedBlocks
 from prefixcache.router.index import IndexListener, PrefixIndex
+from prefixcache.router.metrics import RouterMetrics
+from prefixcache.router.prompt import PromptHasher
 from prefixcache.router.wire import external_block_hash
 
 
@@ -72,13 +81,15 @@ def test_hashes_of_requests_in_flight_count_as_held_until_each_is_released():
     assert index.matched_blocks([2], ["b"]) == {"b": 1}
 
 
-def test_a_listener_on_real_pools_predicts_every_lookup_exactly():
+@pytest.mark.parametrize("groups", [(FULL_ATTENTION,), (KVCacheGroupSpec(8), FULL_ATTENTION)], ids=["plain", "hybrid"])
+def test_a_listener_on_real_pools_predicts_every_lookup_exactly(groups):
     """Prompts over shared prefixes through two small caches with eviction: prediction == the manager's hit."""
     rng = random.Random(3)
     index = PrefixIndex()
     managers = {}
     for name in ("a", "b"):
-        managers[name] = KVCacheManager(num_blocks=24, block_size=4, listeners=[IndexListener(index, name)])
+        listener = IndexListener(index, name, groups)
+        managers[name] = KVCacheManager(num_blocks=24, block_size=4, groups=groups, listeners=[listener])
     prefixes = [[rng.randrange(1000) for _ in range(12)] for _ in range(5)]
     for i in range(200):
         name = rng.choice("ab")
@@ -92,7 +103,206 @@ def test_a_listener_on_real_pools_predicts_every_lookup_exactly():
         assert predicted == num_cached
         manager.allocate_slots(request, request.num_tokens - num_cached, hit)
         manager.free(request)
+
+    def cached_hashes(manager) -> int:
+        return len(set().union(*manager.pool.cached))
+
     for name, manager in managers.items():
-        assert index.num_blocks(name) == len(manager.pool.cached[0])
+        assert index.num_blocks(name) == cached_hashes(manager)
     managers["a"].reset_prefix_cache()
-    assert index.num_blocks("a") == 0 and index.num_blocks("b") == len(managers["b"].pool.cached[0])
+    assert index.num_blocks("a") == 0 and index.num_blocks("b") == cached_hashes(managers["b"])
+
+
+# ---- KV cache groups: a hybrid backend's hit is the engine's rule over each group's blocks ----------------------
+
+BLOCK = 4
+FULL_KIND, SLIDING_KIND = "full_attention", "sliding_window"
+WINDOW = 8  # two blocks of 4 before a hit's end
+
+
+def store_event(hashes, group, kind=None, window=None, medium="GPU", block_size=BLOCK):
+    return wire.BlockStored(
+        block_hashes=hashes,
+        block_size=block_size,
+        medium=medium,
+        group_idx=group,
+        kv_cache_spec_kind=kind,
+        kv_cache_spec_sliding_window=window,
+    )
+
+
+def removed_event(hashes, group, medium="GPU"):
+    return wire.BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group)
+
+
+def hybrid_backend(index, name="h"):
+    """A backend whose events teach the index two groups: full attention (0) and a window of 8 (1)."""
+    blocks = EngineKeyedBlocks(index, name, BLOCK)
+    blocks.store(store_event([1, 2, 3, 4, 5, 6], 0, FULL_KIND))
+    blocks.store(store_event([1, 2, 3, 4, 5, 6], 1, SLIDING_KIND, WINDOW))
+    return blocks
+
+
+def test_a_full_group_that_lost_an_early_block_bounds_the_hit_though_the_sliding_group_holds_it():
+    index = PrefixIndex()
+    blocks = hybrid_backend(index)
+    assert index.matched_blocks([1, 2, 3, 4, 5, 6], ["h"]) == {"h": 6}
+    blocks.remove(removed_event([3], 0))  # the full group evicted block 2; the sliding group still holds it
+    assert index.holds("h", 3)  # held by some group: the any-group rule would predict all 6 blocks
+    # the full group's run ends at 2 blocks, whose window (blocks 0 and 1) the sliding group holds
+    assert index.matched_blocks([1, 2, 3, 4, 5, 6], ["h"]) == {"h": 2}
+    blocks.remove(removed_event([1], 1))  # now the sliding group lacks block 0 of that window too
+    assert index.matched_blocks([1, 2, 3, 4, 5, 6], ["h"]) == {"h": 0}
+
+
+def test_a_sliding_group_serves_a_long_hit_without_the_blocks_before_its_window_but_not_a_short_one():
+    index = PrefixIndex()
+    blocks = hybrid_backend(index)
+    blocks.remove(removed_event([1, 2, 3], 1))  # blocks 0..2 left the window and were evicted there
+    assert index.matched_blocks([1, 2, 3, 4, 5, 6], ["h"]) == {"h": 6}  # the window before 6: blocks 4, 5
+    assert index.matched_blocks([1, 2, 3, 4, 5, 6, 7], ["h"]) == {"h": 6}
+    # a prompt of three blocks needs blocks 1 and 2 in the sliding group: no length of it is served
+    assert index.matched_blocks([1, 2, 3], ["h"]) == {"h": 0}
+    # a hole inside the window lowers the hit to the next point whose window is held
+    blocks.remove(removed_event([5], 1))
+    assert index.matched_blocks([1, 2, 3, 4, 5, 6], ["h"]) == {"h": 0}
+    blocks.store(store_event([2, 3], 1))  # stored again (the spec is known by now)
+    assert index.matched_blocks([1, 2, 3, 4, 5, 6], ["h"]) == {"h": 4}  # 4's window: blocks 2, 3
+
+
+def test_groups_reported_by_the_config_predict_before_any_event_names_a_spec():
+    index = PrefixIndex()
+    blocks = EngineKeyedBlocks(index, "h", BLOCK, (FULL_ATTENTION, KVCacheGroupSpec(WINDOW)))
+    assert index.matched_blocks([1, 2], ["h"]) == {"h": 0}
+    blocks.store(store_event([1, 2, 3], 0))  # events without spec fields: the reported groups hold
+    assert index.matched_blocks([1, 2, 3], ["h"]) == {"h": 0}  # the sliding group holds nothing yet
+    blocks.store(store_event([2, 3], 1))
+    assert index.matched_blocks([1, 2, 3], ["h"]) == {"h": 3}
+    blocks.clear()  # a restart: the entries go, the reported groups stay
+    blocks.store(store_event([1, 2, 3], 0))
+    assert index.matched_blocks([1, 2, 3], ["h"]) == {"h": 0}
+
+
+def test_a_reset_clears_every_group_and_the_tiers_continue_the_gpu_hit():
+    index = PrefixIndex()
+    blocks = hybrid_backend(index)
+    for group, kind, window in ((0, FULL_KIND, None), (1, SLIDING_KIND, WINDOW)):
+        blocks.store(store_event([1, 2, 3, 4, 5, 6, 7, 8], group, kind, window, medium="CPU"))
+    blocks.remove(removed_event([5], 0))
+    # GPU: the full group's run is 4 blocks (window held); the tier holds blocks 4.. in every group
+    assert index.matched_blocks([1, 2, 3, 4, 5, 6, 7, 8, 9], ["h"]) == {"h": 8}
+    blocks.clear("GPU")  # AllBlocksCleared: the engine's own cache in every group, not its tier
+    assert index.matched_blocks([1, 2, 3, 4, 5, 6, 7, 8, 9], ["h"]) == {"h": 8}
+    blocks.clear("CPU")
+    assert index.matched_blocks([1, 2], ["h"]) == {"h": 0} and index.num_blocks("h") == 0
+
+
+def test_single_group_backends_keep_the_any_copy_rule_beside_a_hybrid_one():
+    index = PrefixIndex()
+    hybrid_backend(index).remove(removed_event([1], 0))
+    plain = EngineKeyedBlocks(index, "p", BLOCK, (FULL_ATTENTION,))
+    plain.store(store_event([1, 2, 3], 0, FULL_KIND))
+    old = EngineKeyedBlocks(index, "old", BLOCK)  # events without group fields (an engine without groups)
+    old.store(store_event([1, 2], None))
+    assert index.matched_blocks([1, 2, 3], ["h", "p", "old", "none"]) == {"h": 0, "p": 3, "old": 2, "none": 0}
+
+
+def test_requests_in_flight_count_in_every_group():
+    index = PrefixIndex()
+    blocks = hybrid_backend(index)
+    blocks.remove(removed_event([6], 0))
+    index.hold("h", [6, 7])
+    assert index.matched_blocks([1, 2, 3, 4, 5, 6, 7], ["h"]) == {"h": 7}
+    index.release("h", [6, 7])
+    assert index.matched_blocks([1, 2, 3, 4, 5, 6, 7], ["h"]) == {"h": 5}
+
+
+def test_a_group_the_router_cannot_predict_routes_the_backend_by_load(caplog):
+    index = PrefixIndex()
+    blocks = hybrid_backend(index)
+    blocks.store(store_event([1, 2], 2, "mamba"))
+    blocks.store(store_event([3], 2, "mamba"))
+    assert index.matched_blocks([1, 2], ["h"]) == {"h": 0}
+    assert caplog.text.count("KV cache group of kind 'mamba', whose hits the router cannot predict") == 1
+
+
+def test_events_that_cannot_name_a_group_are_refused_and_change_nothing():
+    index = PrefixIndex()
+    blocks = hybrid_backend(index)
+    for bad in (
+        store_event([7], -1, FULL_KIND),
+        store_event([7], MAX_KV_CACHE_GROUPS, FULL_KIND),
+        store_event([7], 1, SLIDING_KIND, None),
+        store_event([7], 1, SLIDING_KIND, 0),
+    ):
+        with pytest.raises(BadEventError):
+            blocks.store(bad)
+    with pytest.raises(BadEventError):
+        blocks.remove(removed_event([1], -1))
+    assert not index.holds("h", 7)
+    assert index.matched_blocks([1, 2, 3, 4, 5, 6], ["h"]) == {"h": 6}
+
+
+def test_a_content_keyed_backend_keys_each_group_by_the_tokens():
+    """A vLLM-like backend with hybrid groups: each group's stores name the same random ids; its removals
+    and the rule apply per group."""
+    index = PrefixIndex()
+    blocks = ContentKeyedBlocks(index, "v", RouterMetrics(), BLOCK)
+    tokens = list(range(100, 124))  # 6 blocks
+    rng = random.Random(1)
+    theirs = [rng.getrandbits(64) for _ in range(6)]
+    for group, kind, window in ((0, FULL_KIND, None), (1, SLIDING_KIND, WINDOW)):
+        event = store_event(theirs, group, kind, window)
+        blocks.store(msgspec.structs.replace(event, token_ids=tokens))
+    hasher = PromptHasher.by_content(None, BLOCK)
+    ours = hasher.key(tokens + [1]).block_hashes
+    assert index.matched_blocks(ours, ["v"]) == {"v": 6}
+    blocks.remove(removed_event(theirs[2:3], 0))  # the full group evicted block 2
+    assert index.matched_blocks(ours, ["v"]) == {"v": 2}
+    blocks.remove(removed_event(theirs[:3], 1))
+    assert index.matched_blocks(ours, ["v"]) == {"v": 0}
+    assert len(blocks) == 5  # block 2 is gone from both groups, the others some group still holds
+
+
+def test_the_router_reading_a_hybrid_engines_events_predicts_every_lookup_exactly():
+    """A real hybrid manager's events through the collector, the wire and the router's decoder: a random mix of
+    chunked prefills, decodes and frees on a small pool, evicting in both groups; prediction == lookup."""
+    rng = random.Random(5)
+    groups = (FULL_ATTENTION, KVCacheGroupSpec(WINDOW))
+    collector = KVEventCollector(groups=groups)
+    manager = KVCacheManager(num_blocks=31, block_size=BLOCK, groups=groups, listeners=[collector])
+    index = PrefixIndex()
+    blocks = EngineKeyedBlocks(index, "h", BLOCK)  # groups learned from the events alone
+    prefixes = [[rng.randrange(50) for _ in range(n)] for n in (9, 20, 26)]
+    running = []
+    differs = 0
+    for step in range(300):
+        if running and rng.random() < 0.4:
+            manager.free(running.pop(rng.randrange(len(running))))
+        elif running and rng.random() < 0.6:
+            request = rng.choice(running)
+            if request.num_computed_tokens == request.num_tokens:
+                request.append_output_token_ids([rng.randrange(50)])
+            manager.allocate_slots(request, min(rng.randrange(1, 9), request.num_tokens - request.num_computed_tokens))
+        else:
+            request = Request(f"r{step}", rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randint(1, 5))])
+            hit = manager.find_prefix(request)
+            chunk = min(rng.randrange(1, 16), request.num_tokens - hit.num_tokens)
+            if manager.allocate_slots(request, chunk, hit) is not None:
+                running.append(request)
+        payload = msgspec.msgpack.encode(KVEventBatch(ts=float(step), events=collector.take()))
+        for event in wire.decode_batch(payload).events:
+            if isinstance(event, wire.BlockStored):
+                blocks.store(event)
+            elif isinstance(event, wire.BlockRemoved):
+                blocks.remove(event)
+        for prefix in prefixes:
+            for extra in (1, 4):
+                probe = Request("probe", prefix + [7] * extra)
+                hittable = manager.block_hashes(probe)[: hittable_blocks(probe.num_tokens, BLOCK)]
+                hashes = [external_block_hash(h) for h in hittable]
+                predicted = index.matched_blocks(hashes, ["h"])["h"] * BLOCK
+                assert predicted == manager.lookup(probe.prompt_token_ids).cached_tokens
+                held = next((i for i, h in enumerate(hashes) if not index.holds("h", h)), len(hashes))
+                differs += held * BLOCK != predicted
+    assert differs > 50  # the any-group rule would have been wrong this often

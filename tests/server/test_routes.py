@@ -7,8 +7,10 @@ import asyncio
 from types import SimpleNamespace
 
 import httpx
+import msgspec
 from fastapi import FastAPI
 
+from prefixcache.core import FULL_ATTENTION, KVCacheGroupSpec
 from prefixcache.engine.messages import EngineInfo
 from prefixcache.kv_events.config import KVEventsConfig
 from prefixcache.server.errors import install_error_handlers
@@ -60,6 +62,7 @@ def test_cache_config_says_how_the_cache_is_keyed_by_the_settings():
         "hash_seed": "prefixcache",
         "enable_prefix_caching": True,
         "tenant_salt": None,
+        "kv_cache_groups": [{"group_idx": 0, "kind": "full_attention", "block_size": 4, "sliding_window": None}],
         "kv_events": None,
     }
     keyed = app_with(cache.router, engine(kv_events=events), ServerSettings(("tiny",), api_keys=("k",)))
@@ -68,6 +71,17 @@ def test_cache_config_says_how_the_cache_is_keyed_by_the_settings():
     assert answer["kv_events"] == {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}
     shared = ServerSettings(("tiny",), api_keys=("k",), share_cache_across_keys=True)
     assert get(app_with(cache.router, engine(), shared), "/v1/cache/config").json()["tenant_salt"] is None
+
+
+def test_cache_config_lists_a_hybrid_models_kv_cache_groups_in_order():
+    groups = (KVCacheGroupSpec(32), FULL_ATTENTION, KVCacheGroupSpec(32))
+    hybrid = SimpleNamespace(info=msgspec.structs.replace(ENGINE_INFO, kv_cache_groups=groups), config=engine().config)
+    answer = get(app_with(cache.router, hybrid, ServerSettings(("tiny",))), "/v1/cache/config").json()
+    assert answer["kv_cache_groups"] == [
+        {"group_idx": 0, "kind": "sliding_window", "block_size": 4, "sliding_window": 32},
+        {"group_idx": 1, "kind": "full_attention", "block_size": 4, "sliding_window": None},
+        {"group_idx": 2, "kind": "sliding_window", "block_size": 4, "sliding_window": 32},
+    ]
 
 
 def test_health_follows_the_engine_and_models_lists_every_served_name():

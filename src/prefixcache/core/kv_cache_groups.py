@@ -31,6 +31,14 @@ T = TypeVar("T")
 
 FULL_ATTENTION_KIND = "full_attention"
 SLIDING_WINDOW_KIND = "sliding_window"
+# vLLM's names of the specs whose hit follows one of the two rules here, by whether the spec slides (MLA stores
+# K/V compressed, and hits alike). Other kinds (mamba, chunked local attention) keep their blocks otherwise.
+_KINDS_SLIDE = {
+    FULL_ATTENTION_KIND: False,
+    "mla_attention": False,
+    SLIDING_WINDOW_KIND: True,
+    "sliding_window_mla": True,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +78,21 @@ class KVCacheGroupSpec:
 
 
 FULL_ATTENTION = KVCacheGroupSpec()
+
+
+def spec_of_kind(kind: str, sliding_window: int | None) -> KVCacheGroupSpec | None:
+    """The spec of a group described by vLLM's fields (a KV event's ``kv_cache_spec_kind`` and
+    ``kv_cache_spec_sliding_window``, a server's ``kv_cache_groups``); None for a kind whose hit follows
+    neither rule. A full-attention kind ignores the window (vLLM gives one to sliding layers it treats as
+    full when its hybrid manager is off); ValueError for a sliding kind without a positive window."""
+    slides = _KINDS_SLIDE.get(kind)
+    if slides is None:
+        return None
+    if not slides:
+        return FULL_ATTENTION
+    if sliding_window is None:
+        raise ValueError(f"a {kind} group needs its sliding window")
+    return KVCacheGroupSpec(sliding_window)
 
 
 def check_groups(groups: Sequence[KVCacheGroupSpec]) -> tuple[KVCacheGroupSpec, ...]:

@@ -125,6 +125,7 @@ class EngineCore:
             dtype=str(self.runner.kv_caches[0][0].dtype).removeprefix("torch."),
             device=str(self.runner.device),
             kv_cache_bytes=self.manager.num_blocks * self.block_bytes,  # layer views share storage per group slot
+            kv_cache_groups=self.manager.groups,
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:

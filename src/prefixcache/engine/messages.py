@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from prefixcache.core.kv_cache_groups import FULL_ATTENTION, KVCacheGroupSpec
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.offload.store import TierStats
 
@@ -121,6 +122,7 @@ class EngineInfo(msgspec.Struct, array_like=True, tag=True, frozen=True):
 
     ``architecture``, ``dtype`` (the weights' and KV cache's, as resolved by the core), ``device`` and
     ``kv_cache_bytes`` (what the KV blocks take) describe the engine in the start-up log and metadata paths.
+    ``kv_cache_groups`` are the cache's groups in the core's order, which a router needs to predict its hits.
     """
 
     model_name: str
@@ -137,6 +139,7 @@ class EngineInfo(msgspec.Struct, array_like=True, tag=True, frozen=True):
     dtype: str = ""
     device: str = ""
     kv_cache_bytes: int = 0
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...] = (FULL_ATTENTION,)
 
 
 CoreInput = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown

@@ -4,7 +4,8 @@ Reads JSON lines (OpenAI completion or chat bodies, or {"prompt": ...} / {"promp
 ``cache_salt`` honoured) and, without running the model, reports the hit rate an infinite cache would
 give, token-exact and in whole blocks, where prompts part from earlier ones and why, what would fix it,
 and missed tokens by reason. ``--capacity-tokens`` replays the log through the real cache manager to
-count evictions; ``--base-url`` tokenizes through a running server and adds what its cache holds now.
+count evictions; ``--base-url`` tokenizes through a running server and adds what its cache holds now
+(the replay then admits through the server's KV cache groups).
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The command: read, tokenize, explain, print; a bad line is reported and skipped."""
-    from prefixcache.core import FULL_ATTENTION
     from prefixcache.explain.analysis import ExplainConfig, explain
     from prefixcache.explain.log import read_log
     from prefixcache.explain.report import format_report, to_json, write_plot
@@ -66,11 +66,10 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     except OSError as exc:
         parser.error(f"cannot read {args.log}: {exc}")
     if args.base_url:
-        prompts, token_errors, decode, live_cached, server_block_size = through_server(
+        prompts, token_errors, decode, live_cached, server_block_size, groups = through_server(
             bodies, args.base_url, args.api_key
         )
         source = f"{args.log} (tokenized by {args.base_url})"
-        groups = (FULL_ATTENTION,)  # the server does not say how its layers are grouped
     else:
         prompts, token_errors, decode, name, groups = through_tokenizer(bodies, args.model)
         live_cached, server_block_size = None, None

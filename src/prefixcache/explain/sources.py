@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from prefixcache.core import KVCacheGroupSpec
+from prefixcache.core.kv_cache_groups import FULL_ATTENTION_KIND, spec_of_kind
 from prefixcache.explain.log import Decode, LineError, LoggedBody, Prompt, namespace_of, token_ids_of, tokenize_log
 
 
@@ -28,8 +29,9 @@ def through_tokenizer(
 
 def through_server(
     bodies: Sequence[LoggedBody], base_url: str, api_key: str | None
-) -> tuple[list[Prompt], list[LineError], Decode, list[int], int | None]:
-    """Look every body up on the server: its tokens, each token's text, and what its cache holds now.
+) -> tuple[list[Prompt], list[LineError], Decode, list[int], int | None, tuple[KVCacheGroupSpec, ...]]:
+    """Look every body up on the server: its tokens, each token's text, and what its cache holds now; also
+    the server's KV cache groups, for the replay.
 
     A body the server refuses (400) is a bad line; anything else that fails stops the command.
     """
@@ -42,10 +44,11 @@ def through_server(
     block_size = None
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=60) as client:
+        groups = _server_groups(client)
         for logged in bodies:
             try:
                 salt, lora = namespace_of(logged.body)
-                answer = _server_lookup(client, _lookup_body(logged.body))
+                answer = _server_answer(client, "/v1/cache/lookup", _lookup_body(logged.body))
             except ValueError as exc:
                 errors.append(LineError(logged.line, str(exc)))
                 continue
@@ -54,7 +57,20 @@ def through_server(
             prompts.append(Prompt(logged.line, ids, salt, lora))
             live_cached.append(answer["cached_tokens"])
             block_size = answer["block_size"]
-    return prompts, errors, lambda ids: "".join(texts.get(t, "") for t in ids), live_cached, block_size
+    return prompts, errors, lambda ids: "".join(texts.get(t, "") for t in ids), live_cached, block_size, groups
+
+
+def _server_groups(client: Any) -> tuple[KVCacheGroupSpec, ...]:
+    """The KV cache groups the server reports at /v1/cache/config, for the replay to admit as it does; one
+    full-attention group for a server that reports none (one from before them, or without the path)."""
+    answer = _server_answer(client, "/v1/cache/config", missing_ok=True)
+    groups = []
+    for group in (answer or {}).get("kv_cache_groups") or [{"kind": FULL_ATTENTION_KIND}]:
+        spec = spec_of_kind(group["kind"], group.get("sliding_window"))
+        if spec is None:
+            raise SystemExit(f"prefixcache explain: cannot replay a KV cache group of kind {group['kind']!r}")
+        groups.append(spec)
+    return tuple(groups)
 
 
 def _lookup_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -68,18 +84,25 @@ def _lookup_body(body: dict[str, Any]) -> dict[str, Any]:
     return {**prompt, "cache_salt": body.get("cache_salt"), "return_token_ids": True}
 
 
-def _server_lookup(client: Any, body: dict[str, Any]) -> dict[str, Any]:
+def _server_answer(
+    client: Any, path: str, body: dict[str, Any] | None = None, missing_ok: bool = False
+) -> dict[str, Any] | None:
+    """The JSON answer to a GET (``body`` None) or a POST of ``body``; None for a 404 when ``missing_ok``.
+
+    Raises ValueError when the server refuses the body (400); anything else that fails stops the command.
+    """
     import httpx
 
     try:
-        response = client.post("/v1/cache/lookup", json=body)
+        response = client.get(path) if body is None else client.post(path, json=body)
     except httpx.HTTPError as exc:
         raise SystemExit(f"prefixcache explain: cannot reach {client.base_url}: {exc}") from exc
-    if response.status_code == 400:
+    if response.status_code == 400 and body is not None:
         raise ValueError(f"the server refused it: {response.json()['error']['message']}")
+    if response.status_code == 404 and missing_ok:
+        return None
     if response.status_code != 200:
         raise SystemExit(
-            f"prefixcache explain: {client.base_url}/v1/cache/lookup answered {response.status_code}: "
-            f"{response.text[:200]}"
+            f"prefixcache explain: {client.base_url}{path} answered {response.status_code}: {response.text[:200]}"
         )
     return response.json()

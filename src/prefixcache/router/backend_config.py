@@ -3,6 +3,10 @@
 The router hashes prompts itself, so every backend must hash exactly as it does: same model (same
 tokens), block size, hash algorithm and seed, and the same salting (``tenant_salt``: whether each API key
 is a tenant). A backend that differs is refused. A backend older than ``tenant_salt`` reports none: not keyed.
+
+Its KV cache groups (``kv_cache_groups``) are its own: backends of one model may group its layers differently
+(one with the hybrid manager disabled). A backend older than them reports none: the router learns them from
+its events.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from prefixcache.core.kv_cache_groups import KVCacheGroupSpec, spec_of_kind
 from prefixcache.server.tenants import SALT_BY_API_KEY
 
 CACHE_CONFIG_PATH = "/v1/cache/config"
@@ -25,6 +30,15 @@ class KVEventsEndpoints(msgspec.Struct, frozen=True):
     topic: str = ""
 
 
+class KVCacheGroupInfo(msgspec.Struct, frozen=True):
+    """One KV cache group as the backend describes it (the shape vLLM gives its event consumers)."""
+
+    group_idx: int
+    kind: str
+    block_size: int
+    sliding_window: int | None = None
+
+
 class CacheConfig(msgspec.Struct, frozen=True):
     model: str
     max_model_len: int
@@ -34,14 +48,27 @@ class CacheConfig(msgspec.Struct, frozen=True):
     enable_prefix_caching: bool
     kv_events: KVEventsEndpoints | None = None
     tenant_salt: str | None = None
+    kv_cache_groups: tuple[KVCacheGroupInfo, ...] = ()
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+        for position, group in enumerate(self.kv_cache_groups):
+            if group.group_idx != position or group.block_size != self.block_size:
+                raise ValueError(
+                    f"kv_cache_groups[{position}] is group {group.group_idx} of blocks of {group.block_size} tokens, "
+                    f"not group {position} of {self.block_size}"
+                )
+            spec_of_kind(group.kind, group.sliding_window)  # ValueError for a sliding group without its window
         if self.tenant_salt not in (None, SALT_BY_API_KEY):
             raise ValueError(
                 f"tenant_salt {self.tenant_salt!r} is unknown to this router (it knows {SALT_BY_API_KEY!r})"
             )
+
+    @property
+    def group_specs(self) -> tuple[KVCacheGroupSpec | None, ...]:
+        """Each group's spec in group order; None for a kind whose hit the router cannot model."""
+        return tuple(spec_of_kind(group.kind, group.sliding_window) for group in self.kv_cache_groups)
 
     @property
     def keyed(self) -> bool:

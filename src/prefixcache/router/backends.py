@@ -4,7 +4,8 @@ Three kinds, told apart at admission by ``GET /v1/cache/config``:
 
 - ``prefixcache``: a ``prefixcache serve`` answering it. Its hashing must match the others' (the first
   listed one that answers sets the reference; one that differs is refused and re-examined at each health
-  check), and its events' hashes are the index's keys (exact prediction).
+  check), and its events' hashes are the index's keys (exact prediction); the KV cache groups it reports
+  (a hybrid model's sliding and full layers) are its own.
 - ``kv-events``: no such path (404), but ``--kv-event-source`` names where it publishes KV events (a vLLM
   server started with ``--kv-events-config``): indexed by the content of its events
   (:class:`~prefixcache.router.blocks.ContentKeyedBlocks`). Events with another block size than the
@@ -240,7 +241,8 @@ class BackendPool:
             return
         backend.kind = ENGINE
         source = backend.events or self._reported_source(backend, config)
-        self._join(backend, source, EngineKeyedBlocks(self.index, backend.url))
+        blocks = EngineKeyedBlocks(self.index, backend.url, config.block_size, config.group_specs)
+        self._join(backend, source, blocks)
 
     def _admit_foreign(self, backend: Backend) -> None:
         if backend.events is None:

@@ -1,62 +1,110 @@
 """Which backend holds which block hash: the router's picture of every engine's prefix cache.
 
 Fed from KV cache events (or, in the simulation, straight from each engine's block pool through
-:class:`IndexListener`). A hash is held by a backend while any of its media (``GPU``, an offload tier)
-holds it; the chain of hashes means a backend's longest cached prefix is the longest run of a
-prompt's block hashes that it holds from the first block on.
+:class:`IndexListener`). Each copy of a hash is kept by medium (``GPU``, an offload tier) and KV cache
+group, and a backend's longest cached prefix is predicted by the engine's own rule:
+
+- one full-attention group (most models, and a backend whose events name no group): a hash is held while
+  any copy is, and the chain of hashes makes the hit the longest run of a prompt's block hashes held from
+  the first block on;
+- several groups, or a sliding one (hybrid attention: Gemma 3, gpt-oss, Mistral): each group's spec comes
+  from the backend's ``/v1/cache/config`` (:meth:`PrefixIndex.set_groups`, before any event) and from its
+  events (:meth:`PrefixIndex.learn_group`, which win), and the hit is
+  :func:`~prefixcache.core.kv_cache_groups.longest_common_hit` over what each group holds on ``GPU``, the
+  very function the engine admits with, continued by the run of blocks its offload tiers hold from there
+  (as the engine's connector continues it). A group of a kind neither rule describes (mamba) makes the
+  predicted hit 0: the backend is routed by load.
 
 Events only tell what a backend has computed. A request routed there is about to compute its prompt's
-blocks, so while it is in flight its hashes count as held too (``hold``/``release``): a burst of one
-tenant's requests follows the first one instead of spreading before its events arrive.
+blocks, so while it is in flight its hashes count as held too, in every group (``hold``/``release``): a
+burst of one tenant's requests follows the first one instead of spreading before its events arrive.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import cast
 
 from prefixcache.core.block_pool import BlockPoolListener, StoredBlocks
 from prefixcache.core.hashing import BlockHash
+from prefixcache.core.kv_cache_groups import FULL_ATTENTION, KVCacheGroupSpec, check_groups, longest_common_hit
 from prefixcache.router.wire import MEDIUM_GPU, external_block_hash
+
+Copy = tuple[str, int]  # (medium, KV cache group)
+_NO_COPIES: dict[str, set[Copy]] = {}
+
+
+@dataclass(slots=True)
+class _Groups:
+    """One backend's KV cache groups: as its config reported them and as its events say (events win); None is
+    a kind the router cannot predict. ``specs`` and ``indices`` are what the prediction uses, in group order."""
+
+    block_size: int
+    reported: dict[int, KVCacheGroupSpec | None] = field(default_factory=dict)
+    learned: dict[int, KVCacheGroupSpec | None] = field(default_factory=dict)
+    indices: tuple[int, ...] = ()
+    specs: tuple[KVCacheGroupSpec | None, ...] = ()
+
+    def update(self) -> None:
+        merged = self.reported | self.learned
+        self.indices = tuple(sorted(merged))
+        self.specs = tuple(merged[g] for g in self.indices)
+
+    @property
+    def single(self) -> bool:
+        """One full-attention group (or none known): any copy serves a hit, today's plain path."""
+        return self.specs in ((), (FULL_ATTENTION,))
 
 
 class PrefixIndex:
     def __init__(self) -> None:
-        self._holders: dict[int, dict[str, set[str]]] = {}  # hash -> backend -> media holding it
+        self._holders: dict[int, dict[str, set[Copy]]] = {}  # hash -> backend -> copies holding it
         self._by_backend: dict[str, set[int]] = {}
         self._in_flight: dict[str, Counter[int]] = {}  # backend -> hashes of requests routed there, counted
+        self._groups: dict[str, _Groups] = {}
 
     def __len__(self) -> int:
         """Distinct block hashes held anywhere (by events; in-flight requests' hashes are not counted)."""
         return len(self._holders)
 
     def num_blocks(self, backend: str) -> int:
+        """Distinct hashes ``backend`` holds in some medium and group."""
         return len(self._by_backend.get(backend, ()))
 
     def holds(self, backend: str, block_hash: int) -> bool:
-        """Whether any medium of ``backend`` holds ``block_hash`` by events."""
+        """Whether any medium and group of ``backend`` holds ``block_hash`` by events."""
         return block_hash in self._by_backend.get(backend, ())
 
-    def store(self, backend: str, block_hashes: Iterable[int], medium: str = MEDIUM_GPU) -> None:
+    def set_groups(self, backend: str, block_size: int, groups: Sequence[KVCacheGroupSpec | None]) -> None:
+        """What ``backend`` reports of its KV cache groups, in group order (None: a kind the router cannot
+        predict), its blocks of ``block_size`` tokens; replaces what was known of them."""
+        self._groups[backend] = record = _Groups(block_size, dict(enumerate(groups)))
+        record.update()
+
+    def learn_group(self, backend: str, group: int, spec: KVCacheGroupSpec | None, block_size: int) -> None:
+        """What an event says of group ``group``; forgotten with the backend's entries (``clear``)."""
+        record = self._groups.get(backend)
+        if record is None:
+            self._groups[backend] = record = _Groups(block_size)
+        elif group in record.learned and record.learned[group] == spec and record.block_size == block_size:
+            return
+        record.block_size = block_size
+        record.learned[group] = spec
+        record.update()
+
+    def store(self, backend: str, block_hashes: Iterable[int], medium: str = MEDIUM_GPU, group: int = 0) -> None:
         owned = self._by_backend.setdefault(backend, set())
+        copy = (medium, group)
         for block_hash in block_hashes:
-            self._holders.setdefault(block_hash, {}).setdefault(backend, set()).add(medium)
+            self._holders.setdefault(block_hash, {}).setdefault(backend, set()).add(copy)
             owned.add(block_hash)
 
-    def remove(self, backend: str, block_hashes: Iterable[int], medium: str = MEDIUM_GPU) -> None:
-        """Forget ``medium``'s copy; a hash unknown to the index (stored before we listened) is ignored."""
-        owned = self._by_backend.get(backend)
-        for block_hash in block_hashes:
-            holders = self._holders.get(block_hash)
-            media = holders.get(backend) if holders else None
-            if media is None:
-                continue
-            media.discard(medium)
-            if not media:
-                del holders[backend]
-                owned.discard(block_hash)
-                if not holders:
-                    del self._holders[block_hash]
+    def remove(self, backend: str, block_hashes: Iterable[int], medium: str = MEDIUM_GPU, group: int = 0) -> None:
+        """Forget ``medium``'s copy in ``group``; a hash unknown to the index (stored before we listened) is ignored."""
+        copy = (medium, group)
+        self._forget(backend, block_hashes, lambda copies: copies.discard(copy))
 
     def hold(self, backend: str, block_hashes: Iterable[int]) -> None:
         """A request routed to ``backend`` will compute these blocks: count them as there until ``release``."""
@@ -72,23 +120,40 @@ class PrefixIndex:
                 del counts[block_hash]
 
     def clear(self, backend: str, medium: str | None = None) -> None:
-        """Drop what ``backend`` holds by events: on ``medium`` only (a reset clears the engine's own cache,
-        not its offload tiers), or everywhere (a restart, or it left the rotation)."""
+        """Drop what ``backend`` holds by events: on ``medium`` only, in every group (a reset clears the engine's
+        own cache, not its offload tiers), or everywhere, with the groups its events taught (a restart, or
+        it left the rotation); what its config reported of its groups stays."""
         if medium is not None:
-            self.remove(backend, list(self._by_backend.get(backend, ())), medium)
+
+            def drop_medium(copies: set[Copy]) -> None:
+                copies.difference_update([c for c in copies if c[0] == medium])
+
+            self._forget(backend, list(self._by_backend.get(backend, ())), drop_medium)
             return
         for block_hash in self._by_backend.pop(backend, ()):
             holders = self._holders[block_hash]
             del holders[backend]
             if not holders:
                 del self._holders[block_hash]
+        record = self._groups.get(backend)
+        if record is not None and record.learned:
+            record.learned.clear()
+            record.update()
 
     def matched_blocks(self, block_hashes: Sequence[int], backends: Iterable[str]) -> dict[str, int]:
-        """For each backend, how many of the leading ``block_hashes`` it holds (or is computing) without a gap."""
+        """For each backend, how many of the leading ``block_hashes`` (all hittable) its engine would find cached."""
         matched = dict.fromkeys(backends, 0)
-        remaining = set(matched)
+        remaining = set()
+        for backend in matched:
+            record = self._groups.get(backend)
+            if record is None or record.single:
+                remaining.add(backend)
+            else:
+                matched[backend] = self._grouped_hit(backend, record, block_hashes)
+        if not remaining:
+            return matched
         for depth, block_hash in enumerate(block_hashes, start=1):
-            holders = self._holders.get(block_hash, {})
+            holders = self._holders.get(block_hash, _NO_COPIES)
             remaining = {b for b in remaining if b in holders or block_hash in self._in_flight.get(b, ())}
             if not remaining:
                 break
@@ -96,19 +161,64 @@ class PrefixIndex:
                 matched[backend] = depth
         return matched
 
+    def _grouped_hit(self, backend: str, record: _Groups, block_hashes: Sequence[int]) -> int:
+        """The engine's hit of a backend with KV cache groups: what every group serves on GPU, then its tiers' run."""
+        if None in record.specs:
+            return 0
+        holders = self._holders
+        in_flight = self._in_flight.get(backend, ())
+
+        def on_gpu(group: int) -> Callable[[int], bool | None]:
+            copy = (MEDIUM_GPU, group)
+
+            def lookup(block_hash: int) -> bool | None:
+                copies = holders.get(block_hash, _NO_COPIES).get(backend)
+                return True if (copies is not None and copy in copies) or block_hash in in_flight else None
+
+            return lookup
+
+        specs = cast(tuple[KVCacheGroupSpec, ...], record.specs)  # no None: checked above
+        lookups = [on_gpu(g) for g in record.indices]
+        k, _ = longest_common_hit(specs, lookups, block_hashes, len(block_hashes), record.block_size)
+        while k < len(block_hashes) and any(
+            medium != MEDIUM_GPU for medium, _ in holders.get(block_hashes[k], _NO_COPIES).get(backend, ())
+        ):
+            k += 1
+        return k
+
+    def _forget(self, backend: str, block_hashes: Iterable[int], drop: Callable[[set[Copy]], None]) -> None:
+        """Apply ``drop`` to ``backend``'s copies of each hash; a hash left without a copy is no longer held."""
+        owned = self._by_backend.get(backend)
+        for block_hash in block_hashes:
+            holders = self._holders.get(block_hash)
+            copies = holders.get(backend) if holders else None
+            if copies is None:
+                continue
+            drop(copies)
+            if not copies:
+                del holders[backend]
+                owned.discard(block_hash)
+                if not holders:
+                    del self._holders[block_hash]
+
 
 class IndexListener(BlockPoolListener):
-    """Feeds one engine's block pool changes into the index directly, as its events would (simulation)."""
+    """Feeds one engine's block pool changes into the index directly, as its events would (simulation);
+    ``groups`` are the engine's KV cache groups."""
 
-    def __init__(self, index: PrefixIndex, backend: str) -> None:
+    def __init__(
+        self, index: PrefixIndex, backend: str, groups: Sequence[KVCacheGroupSpec] = (FULL_ATTENTION,)
+    ) -> None:
         self.index = index
         self.backend = backend
+        self.groups = check_groups(groups)
 
     def blocks_stored(self, stored: StoredBlocks) -> None:
-        self.index.store(self.backend, [external_block_hash(h) for h in stored.block_hashes])
+        self.index.learn_group(self.backend, stored.group, self.groups[stored.group], stored.block_size)
+        self.index.store(self.backend, [external_block_hash(h) for h in stored.block_hashes], group=stored.group)
 
     def blocks_removed(self, block_hashes: list[BlockHash], group: int) -> None:
-        self.index.remove(self.backend, [external_block_hash(h) for h in block_hashes])
+        self.index.remove(self.backend, [external_block_hash(h) for h in block_hashes], group=group)
 
     def cache_cleared(self) -> None:
         self.index.clear(self.backend)

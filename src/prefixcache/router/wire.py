@@ -7,6 +7,9 @@ on a DEALER socket to the replay ROUTER gets ``[b"", seq, payload]`` for every b
 ``start_seq``, then ``[b"", seq -1, b""]``; vLLM 0.32 puts the topic before the sequence number
 (``[b"", topic, seq, payload]``), and both are read. Block hashes are unsigned 64-bit integers by default
 (the last 8 bytes of the hash, big-endian); a publisher sending full bytes is read the same way.
+An engine with several KV cache groups (hybrid attention) names each event's group (``group_idx``) and, on
+``BlockStored``, the group's spec (``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``); a publisher
+without them has one group.
 """
 
 from __future__ import annotations
@@ -39,11 +42,15 @@ class BlockStored(msgspec.Struct, tag=True, frozen=True):
     medium: str | None = None
     lora_name: str | None = None
     extra_keys: list[list | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(msgspec.Struct, tag=True, frozen=True):
     block_hashes: list[WireHash]
     medium: str | None = None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(msgspec.Struct, tag=True, frozen=True):

@@ -51,7 +51,9 @@ async def cache_config(engine: Engine, settings: Settings) -> dict[str, Any]:
     """How this server keys its prefix cache and where it publishes KV events: what a router needs.
 
     ``tenant_salt`` is ``"api_key"`` when each API key is a tenant (the engine's salt is ``engine_salt`` of
-    the key's ``tenant_salt`` and the body's ``cache_salt``), null when only ``cache_salt`` salts."""
+    the key's ``tenant_salt`` and the body's ``cache_salt``), null when only ``cache_salt`` salts.
+    ``kv_cache_groups`` are the KV cache groups in the shape vLLM gives its event consumers (index, kind,
+    block size, window), so that a router predicts a hybrid model's hits before any event arrives."""
     info = engine.info
     keyed = bool(settings.api_keys) and not settings.share_cache_across_keys
     events = engine.config.kv_events_config
@@ -64,6 +66,10 @@ async def cache_config(engine: Engine, settings: Settings) -> dict[str, Any]:
         "hash_seed": info.hash_seed,
         "enable_prefix_caching": info.enable_prefix_caching,
         "tenant_salt": SALT_BY_API_KEY if keyed else None,
+        "kv_cache_groups": [
+            {"group_idx": g, "kind": spec.kind, "block_size": info.block_size, "sliding_window": spec.sliding_window}
+            for g, spec in enumerate(info.kv_cache_groups)
+        ],
         "kv_events": (
             {"endpoint": events.endpoint, "replay_endpoint": events.replay_endpoint, "topic": events.topic}
             if publishing
