@@ -17,3 +17,17 @@ def tiny_loaded(tiny_llama_dir):
     from prefixcache.model import load_model
 
     return load_model(str(tiny_llama_dir), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory):
+    """A tiny random-weight Gemma 3 checkpoint: six layers, two of window 32 per full-attention layer, so three
+    KV cache groups (sliding, full, sliding); with 16-token blocks a window needs two blocks before a hit's end."""
+    layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny-gemma3"),
+        "gemma3_text",
+        num_hidden_layers=6,
+        layer_types=layer_types,
+        sliding_window=32,
+    )

@@ -83,3 +83,24 @@ def wait_until(condition, timeout: float = 20.0, what: str = "condition") -> Non
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+def hybrid_workload(seed: str, count: int, block_size: int) -> list[list[int]]:
+    """Prompts for a hybrid model's cache (see ``tiny_gemma3_dir``): questions on a shared 6-block document
+    (sharing 2, 4 or all 6 of its blocks) and unique fillers, each whole blocks ending with a block of its
+    own; token ids clear of the tiny tokenizer's special ids. Through a small pool the full group evicts the
+    document's early blocks while sliding groups still hold them, and the other way round."""
+    import random
+
+    rng = random.Random(seed)
+
+    def tokens(num_blocks: int) -> list[int]:
+        return [rng.randrange(2, 400) for _ in range(num_blocks * block_size)]
+
+    document = tokens(6)
+    prompts = []
+    for i in range(count):
+        shared = 0 if i % 4 == 3 else rng.choice((2, 4, 6))
+        own = rng.randint(1, 3) if shared else rng.randint(4, 6)
+        prompts.append(document[: shared * block_size] + tokens(own))
+    return prompts

@@ -1,0 +1,47 @@
+"""``explain --base-url`` against a real ``prefixcache serve`` of a hybrid model (a tiny Gemma 3): the replay
+admits through the server's KV cache groups, so with the server's capacity it reports the server's own hits."""
+
+import json
+
+import httpx
+
+from prefixcache.cli import main
+from prefixcache.core import FULL_ATTENTION
+from prefixcache.explain.analysis import ExplainConfig, explain
+from prefixcache.explain.log import Prompt
+from tests.explain.conftest import decode_ids
+from tests.helpers import hybrid_workload
+from tests.server.harness import ServerProcess
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 36
+# Each prompt in one chunk, as the replay admits it; a small pool, so that it evicts.
+SERVE_ARGS = ["--block-size", str(BLOCK_SIZE), "--num-blocks", str(NUM_BLOCKS), "--dtype", "float32"]
+
+
+def test_explain_replays_a_hybrid_servers_cache_hit_for_hit(tiny_gemma3_dir, tmp_path):
+    prompts = hybrid_workload("hybrid-explain", 32, BLOCK_SIZE)
+    server = ServerProcess(tiny_gemma3_dir, SERVE_ARGS, tmp_path / "serve.log")
+    try:
+        server.wait_ready()
+        served = []
+        for prompt in prompts:
+            body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+            response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            served.append(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        log, out = tmp_path / "log.jsonl", tmp_path / "report.json"
+        log.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        capacity = str(NUM_BLOCKS * BLOCK_SIZE)
+        main(["explain", str(log), "--base-url", server.url, "--capacity-tokens", capacity, "--json", str(out)])
+    finally:
+        server.stop()
+    report = json.loads(out.read_text())
+    windows = [group["sliding_window"] for group in report["config"]["kv_cache_groups"]]
+    assert windows == [32, None, 32]  # the server's groups
+    assert [r["capacity_hit"] for r in report["requests"]] == served
+    assert report["hit_rate"]["capacity"] == sum(served) / sum(map(len, prompts)) > 0
+    # one full-attention group (what explain assumed before servers reported their groups) replays otherwise
+    one_group = ExplainConfig(BLOCK_SIZE, NUM_BLOCKS * BLOCK_SIZE, kv_cache_groups=(FULL_ATTENTION,))
+    logged = [Prompt(line, p) for line, p in enumerate(prompts, start=1)]
+    assert [r.capacity_hit for r in explain(logged, one_group, decode_ids).requests] != served
