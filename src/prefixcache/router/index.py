@@ -7,7 +7,7 @@ group, and a backend's longest cached prefix is predicted by the engine's own ru
 - one full-attention group (most models, and a backend whose events name no group): a hash is held while
   any copy is, and the chain of hashes makes the hit the longest run of a prompt's block hashes held from
   the first block on;
-- several groups, or a sliding one (hybrid attention: Gemma 3, gpt-oss, Mistral): each group's spec comes
+- several groups, or a sliding one (hybrid attention: Gemma 3, a windowed Qwen3 or Mistral): each group's spec comes
   from the backend's ``/v1/cache/config`` (:meth:`PrefixIndex.set_groups`, before any event) and from its
   events (:meth:`PrefixIndex.learn_group`, which win), and the hit is
   :func:`~prefixcache.core.kv_cache_groups.longest_common_hit` over what each group holds on ``GPU``, the
