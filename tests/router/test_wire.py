@@ -28,8 +28,10 @@ def test_a_batch_is_an_array_of_ts_events_and_rank_with_events_tagged_by_class_n
                     "medium": "GPU",
                     "lora_name": None,
                     "extra_keys": [[["salt", "t1"]], None],
-                    "group_idx": 0,  # newer vLLM fields are ignored
-                    "kv_cache_spec_kind": "full_attention",
+                    "group_idx": 1,
+                    "kv_cache_spec_kind": "sliding_window",
+                    "kv_cache_spec_sliding_window": 128,
+                    "locality": "LOCAL",  # newer vLLM fields are ignored
                 },
                 {"type": "BlockRemoved", "block_hashes": [7], "medium": "CPU"},
                 {"type": "AllBlocksCleared"},
@@ -42,7 +44,13 @@ def test_a_batch_is_an_array_of_ts_events_and_rank_with_events_tagged_by_class_n
     stored, removed, cleared = batch.events
     assert isinstance(stored, BlockStored) and stored.block_hashes == [2**64 - 1, 7]
     assert stored.extra_keys == [[["salt", "t1"]], None] and stored.medium == "GPU"
+    assert (stored.group_idx, stored.kv_cache_spec_kind, stored.kv_cache_spec_sliding_window) == (
+        1,
+        "sliding_window",
+        128,
+    )
     assert isinstance(removed, BlockRemoved) and removed.medium == "CPU"
+    assert removed.group_idx is None  # a publisher without groups: group 0
     assert isinstance(cleared, AllBlocksCleared)
 
 

@@ -39,23 +39,21 @@ _NO_COPIES: dict[str, set[Copy]] = {}
 @dataclass(slots=True)
 class _Groups:
     """One backend's KV cache groups: as its config reported them and as its events say (events win); None is
-    a kind the router cannot predict. ``specs`` and ``indices`` are what the prediction uses, in group order."""
+    a kind the router cannot predict. ``specs`` and ``indices`` are what the prediction uses, in group order;
+    ``single``: one full-attention group (or none known), where any copy serves a hit, today's plain path."""
 
     block_size: int
     reported: dict[int, KVCacheGroupSpec | None] = field(default_factory=dict)
     learned: dict[int, KVCacheGroupSpec | None] = field(default_factory=dict)
     indices: tuple[int, ...] = ()
     specs: tuple[KVCacheGroupSpec | None, ...] = ()
+    single: bool = True
 
     def update(self) -> None:
         merged = self.reported | self.learned
         self.indices = tuple(sorted(merged))
         self.specs = tuple(merged[g] for g in self.indices)
-
-    @property
-    def single(self) -> bool:
-        """One full-attention group (or none known): any copy serves a hit, today's plain path."""
-        return self.specs in ((), (FULL_ATTENTION,))
+        self.single = self.specs in ((), (FULL_ATTENTION,))
 
 
 class PrefixIndex:
@@ -88,7 +86,7 @@ class PrefixIndex:
         record = self._groups.get(backend)
         if record is None:
             self._groups[backend] = record = _Groups(block_size)
-        elif group in record.learned and record.learned[group] == spec and record.block_size == block_size:
+        elif record.block_size == block_size and group in record.learned and record.learned[group] == spec:
             return
         record.block_size = block_size
         record.learned[group] = spec
