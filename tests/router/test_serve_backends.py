@@ -181,3 +181,18 @@ def test_prefix_routing_over_keyed_backends_hashes_each_tenant_like_they_do(tiny
         router.stop()
         for server in started:
             server.stop()
+
+
+def test_a_deeply_nested_body_gets_the_servers_400_through_the_router(servers, tokenizer):
+    """It made the router's JSON parser raise RecursionError: a text/plain 500 from the router."""
+    router = start_router(servers, "prefix", tokenizer)
+    try:
+        nested = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        headers = {"content-type": "application/json"}
+        direct = httpx.post(f"{servers[0].url}/v1/completions", content=nested, headers=headers, timeout=60)
+        routed = httpx.post(f"{router.url}/v1/completions", content=nested, headers=headers, timeout=60)
+        assert direct.status_code == routed.status_code == 400
+        assert routed.json()["error"] == direct.json()["error"]
+        assert httpx.post(f"{router.url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 1}).status_code == 200
+    finally:
+        router.stop()

@@ -29,10 +29,7 @@ class InputProcessor:
         if any(t < 0 or t >= vocab_size for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
         if len(token_ids) > self.info.max_model_len:
-            raise ValueError(
-                f"prompt ({len(token_ids)} tokens) exceeds the model's context length of "
-                f"{self.info.max_model_len} tokens"
-            )
+            raise ValueError(prompt_too_long(len(token_ids), self.info.max_model_len))
         return text, token_ids
 
     def process(
@@ -74,6 +71,11 @@ class InputProcessor:
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, prompt)
+
+
+def prompt_too_long(num_tokens: int | str, max_model_len: int) -> str:
+    """The error for a prompt the context cannot hold, in the words of the server and of the router."""
+    return f"prompt ({num_tokens} tokens) exceeds the model's context length of {max_model_len} tokens"
 
 
 def tokenize_prompt(tokenizer: Any, prompt: PromptInput) -> tuple[str | None, list[int]]:

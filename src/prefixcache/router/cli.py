@@ -11,6 +11,7 @@ import os
 from collections.abc import Mapping
 
 from prefixcache.router.policy import DEFAULT_PREFIX_WEIGHT, POLICIES
+from prefixcache.server.cli import add_max_request_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="bearer token for the router's own calls to backends started with --api-key (default: "
         f"${BACKEND_API_KEY_ENV}); client requests keep their own Authorization header",
     )
+    add_max_request_bytes(parser)
     parser.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
     parser.set_defaults(func=run)
 
@@ -93,6 +95,7 @@ def run(args: argparse.Namespace) -> None:
             ),
             request_timeout=args.request_timeout,
             backend_api_key=backend_api_key(args, os.environ),
+            max_request_bytes=args.max_request_bytes,
         )
         tokenizer = load_tokenizer(resolve_model(args.tokenizer)[0]) if args.policy == "prefix" else None
     except (FileNotFoundError, ValueError) as exc:

@@ -17,16 +17,19 @@ from typing import Any
 from prefixcache.router.backends import Backend, BackendPool
 from prefixcache.router.index import PrefixIndex
 from prefixcache.router.policy import Candidate, RoutingPolicy
-from prefixcache.router.prompt import PromptHasher, PromptKey, cache_salt, requested_output_tokens
+from prefixcache.router.prompt import PromptHasher, PromptKey, PromptTooLong, cache_salt, requested_output_tokens
 from prefixcache.server.tenants import bearer_token, engine_salt, tenant_salt
 
 
 @dataclass(frozen=True, slots=True)
 class RoutePlan:
-    """``key`` is None when the router did not read the prompt (load-only policy, or a body it cannot parse)."""
+    """``key`` is None when the router did not read the prompt (load-only policy, or a body it cannot parse).
+    ``refusal`` is the error the router answers itself (400) instead of routing: a prompt too long for the
+    context."""
 
     key: PromptKey | None
     output_tokens: int
+    refusal: str | None = None
 
 
 class Lease:
@@ -58,7 +61,8 @@ class Router:
         self.policy = policy
         self.tokenizer = tokenizer
         self._hasher: PromptHasher | None = None
-        # One worker: requests are tokenized in turn, never by two threads sharing the tokenizer at once.
+        # One worker: requests are tokenized in turn, never by two threads sharing the tokenizer at once (the
+        # tokenizer lets go of the GIL while it works, so the event loop keeps serving meanwhile).
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-tokenize")
 
     def close(self) -> None:
@@ -81,7 +85,10 @@ class Router:
         salt = engine_salt(tenant, cache_salt(body))
         # Tokenizing a long prompt or a chat template takes milliseconds: keep the event loop serving.
         loop = asyncio.get_running_loop()
-        key = await loop.run_in_executor(self._tokenize, _prompt_key, hasher, body, chat, salt)
+        try:
+            key = await loop.run_in_executor(self._tokenize, _prompt_key, hasher, body, chat, salt)
+        except PromptTooLong as exc:
+            return RoutePlan(None, output_tokens, str(exc))
         return RoutePlan(key, output_tokens)
 
     def choose(self, plan: RoutePlan, exclude: Collection[str] = ()) -> tuple[Backend, Candidate] | None:

@@ -13,11 +13,11 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -33,6 +33,7 @@ from prefixcache.engine.input_processor import PromptInput
 from prefixcache.engine.sampling_params import InvalidParameter
 from prefixcache.server.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from prefixcache.server.cli import DEFAULT_MAX_REQUEST_BYTES
+from prefixcache.server.disconnect import unless_disconnected
 from prefixcache.server.middleware import (
     APIKeyMiddleware,
     BodyLimitMiddleware,
@@ -56,8 +57,6 @@ from prefixcache.server.responses import CHAT, COMPLETION, ChoiceShaper, Endpoin
 from prefixcache.server.tenants import SALT_BY_API_KEY, engine_salt, valid_api_key
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for legacy completions
 LOG_STATS_INTERVAL_S = 10.0
@@ -178,27 +177,6 @@ async def _final_outputs(stream: RequestStream) -> dict[int, RequestOutput]:
     return finals
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """Await ``work``, but cancel it and return None if the client disconnects first.
-
-    A non-streaming handler is otherwise never told that its client left, and would keep generating.
-    """
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    return task.result() if task.done() and not task.cancelled() else None
-
-
 _UNION_MEMBER_NAMES = frozenset({"str", "int", "float", "bool"})
 
 
@@ -302,7 +280,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
             events = _sse_events(stream, shaper, base, body.include_usage, body.n, record)
             return _RequestStreamingResponse(stream, events)
         try:
-            finals = await _unless_disconnected(request, _final_outputs(stream))
+            finals = await unless_disconnected(request, _final_outputs(stream))
         finally:
             stream.abort()
         if finals is None:

@@ -18,6 +18,16 @@ API_KEY_ENV = "PREFIXCACHE_API_KEY"
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # a 128k-token prompt is under 1 MiB, as text or as JSON token ids
 
 
+def add_max_request_bytes(parser: argparse._ActionsContainer) -> None:
+    """``--max-request-bytes``, which the server and the router both enforce (``BodyLimitMiddleware``)."""
+    parser.add_argument(
+        "--max-request-bytes",
+        type=parse_memory,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="refuse request bodies larger than this with 413, e.g. 8MiB (default 8MiB)",
+    )
+
+
 def register(commands: argparse._SubParsersAction) -> None:
     """Add the ``serve`` subcommand to the ``prefixcache`` command's subparsers."""
     parser = commands.add_parser(
@@ -48,12 +58,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="let requests of different API keys share cached prefixes (faster, but each tenant can then tell "
         "from cached_tokens and latency what the others sent; see the README's Security section)",
     )
-    group.add_argument(
-        "--max-request-bytes",
-        type=parse_memory,
-        default=DEFAULT_MAX_REQUEST_BYTES,
-        help="refuse request bodies larger than this with 413, e.g. 8MiB (default 8MiB)",
-    )
+    add_max_request_bytes(group)
     group.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     group.add_argument(
         "--enable-reset-prefix-cache",
