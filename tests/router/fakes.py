@@ -250,7 +250,12 @@ class FakePublisher:
         """The ``kv_events`` entry of a backend's cache config, as a wildcard bind like the engine's."""
         port = self.endpoint.rsplit(":", 1)[1]
         replay_port = self.replay_endpoint.rsplit(":", 1)[1]
-        return {"endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{replay_port}", "topic": self.topic}
+        return {
+            "endpoint": f"tcp://*:{port}",
+            "endpoint_bound": True,
+            "replay_endpoint": f"tcp://*:{replay_port}",
+            "topic": self.topic,
+        }
 
     def publish(self, events: list[dict[str, Any]], lose: bool = False, seq: int | None = None) -> int:
         seq = self.next_seq if seq is None else seq

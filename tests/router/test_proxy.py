@@ -187,3 +187,11 @@ def test_the_router_gives_each_request_one_id_that_the_backend_sees_too(backend,
     assert a.request_ids[1] == "client-id-1"
     bad = httpx.post(f"{r.url}/v1/completions", json={"prompt": PROMPT}, headers={"X-Request-Id": "a b"}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Request-Id"
+
+
+def test_the_router_takes_the_servers_body_cap_flag():
+    from prefixcache.cli import build_parser
+
+    args = build_parser().parse_args(["router", "--backend", "http://127.0.0.1:8000", "--max-request-bytes", "1MiB"])
+    assert args.max_request_bytes == 1 << 20
+    assert build_parser().parse_args(["router", "--backend", "http://x"]).max_request_bytes == DEFAULT_MAX_REQUEST_BYTES

@@ -395,7 +395,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
         """How this server keys its prefix cache and where it publishes KV events: what a router needs.
 
         ``tenant_salt`` is ``"api_key"`` when each API key is a tenant (the engine's salt is ``engine_salt`` of
-        the key's ``tenant_salt`` and the body's ``cache_salt``), null when only ``cache_salt`` salts."""
+        the key's ``tenant_salt`` and the body's ``cache_salt``), null when only ``cache_salt`` salts.
+        ``kv_events.endpoint_bound`` false: the publisher connects to ``endpoint``, where a subscriber must bind."""
         info = engine.info
         keyed = bool(settings.api_keys) and not settings.share_cache_across_keys
         events = engine.config.kv_events_config
@@ -409,7 +410,12 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
             "enable_prefix_caching": info.enable_prefix_caching,
             "tenant_salt": SALT_BY_API_KEY if keyed else None,
             "kv_events": (
-                {"endpoint": events.endpoint, "replay_endpoint": events.replay_endpoint, "topic": events.topic}
+                {
+                    "endpoint": events.endpoint,
+                    "endpoint_bound": events.binds_endpoint,
+                    "replay_endpoint": events.replay_endpoint,
+                    "topic": events.topic,
+                }
                 if publishing
                 else None
             ),
