@@ -18,8 +18,8 @@ from prefixcache.router.metrics import RouterMetrics
 from prefixcache.router.policy import DEFAULT_PREFIX_WEIGHT, POLICIES, make_policy
 from prefixcache.router.proxy import Proxy
 from prefixcache.router.routing import Router
-from prefixcache.server.cli import DEFAULT_MAX_REQUEST_BYTES
 from prefixcache.server.middleware import BodyLimitMiddleware, RequestContextMiddleware
+from prefixcache.server.settings import DEFAULT_MAX_REQUEST_BYTES
 from prefixcache.server.tenants import valid_api_key
 
 
