@@ -4,7 +4,7 @@ import pytest
 
 from prefixcache.router.app import RouterSettings, build_app
 from prefixcache.router.backends import HealthSettings
-from tests.router.fakes import FakeBackend, FakePublisher, ThreadedServer, cache_config
+from tests.router.fakes import HANG_S, FakeBackend, FakePublisher, ThreadedServer, cache_config
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def router(stoppables):
             backends=tuple(b.url for b in backends),
             policy=policy,
             prefix_weight=prefix_weight,
-            health=HealthSettings(interval=interval, timeout=2.0, failures_to_down=1, replay_timeout=2.0),
+            health=HealthSettings(interval=interval, timeout=HANG_S, failures_to_down=1, replay_timeout=HANG_S),
             backend_api_key=backend_api_key,
         )
         server = ThreadedServer(build_app(settings, tokenizer))

@@ -32,6 +32,11 @@ HASH_ALGO = "sha256"
 HASH_SEED = "router-tests"
 MODEL = "fake-model"
 PROMPT = list(range(10, 30))  # 20 tokens: 4 hittable blocks of 4 (the last token is always computed)
+# The router's health-check and replay timeouts in tests. On loopback they answer in milliseconds, but a loaded
+# machine can pause a thread for seconds, and one failed check takes a backend out: a short timeout would take
+# out a healthy backend. No test waits for them to expire (a stopped fake refuses connections at once), so
+# they only bound a hang.
+HANG_S = 30.0
 
 # A stream with an odd layout on purpose (comment line, split events, usage last): it must pass unchanged.
 STREAM_CHUNKS = [

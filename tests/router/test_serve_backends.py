@@ -15,7 +15,7 @@ from prefixcache.router.prompt import PromptHasher
 from prefixcache.router.proxy import BACKEND_HEADER
 from prefixcache.server.tenants import SALT_BY_API_KEY
 from tests.helpers import wait_until
-from tests.router.fakes import ThreadedServer, metric
+from tests.router.fakes import HANG_S, ThreadedServer, metric
 from tests.server.harness import API_KEY, OTHER_API_KEY, ServerProcess, random_prompt
 
 SERVE_ARGS = ["--block-size", "4", "--num-blocks", "256", "--max-model-len", "256", "--disable-uvicorn-access-log"]
@@ -40,7 +40,7 @@ def start_router(servers, policy, tokenizer, backend_api_key=None) -> ThreadedSe
     settings = RouterSettings(
         backends=tuple(s.url for s in servers),
         policy=policy,
-        health=HealthSettings(interval=3600.0),
+        health=HealthSettings(interval=3600.0, timeout=HANG_S, replay_timeout=HANG_S),
         backend_api_key=backend_api_key,
     )
     return ThreadedServer(build_app(settings, tokenizer))

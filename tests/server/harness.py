@@ -29,7 +29,9 @@ class ServerProcess(Process):
     def __init__(self, model_dir: Path, args: list[str], log_path: Path) -> None:
         super().__init__(["serve", str(model_dir), *args], log_path)
 
-    def wait_ready(self, timeout: float = 90.0) -> None:
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Bounds a hang only: on two loaded cores, servers starting together each import torch and
+        transformers, which can take minutes."""
         super().wait_ready(timeout)
 
 
