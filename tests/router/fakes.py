@@ -66,7 +66,7 @@ def index_blocks(router, backend) -> int:
 
 def metric(router, name: str, backend=None) -> float:
     """The sample ``prefixcache:router_<name>``, for one backend or summed over all."""
-    text = httpx.get(f"{router.url}/metrics").text
+    text = httpx.get(f"{router.url}/metrics", timeout=30).text
     return sum(
         sample.value
         for family in text_string_to_metric_families(text)
