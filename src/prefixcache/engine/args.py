@@ -74,6 +74,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         choices=["write_back", "write_through"],
         help="fill the host tier on eviction from the device (default) or as blocks are computed",
     )
+    offload.add_argument(
+        "--kv-offload-secret-file",
+        default=None,
+        metavar="PATH",
+        help="deployment secret that authenticates disk and Redis records (HMAC-SHA256; "
+        "else $PREFIXCACHE_KV_OFFLOAD_SECRET; without one, records are only checksummed)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,13 +1,17 @@
 """A request body as the engine will see it: prompt token ids and the block hashes the index is keyed by.
 
-Tokenized by the server's own functions: a text prompt without special tokens, token ids as given,
-chat messages through the model's chat template with the generation prompt. Hashed with the
-engine's own code (``Request.hash_blocks``: chained, with the cache salt and LoRA keys), then put in
-the integer form the KV events carry.
+Two kinds of keys. For ``prefixcache serve`` backends: tokenized by the server's own functions (a text
+prompt without special tokens, token ids as given, chat messages through the model's chat template with
+the generation prompt) and hashed with the engine's algorithm and seed. For content-keyed backends
+(vLLM): tokenized as vLLM's completions endpoint does (a text prompt with the tokenizer's special tokens
+unless the body says ``add_special_tokens: false``; chat and token ids alike) and hashed with the
+router's own content hash (:mod:`prefixcache.router.blocks`). Both go through ``Request.hash_blocks``
+(chained, with the cache salt and LoRA keys), then into the integer form the KV events carry.
 
-What one request costs here is bounded by the backends' context: a prompt that cannot fit it is refused
-(``PromptTooLong``) before it is hashed, and a text too long to fit it whatever its tokens before it is
-tokenized, so a client cannot make the router tokenize megabytes that every backend would refuse.
+What one request costs here is bounded by the context where the router knows it (the ``max_model_len``
+``prefixcache serve`` backends report): a prompt that cannot fit it is refused (``PromptTooLong``) before
+it is hashed, and a text too long to fit it whatever its tokens before it is tokenized, so a client cannot
+make the router tokenize megabytes that every backend would refuse.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from prefixcache.core import Request, hittable_blocks
 from prefixcache.core.hashing import root_hash
 from prefixcache.engine.input_processor import chat_token_ids, prompt_too_long, tokenize_prompt
 from prefixcache.router.backend_config import CacheConfig
+from prefixcache.router.blocks import CONTENT_HASH_ALGO, CONTENT_ROOT
 from prefixcache.router.wire import external_block_hash
 from prefixcache.server.protocol import ChatMessage
 
@@ -54,21 +59,45 @@ def longest_token_chars(tokenizer: Any) -> int:
 
 class PromptHasher:
     """``keyed``: the backends salt each request by its API key's tenant, which the caller must add.
+    ``text_special_tokens``: a text completion prompt gets the tokenizer's special tokens (vLLM's default).
+    ``max_model_len``: the backends' context, where known (None: not checked); ``max_text_chars`` is then the
+    longest text that may still fit it (None also without a tokenizer, when only token ids can be read)."""
 
-    ``max_text_chars``: the longest text that may still fit the context (None without a tokenizer, when only
-    token ids can be read)."""
-
-    def __init__(self, tokenizer: Any, config: CacheConfig) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        hash_algo: str,
+        root: bytes,
+        block_size: int,
+        keyed: bool = False,
+        text_special_tokens: bool = False,
+        max_model_len: int | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
-        self.keyed = config.keyed
-        self.hash_algo = config.hash_algo
-        self.block_size = config.block_size
-        self.max_model_len = config.max_model_len
-        self.max_text_chars = None if tokenizer is None else config.max_model_len * longest_token_chars(tokenizer)
-        self.root = root_hash(config.hash_algo, config.hash_seed)
+        self.hash_algo = hash_algo
+        self.root = root
+        self.block_size = block_size
+        self.keyed = keyed
+        self.text_special_tokens = text_special_tokens
+        self.max_model_len = max_model_len
+        known = max_model_len is not None and tokenizer is not None
+        self.max_text_chars = max_model_len * longest_token_chars(tokenizer) if known else None
+
+    @classmethod
+    def for_engine(cls, tokenizer: Any, config: CacheConfig) -> PromptHasher:
+        """Keys a ``prefixcache serve`` backend's events carry, from the hashing and the context it reports."""
+        root = root_hash(config.hash_algo, config.hash_seed)
+        return cls(
+            tokenizer, config.hash_algo, root, config.block_size, keyed=config.keyed, max_model_len=config.max_model_len
+        )
+
+    @classmethod
+    def by_content(cls, tokenizer: Any, block_size: int) -> PromptHasher:
+        """The router's own content keys, for backends indexed by the tokens of their events."""
+        return cls(tokenizer, CONTENT_HASH_ALGO, CONTENT_ROOT, block_size, text_special_tokens=True)
 
     def token_ids(self, body: dict[str, Any], chat: bool) -> list[int] | None:
-        """The prompt's token ids as the server makes them, or None when it would refuse the body for another
+        """The prompt's token ids as the backend makes them, or None when it would refuse the body for another
         reason than its length (it answers that in its own words); raises PromptTooLong."""
         try:
             if chat:
@@ -85,12 +114,16 @@ class PromptHasher:
                     return None
                 if isinstance(prompt, str):
                     self._check_text(prompt)
-                token_ids = tokenize_prompt(self.tokenizer, prompt)[1]
+                if isinstance(prompt, str) and self.text_special_tokens:
+                    special = body.get("add_special_tokens", True)
+                    token_ids = self.tokenizer.encode(prompt, add_special_tokens=special is not False)
+                else:
+                    token_ids = tokenize_prompt(self.tokenizer, prompt)[1]
         except PromptTooLong:
             raise
         except (ValidationError, TemplateError, ValueError, TypeError):
             return None
-        if len(token_ids) > self.max_model_len:
+        if self.max_model_len is not None and len(token_ids) > self.max_model_len:
             raise PromptTooLong(prompt_too_long(len(token_ids), self.max_model_len))
         return token_ids
 
@@ -119,3 +152,9 @@ def requested_output_tokens(body: dict[str, Any], chat: bool) -> int:
 def cache_salt(body: dict[str, Any]) -> str | None:
     salt = body.get("cache_salt")
     return salt if isinstance(salt, str) and salt else None
+
+
+def prompt_cache_key(body: dict[str, Any]) -> str | None:
+    """OpenAI's ``prompt_cache_key``: requests that share it are meant to share a cached prefix."""
+    key = body.get("prompt_cache_key")
+    return key if isinstance(key, str) and key else None
