@@ -62,6 +62,8 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from prefixcache.bench import clients as bench_clients
+    from prefixcache.bench import hybrid as bench_hybrid
     from prefixcache.bench import offline
     from prefixcache.bench import offload_live as bench_offload
     from prefixcache.bench import route as bench_route
@@ -94,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_trace.register(bench)
     bench_route.register(bench)
     bench_offload.register(bench)
+    bench_clients.register(bench)
+    bench_hybrid.register(bench)
 
     generate = commands.add_parser("generate", help="complete prompts on the command line")
     generate.add_argument("prompt", nargs="+", help="one or more prompts")

@@ -39,6 +39,9 @@ class EngineConfig:
     ``sub_block_size`` (a divisor of ``block_size``; default: off) also reuses the part of a cached
     prefix that does not fill a whole block, by copying it.
     ``max_model_len`` defaults to the model's context length.
+    ``disable_hybrid_kv_cache_manager`` (vLLM's option) keeps every layer's K/V in one KV cache group treated as
+    full attention, sliding-window layers only masking their window; by default a model's sliding-window
+    layers form groups of their own that give back the blocks that left their window.
     ``kv_events_config`` (a config, a dict of its fields or a JSON object string) publishes KV cache events.
 
     KV offload tiers behind the device cache, any combination, searched in this order:
@@ -64,6 +67,7 @@ class EngineConfig:
     hash_algo: str = "sha256"
     hash_seed: str | None = None
     eviction_policy: str = "lru"
+    disable_hybrid_kv_cache_manager: bool = False
     seed: int = 0
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
     kv_offload_cpu: str | int | None = None

@@ -1,10 +1,12 @@
 """Factories for core tests: small blocks (4 tokens) so block ids and eviction order are easy to state."""
 
+import dataclasses
 import itertools
 
 import pytest
 
 from prefixcache.core import KVCacheManager, Request
+from prefixcache.core.block_pool import BlockPoolListener
 
 BLOCK_SIZE = 4
 _ids = itertools.count()
@@ -20,10 +22,40 @@ def make_request(tokens, request_id=None, **kwargs) -> Request:
 
 def admit(manager: KVCacheManager, request: Request):
     """Look up and admit the whole prompt; returns the number of cached tokens."""
-    blocks, num_cached = manager.get_computed_blocks(request)
-    new = manager.allocate_slots(request, request.num_tokens - num_cached, num_cached, blocks)
+    hit = manager.find_prefix(request)
+    new = manager.allocate_slots(request, request.num_tokens - hit.num_tokens, hit)
     assert new is not None, "request did not fit"
-    return num_cached
+    return hit.num_tokens
+
+
+class FakeConnector(BlockPoolListener):
+    """A connector holding the hashes in ``held_hashes``: records what the manager asks it to load."""
+
+    def __init__(self) -> None:
+        self.held_hashes: set = set()
+        self.loads: list[tuple[int, tuple]] = []
+        self.finished: list[str] = []
+
+    def _run(self, block_hashes, start, end) -> int:
+        count = 0
+        while start + count < end and block_hashes[start + count] in self.held_hashes:
+            count += 1
+        return count
+
+    def extend_hit(self, request, block_hashes, start, end) -> int:
+        return self._run(block_hashes, start, end)
+
+    def held(self, request, block_hashes, start, end) -> dict[str, int]:
+        return {"FAKE": self._run(block_hashes, start, end) * BLOCK_SIZE}
+
+    def admitted(self, request, block_hashes, start, targets) -> None:
+        self.loads.extend((start + i, target) for i, target in enumerate(targets))
+
+    def request_finished(self, request) -> None:
+        self.finished.append(request.request_id)
+
+    def take_plan(self, cached_block_ids):
+        return None
 
 
 def unique_tokens(n: int, start: int) -> list[int]:
@@ -46,13 +78,16 @@ def manager_state(mgr: KVCacheManager):
     if mgr.sub_blocks is not None:
         sub_blocks = ({h: list(b) for h, b in mgr.sub_blocks.index.items()}, dict(mgr.sub_blocks.entries_of_block))
     return (
-        [(b.block_id, b.ref_cnt, b.block_hash) for b in pool.blocks],
+        [(b.block_id, b.ref_cnt, b.block_hash, b.group) for b in pool.blocks],
         [b.block_id for b in pool.uncached_free],
         [b.block_id for b in pool.evictable],
-        {h: (e.block_id if hasattr(e, "block_id") else tuple(e)) for h, e in pool.cached.items()},
+        [
+            {h: (e.block_id if hasattr(e, "block_id") else tuple(e)) for h, e in cached.items()}
+            for cached in pool.cached
+        ],
         policy,
-        {rid: [b.block_id for b in t] for rid, t in mgr._tables.items()},
-        (mgr.stats.requests, mgr.stats.queries, mgr.stats.hits, mgr.stats.copied_tokens, dict(mgr.stats.missed_tokens)),
+        {rid: [[b.block_id for b in t] for t in tables] for rid, tables in mgr._tables.items()},
+        dataclasses.astuple(mgr.stats),
         list(mgr.evicted),
         sub_blocks,
     )

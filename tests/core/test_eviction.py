@@ -135,7 +135,7 @@ def reused_prefix_after_one_off_prompts(policy: str) -> int:
     mgr.free(one_off)
     admit(mgr, make_request(unique_tokens(3 * BLOCK_SIZE + 1, 900)))  # two uncached blocks, two evictions
     mgr.check_invariants()
-    return mgr.get_computed_blocks(make_request([*prefix, 3]))[1]
+    return mgr.find_prefix(make_request([*prefix, 3])).num_tokens
 
 
 def test_through_the_manager_arc_keeps_a_reused_prefix_that_lru_evicts():

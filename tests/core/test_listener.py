@@ -12,7 +12,7 @@ class Recorder(BlockPoolListener):
     def blocks_stored(self, stored: StoredBlocks) -> None:
         self.calls.append(("stored", stored))
 
-    def blocks_removed(self, block_hashes) -> None:
+    def blocks_removed(self, block_hashes, group) -> None:
         self.calls.append(("removed", list(block_hashes)))
 
     def cache_cleared(self) -> None:
@@ -20,9 +20,8 @@ class Recorder(BlockPoolListener):
 
 
 def make_manager(num_blocks: int = 10) -> tuple[KVCacheManager, Recorder]:
-    manager = KVCacheManager(num_blocks=num_blocks, block_size=BLOCK_SIZE)
     recorder = Recorder()
-    manager.pool.add_listener(recorder)
+    manager = KVCacheManager(num_blocks=num_blocks, block_size=BLOCK_SIZE, listeners=[recorder])
     return manager, recorder
 
 
@@ -75,7 +74,7 @@ def test_independent_duplicates_report_removal_only_for_the_last_copy():
     # Both requests are admitted before either is cached, so each fills its own copy of block 0.
     a, b = make_request(unique_tokens(5, 0)), make_request(unique_tokens(5, 0))
     for request in (a, b):
-        assert manager.allocate_slots(request, 0, 0, []) is not None
+        assert manager.allocate_slots(request, 0) is not None
     for request in (a, b):
         manager.allocate_slots(request, request.num_tokens)
     block_hash = manager.block_hashes(a)[0]

@@ -11,7 +11,7 @@ class EvictionRecorder(BlockPoolListener):
     def __init__(self) -> None:
         self.evicted: list = []
 
-    def blocks_removed(self, block_hashes) -> None:
+    def blocks_removed(self, block_hashes, group) -> None:
         self.evicted.extend(block_hashes)
 
 
@@ -34,13 +34,13 @@ def assert_reasons_add_up(mgr: KVCacheManager) -> None:
 
 def test_record_remembers_at_least_the_last_capacity_evictions_and_at_most_twice_that():
     record = EvictedHashes(capacity=3)
-    record.blocks_removed([b"a", b"b"])
-    record.blocks_removed([b"c"])
-    record.blocks_removed([b"d", b"e"])
+    record.blocks_removed([b"a", b"b"], 0)
+    record.blocks_removed([b"c"], 0)
+    record.blocks_removed([b"d", b"e"], 0)
     assert set(record) == {b"a", b"b", b"c", b"d", b"e"}
-    record.blocks_removed([b"a"])  # evicted again: remembered anew; b and c have seen 4 later evictions
+    record.blocks_removed([b"a"], 0)  # evicted again: remembered anew; b and c have seen 4 later evictions
     assert set(record) == {b"a", b"d", b"e"}
-    record.blocks_removed([b"f", b"g", b"h"])
+    record.blocks_removed([b"f", b"g", b"h"], 0)
     assert b"a" not in record and set(record) == {b"f", b"g", b"h"}
     record.cache_cleared()
     assert len(record) == 0
@@ -48,7 +48,7 @@ def test_record_remembers_at_least_the_last_capacity_evictions_and_at_most_twice
 
 def test_record_of_size_zero_keeps_nothing_and_a_negative_size_is_refused():
     record = EvictedHashes(capacity=0)
-    record.blocks_removed([b"a"])
+    record.blocks_removed([b"a"], 0)
     assert len(record) == 0
     with pytest.raises(ValueError, match="capacity"):
         KVCacheManager(num_blocks=4, block_size=BLOCK_SIZE, evicted_record_size=-1)
@@ -166,7 +166,9 @@ def test_lookup_changes_no_state_and_not_the_eviction_order(policy):
     """Two managers take the same steps; one also looks prompts up. Both then evict the same blocks in order."""
 
     def build() -> KVCacheManager:
-        mgr = KVCacheManager(num_blocks=12, block_size=BLOCK_SIZE, eviction_policy=policy)
+        mgr = KVCacheManager(
+            num_blocks=12, block_size=BLOCK_SIZE, eviction_policy=policy, listeners=[EvictionRecorder()]
+        )
         for start in (0, 100, 200):
             run(mgr, unique_tokens(9, start))
         run(mgr, unique_tokens(9, 0))  # a reused prefix (ARC keeps it on its second list)
@@ -177,15 +179,15 @@ def test_lookup_changes_no_state_and_not_the_eviction_order(policy):
     looked_up, untouched = build(), build()
     before = manager_state(looked_up)
     for tokens in (unique_tokens(9, 100), unique_tokens(13, 0), unique_tokens(9, 300), unique_tokens(5, 900)):
-        assert looked_up.lookup(tokens).cached_tokens == looked_up.get_computed_blocks(make_request(tokens))[1]
+        assert looked_up.lookup(tokens).cached_tokens == looked_up.find_prefix(make_request(tokens)).num_tokens
     assert manager_state(looked_up) == before
 
     def eviction_order(mgr: KVCacheManager) -> list:
-        recorder = EvictionRecorder()
-        mgr.pool.add_listener(recorder)
+        recorder = mgr.pool.listeners[-1]
+        already = len(recorder.evicted)
         filler = make_request(unique_tokens(mgr.num_free_blocks * BLOCK_SIZE, 5000))
         assert mgr.allocate_slots(filler, filler.num_tokens) is not None
-        return recorder.evicted
+        return recorder.evicted[already:]
 
     assert eviction_order(looked_up) == eviction_order(untouched)
     assert len(eviction_order(build())) > 0

@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from prefixcache.core import EVICTION_POLICIES, KVCacheManager, Request
+from prefixcache.core import EVICTION_POLICIES, FULL_ATTENTION, KVCacheGroupSpec, KVCacheManager, Request
 from tests.core.conftest import manager_state
 
 BLOCK_SIZE = 4
@@ -22,11 +22,17 @@ PREFIXES = [list(range(100, 112)), list(range(200, 206)), list(range(100, 108)) 
 class ManagerMachine(RuleBasedStateMachine):
     POLICY = "lru"
     SUB_BLOCK_SIZE: int | None = None
+    GROUPS = (FULL_ATTENTION,)
+    NUM_BLOCKS = 12
 
     def __init__(self) -> None:
         super().__init__()
         self.mgr = KVCacheManager(
-            num_blocks=12, block_size=BLOCK_SIZE, eviction_policy=self.POLICY, sub_block_size=self.SUB_BLOCK_SIZE
+            num_blocks=self.NUM_BLOCKS,
+            block_size=BLOCK_SIZE,
+            eviction_policy=self.POLICY,
+            sub_block_size=self.SUB_BLOCK_SIZE,
+            groups=self.GROUPS,
         )
         self.running: list[Request] = []
         self.preempted: list[Request] = []
@@ -35,25 +41,33 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def _run_step(self, req: Request, start: int) -> None:
         """What the model runner and engine do after an allocation: copies, writes, then indexing."""
-        for op in self.mgr.take_copy_ops():
+        for op in self.mgr.take_transfers()[0]:
             self.slots.setdefault(op.dst, [None] * BLOCK_SIZE)[: op.num_tokens] = self.slots[op.src][: op.num_tokens]
-        table = self.mgr._tables[req.request_id]
-        for pos in range(start, req.num_computed_tokens):
-            block = table[pos // BLOCK_SIZE].block_id
-            self.slots.setdefault(block, [None] * BLOCK_SIZE)[pos % BLOCK_SIZE] = (
-                req.cache_salt,
-                req.all_token_ids[pos],
-            )
+        for table in self.mgr._tables[req.request_id]:
+            for pos in range(start, req.num_computed_tokens):
+                block = table[pos // BLOCK_SIZE]
+                assert block is not self.mgr.null_block, "a token is computed into the null block"
+                self.slots.setdefault(block.block_id, [None] * BLOCK_SIZE)[pos % BLOCK_SIZE] = (
+                    req.cache_salt,
+                    req.all_token_ids[pos],
+                )
         self.mgr.index_written_sub_blocks()
 
     def _admit(self, req: Request, chunk: int) -> bool:
-        blocks, num_cached = self.mgr.get_computed_blocks(req)
-        for i, block in enumerate(blocks):
-            n = min(BLOCK_SIZE, num_cached - i * BLOCK_SIZE)
-            expected = [(req.cache_salt, t) for t in req.all_token_ids[i * BLOCK_SIZE : i * BLOCK_SIZE + n]]
-            assert self.slots[block.block_id][:n] == expected, "a hit returned a block holding other tokens"
+        hit = self.mgr.find_prefix(req)
+        num_cached = hit.num_tokens
+        for g, blocks in enumerate(hit.blocks):
+            assert len(blocks) == -(-num_cached // BLOCK_SIZE), "groups disagree on the hit"
+            window = self.GROUPS[g].window_blocks(BLOCK_SIZE)
+            for i, block in enumerate(blocks):
+                if block is self.mgr.null_block:
+                    assert window is not None and i < len(blocks) - window, "a block inside the window is missing"
+                    continue
+                n = min(BLOCK_SIZE, num_cached - i * BLOCK_SIZE)
+                expected = [(req.cache_salt, t) for t in req.all_token_ids[i * BLOCK_SIZE : i * BLOCK_SIZE + n]]
+                assert self.slots[block.block_id][:n] == expected, "a hit returned a block holding other tokens"
         num_new = min(chunk, req.num_tokens - num_cached)
-        if self.mgr.allocate_slots(req, num_new, num_cached, blocks) is None:
+        if self.mgr.allocate_slots(req, num_new, hit) is None:
             return False
         self._run_step(req, num_cached)
         self.running.append(req)
@@ -82,6 +96,9 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.mgr.allocate_slots(req, num) is None:
             assert req.num_computed_tokens == before
             return
+        for spec, table in zip(self.GROUPS, self.mgr.block_ids(req), strict=True):
+            gone = spec.first_needed_block(before, BLOCK_SIZE)
+            assert table[:gone] == [0] * gone, "a block that left the window is still held"
         self._run_step(req, before)
 
     @precondition(lambda self: self.running)
@@ -114,7 +131,7 @@ class ManagerMachine(RuleBasedStateMachine):
         before = manager_state(self.mgr)
         found = self.mgr.lookup(tokens, cache_salt=salt)
         assert manager_state(self.mgr) == before
-        assert found.cached_tokens == self.mgr.get_computed_blocks(Request("probe", tokens, cache_salt=salt))[1]
+        assert found.cached_tokens == self.mgr.find_prefix(Request("probe", tokens, cache_salt=salt)).num_tokens
         assert found.cached_tokens + sum(found.missed_tokens.values()) == len(tokens)
 
     @rule()
@@ -122,15 +139,17 @@ class ManagerMachine(RuleBasedStateMachine):
         ok = self.mgr.reset_prefix_cache()
         assert ok == (not self.running)
         if ok:
-            assert self.mgr.get_computed_blocks(Request("probe", PREFIXES[0] + [1]))[1] == 0
+            assert self.mgr.find_prefix(Request("probe", PREFIXES[0] + [1])).num_tokens == 0
 
     @invariant()
     def bookkeeping_is_consistent(self):
         self.mgr.check_invariants()
         stats = self.mgr.stats
         assert stats.queries == stats.hits + sum(stats.missed_tokens.values())
-        held = {b for r in self.running for b in self.mgr.block_ids(r)}
-        assert self.mgr.num_free_blocks == self.mgr.num_blocks - len(held)
+        null = self.mgr.null_block
+        held = {b for r in self.running for table in self.mgr.block_ids(r) for b in table if null is None or b != 0}
+        assert self.mgr.num_free_blocks == self.mgr.num_usable_blocks - len(held)
+        assert null is None or null.block_id not in self.slots, "the null block was written"
 
 
 ManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
@@ -139,6 +158,14 @@ TestManagerMachine = ManagerMachine.TestCase
 # The same invariants under every other registered eviction policy, and with sub-block matching.
 _variants = {f"_{p}": {"POLICY": p} for p in EVICTION_POLICIES if p != ManagerMachine.POLICY}
 _variants["_sub_block"] = {"SUB_BLOCK_SIZE": 2}
+# Two groups sharing the pool, the second sliding (a query sees the 5 tokens before it: 2 blocks), under every
+# eviction policy.
+for _policy in EVICTION_POLICIES:
+    _variants[f"_hybrid_{_policy}"] = {
+        "POLICY": _policy,
+        "GROUPS": (FULL_ATTENTION, KVCacheGroupSpec(sliding_window=6)),
+        "NUM_BLOCKS": 25,
+    }
 for _suffix, _attrs in _variants.items():
     _machine = type(f"ManagerMachine{_suffix}", (ManagerMachine,), _attrs)
     _machine.TestCase.settings = ManagerMachine.TestCase.settings

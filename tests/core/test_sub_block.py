@@ -26,16 +26,17 @@ def test_partial_block_prefix_is_reused_by_copy():
     mgr = make_manager()
     a = make_request(unique_tokens(27, 0))  # block 0 full, block 1 holds 11 tokens
     run_written(mgr, a)
-    assert mgr.take_copy_ops() == []
+    assert mgr.take_transfers()[0] == []
     b = make_request(unique_tokens(27, 0)[:26] + [999, 998])
-    blocks, num_cached = mgr.get_computed_blocks(b)
+    hit = mgr.find_prefix(b)
+    num_cached = hit.num_tokens
     assert num_cached == 24  # block 0 shared, then 8 of block 1's 10 matching tokens (2 sub-blocks)
-    assert [blk.block_id for blk in blocks] == [0, 1]
-    new = mgr.allocate_slots(b, b.num_tokens - num_cached, num_cached, blocks)
+    assert hit.block_ids() == [[0, 1]]
+    new = mgr.allocate_slots(b, b.num_tokens - num_cached, hit)
     assert [blk.block_id for blk in new] == [2]
-    assert mgr.block_ids(b) == [0, 2]
-    assert mgr.take_copy_ops() == [CopyOp(src=1, dst=2, num_tokens=8)]
-    assert mgr.take_copy_ops() == []
+    assert mgr.block_ids(b) == [[0, 2]]
+    assert mgr.take_transfers()[0] == [CopyOp(src=1, dst=2, num_tokens=8)]
+    assert mgr.take_transfers()[0] == []
     assert mgr.pool.blocks[1].ref_cnt == 1  # the source is only read, never referenced by b
     assert (mgr.stats.hits, mgr.stats.copied_tokens) == (16 + 8, 8)
     assert mgr.stats.hit_rate == pytest.approx((16 + 8) / (27 + 28))
@@ -47,16 +48,16 @@ def test_sub_prefix_is_findable_only_after_its_kv_is_written():
     a = make_request(unique_tokens(10, 0))
     admit(mgr, a)
     probe = make_request(unique_tokens(10, 0) + [7])
-    assert mgr.get_computed_blocks(probe)[1] == 0
+    assert mgr.find_prefix(probe).num_tokens == 0
     mgr.index_written_sub_blocks()
-    assert mgr.get_computed_blocks(probe)[1] == 8
+    assert mgr.find_prefix(probe).num_tokens == 8
 
 
 def test_full_hit_cap_holds_at_sub_block_granularity():
     mgr = make_manager()
     run_written(mgr, make_request(unique_tokens(13, 0)))
-    assert mgr.get_computed_blocks(make_request(unique_tokens(13, 0)))[1] == 12 - 12 % SUB  # 12: leaves token 13
-    assert mgr.get_computed_blocks(make_request(unique_tokens(12, 0)))[1] == 8  # 11 tokens allowed -> 2 sub-blocks
+    assert mgr.find_prefix(make_request(unique_tokens(13, 0))).num_tokens == 12 - 12 % SUB  # 12: leaves token 13
+    assert mgr.find_prefix(make_request(unique_tokens(12, 0))).num_tokens == 8  # 11 tokens allowed -> 2 sub-blocks
 
 
 def test_decoded_tokens_are_indexed_as_they_are_written():
@@ -68,7 +69,7 @@ def test_decoded_tokens_are_indexed_as_they_are_written():
         mgr.allocate_slots(a, 1)
         mgr.index_written_sub_blocks()
     follow_up = make_request([*unique_tokens(6, 0), 50, 51, 52, 60])
-    assert mgr.get_computed_blocks(follow_up)[1] == 8
+    assert mgr.find_prefix(follow_up).num_tokens == 8
 
 
 def test_reused_source_is_forgotten_and_a_stale_lookup_is_rejected():
@@ -77,21 +78,22 @@ def test_reused_source_is_forgotten_and_a_stale_lookup_is_rejected():
     run_written(mgr, a)
     mgr.free(a)
     b = make_request(unique_tokens(10, 0) + [5])
-    blocks, num_cached = mgr.get_computed_blocks(b)
+    hit = mgr.find_prefix(b)
+    num_cached = hit.num_tokens
     assert num_cached == 8
     admit(mgr, make_request(unique_tokens(40, 100)))  # takes every block, overwriting the source
     mgr.check_invariants()
     with pytest.raises(ValueError, match="look it up again"):
-        mgr.allocate_slots(b, b.num_tokens - num_cached, num_cached, blocks)
-    assert mgr.get_computed_blocks(b)[1] == 0
+        mgr.allocate_slots(b, b.num_tokens - num_cached, hit)
+    assert mgr.find_prefix(b).num_tokens == 0
 
 
 def test_salt_and_lora_apply_to_sub_blocks():
     mgr = make_manager()
     run_written(mgr, make_request(unique_tokens(10, 0), cache_salt="t1"))
-    assert mgr.get_computed_blocks(make_request(unique_tokens(11, 0), cache_salt="t2"))[1] == 0
-    assert mgr.get_computed_blocks(make_request(unique_tokens(11, 0)))[1] == 0
-    assert mgr.get_computed_blocks(make_request(unique_tokens(11, 0), cache_salt="t1"))[1] == 8
+    assert mgr.find_prefix(make_request(unique_tokens(11, 0), cache_salt="t2")).num_tokens == 0
+    assert mgr.find_prefix(make_request(unique_tokens(11, 0))).num_tokens == 0
+    assert mgr.find_prefix(make_request(unique_tokens(11, 0), cache_salt="t1")).num_tokens == 8
 
 
 def test_sub_block_size_equal_to_block_size_is_plain_block_matching():
@@ -106,9 +108,10 @@ def test_sub_block_size_equal_to_block_size_is_plain_block_matching():
         results = []
         for mgr in (plain, same):
             req = make_request(tokens, request_id=f"r{step}")
-            blocks, num_cached = mgr.get_computed_blocks(req)
-            new = mgr.allocate_slots(req, req.num_tokens - num_cached, num_cached, blocks)
-            results.append((num_cached, [b.block_id for b in blocks], new and [b.block_id for b in new]))
+            hit = mgr.find_prefix(req)
+            num_cached = hit.num_tokens
+            new = mgr.allocate_slots(req, req.num_tokens - num_cached, hit)
+            results.append((num_cached, hit.block_ids(), new and [b.block_id for b in new]))
             if new is not None:
                 live[id(mgr)].append(req)
             if len(live[id(mgr)]) > 3:

@@ -68,23 +68,21 @@ def test_requests_sharing_a_prefix_inside_one_step(make_llm, reference_tokens, m
     assert any(c.start > 0 for c in steps[0].chunks), "no request hit a block filled in the same step"
 
 
-def test_memory_pressure_preempts_and_evicts_without_changing_outputs(make_llm, reference_tokens, monkeypatch):
+def test_memory_pressure_preempts_and_evicts_without_changing_outputs(make_llm, reference_tokens):
+    """Preempted requests resume by re-reading their own blocks: those hits are counted apart, not as sharing."""
     llm = make_llm(num_blocks=24, max_num_seqs=16)  # 96 token slots for 15 requests of up to 50 tokens
-    manager = llm.engine.core.manager
-    resumed_hits = []
-    lookup = manager.get_computed_blocks
-
-    def recording_lookup(request):
-        blocks, num_cached = lookup(request)
-        if request.num_preemptions:
-            resumed_hits.append(num_cached)
-        return blocks, num_cached
-
-    monkeypatch.setattr(manager, "get_computed_blocks", recording_lookup)
     assert token_ids(run(llm, shared_prefix_prompts())) == reference_tokens
-    assert llm.stats().num_preemptions > 0
-    assert any(resumed_hits), "no preempted request hit its own surviving blocks"
-    assert manager.stats.requests == len(shared_prefix_prompts())  # each request counted once
+    stats = llm.stats()
+    manager_stats = llm.engine.core.manager.stats
+    assert stats.num_preemptions > 0
+    assert manager_stats.requests == len(shared_prefix_prompts())  # each request counted once
+    assert manager_stats.preempted_requests == stats.num_preemptions
+    assert stats.prefix_cache_preempted_hits > 0, "no preempted request hit its own surviving blocks"
+    assert (stats.prefix_cache_preempted_queries, stats.prefix_cache_preempted_hits) == (
+        manager_stats.preempted_queries,
+        manager_stats.preempted_hits,
+    )
+    assert stats.prefix_cache_queries == sum(len(p) for p in shared_prefix_prompts())  # resumptions not in it
 
 
 def test_reset_prefix_cache_forgets(make_llm):

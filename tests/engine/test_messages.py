@@ -70,7 +70,7 @@ OUTPUTS = [
     UtilityResult(3, result=True),
     UtilityResult(4, error="unknown engine core method 'x'"),
     EngineCoreFailure("the engine core failed: RuntimeError('boom')"),
-    EngineInfo("tiny", 1024, 512, 16, 64, "sha256", "prefixcache", True),
+    EngineInfo("tiny", 1024, 512, 16, 64, "sha256", "prefixcache", True, 1024),
 ]
 
 

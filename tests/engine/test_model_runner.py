@@ -27,6 +27,12 @@ def gemma(tmp_path_factory):
     return load_model(path).model
 
 
+def make_runner(model, num_blocks: int, groups=None) -> ModelRunner:
+    groups = groups or model.config.kv_cache_groups(hybrid=False)
+    kv_caches = model.allocate_kv_cache(num_blocks, BLOCK_SIZE, torch.float32, "cpu", groups)
+    return ModelRunner(model, kv_caches, BLOCK_SIZE, "cpu", 0, groups)
+
+
 def run(runner: ModelRunner, tables: Callable[[int], list], steps: int = 4) -> tuple[list[int], list[dict]]:
     """A 70-token prompt, then decodes; ``tables(position)`` gives the chunk's block_ids at each step start."""
     params = SamplingParams(max_tokens=steps, temperature=0.0, logprobs=2)
@@ -45,8 +51,8 @@ def run(runner: ModelRunner, tables: Callable[[int], list], steps: int = 4) -> t
 def test_per_group_tables_with_null_blocks_match_the_mask_only_layout(gemma) -> None:
     groups = gemma.config.kv_cache_groups()
     assert [g.sliding_window for g in groups] == [32, None, 32]
-    hybrid = ModelRunner(gemma, 64, BLOCK_SIZE, torch.float32, "cpu", seed=0, kv_cache_groups=groups)
-    mask_only = ModelRunner(gemma, 64, BLOCK_SIZE, torch.float32, "cpu", seed=0)
+    hybrid = make_runner(gemma, 64, groups)
+    mask_only = make_runner(gemma, 64)
     blocks = [[1 + 6 * g + i for i in range(6)] for g in range(len(groups))]
 
     def hybrid_tables(start: int) -> list[list[int]]:
@@ -59,7 +65,7 @@ def test_per_group_tables_with_null_blocks_match_the_mask_only_layout(gemma) -> 
 
     assert hybrid_tables(70)[0][:2] == [NULL_BLOCK, NULL_BLOCK]
     tokens, logprobs = run(hybrid, hybrid_tables)
-    expected_tokens, expected_logprobs = run(mask_only, lambda start: blocks[0])  # one table: today's scheduler
+    expected_tokens, expected_logprobs = run(mask_only, lambda start: blocks[:1])  # one group, one table
     assert tokens == expected_tokens
     for got, expected in zip(logprobs, expected_logprobs, strict=True):
         assert got == pytest.approx(expected, abs=1e-5)
@@ -67,7 +73,7 @@ def test_per_group_tables_with_null_blocks_match_the_mask_only_layout(gemma) -> 
 
 def test_a_chunk_needs_a_table_for_each_group(gemma) -> None:
     groups = gemma.config.kv_cache_groups()
-    runner = ModelRunner(gemma, 16, BLOCK_SIZE, torch.float32, "cpu", seed=0, kv_cache_groups=groups)
+    runner = make_runner(gemma, 16, groups)
     request = EngineRequest(request_id="r", prompt_token_ids=[5, 6, 7])
     with pytest.raises(ValueError, match="a chunk has 1 block tables for 3 KV cache groups"):
         runner.execute(SchedulerOutput(chunks=[ScheduledChunk(request, 0, 3, [[2]])]))

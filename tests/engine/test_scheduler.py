@@ -34,7 +34,8 @@ def step(scheduler: Scheduler) -> list[tuple[str, int, int, list[int]]]:
     for chunk in out.chunks:
         if chunk.samples:
             chunk.request.append_output_token_ids([7])
-    return [(c.request.request_id, c.start, c.num_new_tokens, c.block_ids) for c in out.chunks]
+    assert all(len(c.block_ids) == 1 for c in out.chunks)  # one KV cache group
+    return [(c.request.request_id, c.start, c.num_new_tokens, c.block_ids[0]) for c in out.chunks]
 
 
 def test_token_budget_chunks_the_prompt_that_does_not_fit():

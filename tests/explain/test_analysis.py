@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from prefixcache.core import KVCacheManager
+from prefixcache.core import KVCacheGroupSpec, KVCacheManager
 from prefixcache.explain.analysis import ExplainConfig, block_hit_rate, explain
 from prefixcache.explain.log import Prompt
 from tests.core.conftest import admit, make_request
@@ -180,3 +180,21 @@ def test_every_system_prompt_with_a_varying_field_gets_it_moved():
     assert (summary.start, summary.end, summary.kind, summary.prompts_rewritten) == (20, 25, "varying", 16)
     moved = [(HEAD if i % 2 else other_head) + STABLE + QUESTIONS[i % 3] + field(i) for i in range(16)]
     assert summary.fixed_block_hit_rate == pytest.approx(block_hit_rate(prompts_of(moved), 16))
+
+
+def test_the_replay_of_a_hybrid_model_matches_its_managers_hits():
+    """With a sliding-window group a block that left the window is the first to go: the replay admits as the
+    engine would, through the model's groups."""
+    groups = (KVCacheGroupSpec(), KVCacheGroupSpec(sliding_window=16))
+    rng = random.Random(5)
+    bases = [[rng.randrange(1, 50) for _ in range(48)] for _ in range(3)]
+    token_lists = [rng.choice(bases)[: rng.randrange(24, 49)] + [rng.randrange(1, 50)] for _ in range(30)]
+    config = ExplainConfig(block_size=8, capacity_tokens=160, kv_cache_groups=groups)
+    result = explain(prompts_of(token_lists), config, decode_ids)
+    manager = KVCacheManager(num_blocks=20, block_size=8, groups=groups)
+    for i, tokens in enumerate(token_lists):
+        assert result.requests[i].capacity_hit == manager.lookup(tokens).cached_tokens
+        request = make_request(tokens)
+        admit(manager, request)
+        manager.free(request)
+    assert sum(r.capacity_hit for r in result.requests) > 0

@@ -1,18 +1,22 @@
 """Pool changes become vLLM events: decoded with a consumer's own structs, not ours."""
 
+import random
+
 import msgspec
 
-from prefixcache.core import KVCacheManager, MultiModalFeature
+from prefixcache.core import KVCacheGroupSpec, KVCacheManager, MultiModalFeature, longest_common_hit, root_hash
+from prefixcache.core.miss import hittable_blocks
 from prefixcache.kv_events.collector import KVEventCollector
-from prefixcache.kv_events.events import KVEventBatch
+from prefixcache.kv_events.events import KVEventBatch, encode_block_hash
 from tests.core.conftest import BLOCK_SIZE, admit, make_request, unique_tokens
 from tests.kv_events import vllm_wire
 
+HYBRID = (KVCacheGroupSpec(), KVCacheGroupSpec(sliding_window=8))
+
 
 def make_manager(num_blocks: int = 10, **collector_args) -> tuple[KVCacheManager, KVEventCollector]:
-    manager = KVCacheManager(num_blocks=num_blocks, block_size=BLOCK_SIZE)
     collector = KVEventCollector(**collector_args)
-    manager.pool.add_listener(collector)
+    manager = KVCacheManager(num_blocks=num_blocks, block_size=BLOCK_SIZE, listeners=[collector])
     return manager, collector
 
 
@@ -116,7 +120,7 @@ def test_removal_is_reported_only_when_the_last_copy_of_a_hash_goes():
     manager, collector = make_manager(num_blocks=4)
     a, b = make_request(unique_tokens(5, 0)), make_request(unique_tokens(5, 0))
     for request in (a, b):  # both admitted before either is cached: two copies of block 0
-        assert manager.allocate_slots(request, 0, 0, []) is not None
+        assert manager.allocate_slots(request, 0) is not None
     for request in (a, b):
         manager.allocate_slots(request, request.num_tokens)
     manager.free(a)
@@ -158,3 +162,114 @@ def test_take_hands_over_the_events_once():
     admit(manager, make_request(unique_tokens(4, 0)))
     assert len(collector.take()) == 1
     assert collector.take() == []
+
+
+# ---- several KV cache groups ------------------------------------------------------------------------
+
+
+class GroupedBlockStored(vllm_wire.BlockStored, tag="BlockStored"):
+    """vLLM's BlockStored with the group fields it carries (``group_idx``, the group's spec)."""
+
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class GroupedBlockRemoved(vllm_wire.BlockRemoved, tag="BlockRemoved"):
+    group_idx: int | None = None
+
+
+class GroupedBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[GroupedBlockStored | GroupedBlockRemoved | vllm_wire.AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+class GroupAwareConsumer:
+    """What a router keeps of a hybrid backend from its events alone: each group's spec and held hashes."""
+
+    def __init__(self) -> None:
+        self.specs: dict[int, KVCacheGroupSpec] = {}
+        self.held: dict[int, set] = {}
+
+    def feed(self, payload: bytes) -> None:
+        for event in msgspec.msgpack.decode(payload, type=GroupedBatch).events:
+            if isinstance(event, GroupedBlockStored):
+                assert event.kv_cache_spec_kind == ("full_attention" if event.group_idx == 0 else "sliding_window")
+                self.specs[event.group_idx] = KVCacheGroupSpec(event.kv_cache_spec_sliding_window)
+                self.held.setdefault(event.group_idx, set()).update(event.block_hashes)
+            elif isinstance(event, GroupedBlockRemoved):
+                self.held[event.group_idx].difference_update(event.block_hashes)
+            else:
+                self.held.clear()
+
+    @staticmethod
+    def _holds(held: set):
+        return lambda block_hash: True if block_hash in held else None
+
+    def predicted_hit(self, request) -> int:
+        hashes = [
+            encode_block_hash(h, "uint64")
+            for h in request.hash_blocks("sha256", root_hash("sha256"), 0, request.num_tokens // BLOCK_SIZE, BLOCK_SIZE)
+        ]
+        if not self.specs:  # no event yet: it holds nothing
+            return 0
+        groups = [self.specs[g] for g in sorted(self.specs)]
+        lookups = [self._holds(self.held.get(g, set())) for g in sorted(self.specs)]
+        k, _ = longest_common_hit(groups, lookups, hashes, hittable_blocks(request.num_tokens, BLOCK_SIZE), BLOCK_SIZE)
+        return k * BLOCK_SIZE
+
+
+def test_each_group_has_its_events_with_its_spec_as_vllm_sends_them():
+    collector = KVEventCollector(groups=HYBRID)
+    manager = KVCacheManager(num_blocks=20, block_size=BLOCK_SIZE, groups=HYBRID, listeners=[collector])
+    request = make_request(unique_tokens(12, 0))
+    manager.allocate_slots(request, 12)
+    hashes = [encode_block_hash(h, "uint64") for h in manager.block_hashes(request)]
+    stored = msgspec.msgpack.decode(wire(collector), type=GroupedBatch).events
+    assert [(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window, e.block_hashes) for e in stored] == [
+        (0, "full_attention", None, hashes),
+        (1, "sliding_window", 8, hashes),
+    ]
+    assert all(e.token_ids == unique_tokens(12, 0) for e in stored)
+    filler = make_request(unique_tokens(7 * BLOCK_SIZE, 100))
+    manager.free(request)
+    manager.allocate_slots(filler, filler.num_tokens)  # 14 blocks: the 13 never used, then the first freed
+    events = msgspec.msgpack.decode(wire(collector), type=GroupedBatch).events
+    removed = [(e.group_idx, e.block_hashes) for e in events if isinstance(e, GroupedBlockRemoved)]
+    assert removed == [(0, hashes[2:3])]  # freed position by position, last first: the full group's block 2
+
+
+def test_a_consumer_of_a_hybrid_backends_events_predicts_every_hit_exactly():
+    """A random mix of chunked prefills, decodes and frees on a small pool (evictions in both groups)."""
+    rng = random.Random(7)
+    collector = KVEventCollector(groups=HYBRID)
+    manager = KVCacheManager(num_blocks=31, block_size=BLOCK_SIZE, groups=HYBRID, listeners=[collector])
+    consumer = GroupAwareConsumer()
+    prefixes = [[rng.randrange(50) for _ in range(n)] for n in (9, 20, 26)]
+    running = []
+    checked = 0
+    for _ in range(300):
+        if running and rng.random() < 0.4:
+            request = running.pop(rng.randrange(len(running)))
+            manager.free(request)
+        elif running and rng.random() < 0.6:
+            request = rng.choice(running)
+            if request.num_computed_tokens == request.num_tokens:
+                request.append_output_token_ids([rng.randrange(50)])
+            num = min(rng.randrange(1, 9), request.num_tokens - request.num_computed_tokens)
+            manager.allocate_slots(request, num)
+        else:
+            tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 6))]
+            request = make_request(tokens)
+            hit = manager.find_prefix(request)
+            chunk = min(rng.randrange(1, 16), request.num_tokens - hit.num_tokens)
+            if manager.allocate_slots(request, chunk, hit) is not None:
+                running.append(request)
+        consumer.feed(wire(collector))
+        for prefix in prefixes:
+            for extra in (1, 4):
+                probe = make_request(prefix + [7] * extra)
+                assert consumer.predicted_hit(probe) == manager.lookup(probe.prompt_token_ids).cached_tokens
+                checked += consumer.predicted_hit(probe) > 0
+    assert checked > 100  # the hits were not all zero

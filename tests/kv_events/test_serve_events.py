@@ -40,7 +40,9 @@ def test_a_served_completion_is_published_and_a_reset_clears(tiny_llama_dir, tmp
         assert stored[0].token_ids == PROMPT_TOKENS
         assert stored[0].parent_block_hash is None
         assert len(stored[0].block_hashes) == 5
-        assert f"KV events: bound at {events_config['endpoint']}, reachable from this host only" in server.log()
+        log = server.log()
+        assert f"KV events: published, bound at {events_config['endpoint']}, replay on " in log  # the server's
+        assert f"KV events: bound at {events_config['endpoint']}, reachable from this host only" in log  # the core's
         kv_events = httpx.get(f"{server.url}/v1/cache/config", timeout=30).json()["kv_events"]
         assert kv_events["endpoint"] == events_config["endpoint"] and kv_events["endpoint_bound"] is True
         # a salted request's blocks are published under their salted hashes, never with the salt

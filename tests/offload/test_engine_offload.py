@@ -72,8 +72,8 @@ def prompt_kv(llm: LLM) -> list[bytes]:
     """The K/V of PROMPT's 10 blocks as the device cache holds them now."""
     manager = llm.engine.core.manager
     hashes = manager.block_hashes(Request("probe", PROMPT))
-    block_ids = [manager.pool.get_cached_block(h).block_id for h in hashes]
-    return read_blocks(llm.engine.core.runner.kv_caches, block_ids)
+    block_ids = [(manager.pool.get_cached_block(h).block_id,) for h in hashes]
+    return read_blocks(llm.engine.core.runner.kv_caches, block_ids, [0] * len(llm.engine.core.runner.kv_caches))
 
 
 def fill_then_evict_the_tail(llm: LLM) -> list[bytes]:

@@ -78,8 +78,7 @@ def test_a_listener_on_real_pools_predicts_every_lookup_exactly():
     index = PrefixIndex()
     managers = {}
     for name in ("a", "b"):
-        managers[name] = KVCacheManager(num_blocks=24, block_size=4)
-        managers[name].pool.add_listener(IndexListener(index, name))
+        managers[name] = KVCacheManager(num_blocks=24, block_size=4, listeners=[IndexListener(index, name)])
     prefixes = [[rng.randrange(1000) for _ in range(12)] for _ in range(5)]
     for i in range(200):
         name = rng.choice("ab")
@@ -88,11 +87,12 @@ def test_a_listener_on_real_pools_predicts_every_lookup_exactly():
         hittable = (request.num_tokens - 1) // 4
         hashes = [external_block_hash(h) for h in manager.block_hashes(request)[:hittable]]
         predicted = index.matched_blocks(hashes, [name])[name] * 4
-        blocks, num_cached = manager.get_computed_blocks(request)
+        hit = manager.find_prefix(request)
+        num_cached = hit.num_tokens
         assert predicted == num_cached
-        manager.allocate_slots(request, request.num_tokens - num_cached, num_cached, blocks)
+        manager.allocate_slots(request, request.num_tokens - num_cached, hit)
         manager.free(request)
     for name, manager in managers.items():
-        assert index.num_blocks(name) == len(manager.pool.cached)
+        assert index.num_blocks(name) == len(manager.pool.cached[0])
     managers["a"].reset_prefix_cache()
-    assert index.num_blocks("a") == 0 and index.num_blocks("b") == len(managers["b"].pool.cached)
+    assert index.num_blocks("a") == 0 and index.num_blocks("b") == len(managers["b"].pool.cached[0])

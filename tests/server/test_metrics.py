@@ -8,10 +8,9 @@ from prefixcache.offload.store import TierStats
 from prefixcache.server.metrics import ServerMetrics
 
 
-def engine_stats(tiers: list[TierStats], kv_events_dropped: int = 0) -> EngineStats:
+def engine_stats(tiers: list[TierStats], kv_events_dropped: int = 0, **counters: int) -> EngineStats:
+    counters = {"prefix_cache_queries": 0, "prefix_cache_hits": 0} | counters
     return EngineStats(
-        prefix_cache_queries=0,
-        prefix_cache_hits=0,
         prefix_cache_copied_tokens=0,
         prefix_cache_missed_tokens=dict.fromkeys(MISS_REASONS, 0),
         prefix_cache_hit_rate=0.0,
@@ -25,6 +24,7 @@ def engine_stats(tiers: list[TierStats], kv_events_dropped: int = 0) -> EngineSt
         block_size=4,
         kv_offload=tiers,
         kv_events_dropped=kv_events_dropped,
+        **counters,
     )
 
 
@@ -61,3 +61,14 @@ def test_dropped_event_batches_are_counted():
     metrics.update(engine_stats([], kv_events_dropped=4))
     metrics.update(engine_stats([], kv_events_dropped=7))
     assert samples(metrics)[("prefixcache:kv_events_dropped_total", None)] == 7
+
+
+def test_hits_of_resumed_preempted_requests_are_their_own_series():
+    """They re-read the request's own blocks: counted apart, so prefix_cache_hits means sharing."""
+    metrics = ServerMetrics("m")
+    counters = dict(prefix_cache_queries=100, prefix_cache_hits=20)
+    metrics.update(engine_stats([], **counters, prefix_cache_preempted_queries=50, prefix_cache_preempted_hits=48))
+    found = samples(metrics)
+    assert found[("prefixcache:prefix_cache_preempted_queries_total", None)] == 50
+    assert found[("prefixcache:prefix_cache_preempted_hits_total", None)] == 48
+    assert found[("prefixcache:prefix_cache_hits_total", None)] == 20

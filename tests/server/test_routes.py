@@ -24,6 +24,7 @@ ENGINE_INFO = EngineInfo(
     hash_algo="sha256",
     hash_seed="prefixcache",
     enable_prefix_caching=True,
+    kv_capacity_tokens=256,
 )
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from prefixcache.core import HASH_ALGOS, KVCacheManager, Request
+from prefixcache.core import KVCacheManager, Request
 
 PREFIX_LENGTHS = (512, 1024, 1536, 2048)
 VOCAB_SIZE = 32_000
@@ -88,9 +88,9 @@ def replay(prompts: list[list[int]], config: ManagerTraceConfig, hash_algo: str)
         t0 = clock()
         manager.block_hashes(request)
         t1 = clock()
-        blocks, num_cached = manager.get_computed_blocks(request)
+        hit = manager.find_prefix(request)
         t2 = clock()
-        if manager.allocate_slots(request, request.num_tokens - num_cached, num_cached, blocks) is None:
+        if manager.allocate_slots(request, request.num_tokens - hit.num_tokens, hit) is None:
             raise RuntimeError("the trace does not fit the pool; raise num_blocks")
         t3 = clock()
         live.append(request)
@@ -238,6 +238,3 @@ def _print_table(report: dict) -> None:
                 f"p50 {vllm['ours_over_vllm_p50']:.2f}x; "
                 f"hit rate ours {ours['hit_rate']:.6f} vs vLLM {vllm['hit_rate']:.6f} ({same})"
             )
-
-
-DEFAULT_ALGOS = list(HASH_ALGOS)

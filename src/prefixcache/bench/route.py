@@ -27,16 +27,16 @@ from tqdm import tqdm
 from prefixcache.argtypes import positive_int
 from prefixcache.bench.trace import (
     TRACE_BLOCK_TOKENS,
-    CostModel,
-    HeldCache,
     ReplayConfig,
     TraceRequest,
     arrival,
+    held_cache,
     infinite_hit_rate,
     load_trace,
     trace_request,
 )
 from prefixcache.core import KVCacheManager, hittable_blocks
+from prefixcache.replay import CostModel
 from prefixcache.router.index import IndexListener, PrefixIndex
 from prefixcache.router.policy import (
     DEFAULT_AFFINITY_BALANCE,
@@ -97,9 +97,13 @@ def simulate(
     names = [f"engine-{i}" for i in range(num_engines)]
     caches = []
     for name in names:
-        manager = KVCacheManager(num_blocks=capacity_blocks, block_size=config.block_size, hash_algo=config.hash_algo)
-        manager.pool.add_listener(IndexListener(index, name))
-        caches.append(HeldCache(manager, config))
+        manager = KVCacheManager(
+            num_blocks=capacity_blocks,
+            block_size=config.block_size,
+            hash_algo=config.hash_algo,
+            listeners=[IndexListener(index, name)],
+        )
+        caches.append(held_cache(manager, config))
     block_size = config.block_size
     requests = [0] * num_engines
     computed = [0] * num_engines

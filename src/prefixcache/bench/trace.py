@@ -28,7 +28,7 @@ import heapq
 import json
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -44,8 +44,10 @@ from prefixcache.core import (
     Request,
     hittable_blocks,
 )
+from prefixcache.core.hashing import root_hash
 from prefixcache.offload import HostMemoryStore, KVLayout
-from prefixcache.offload.connector import OFFLOAD_MODES, WRITE_BACK, OffloadConnector, TierWriter
+from prefixcache.offload.connector import OFFLOAD_MODES, WRITE_BACK, OffloadConnector, OffloadPlan, TierWriter
+from prefixcache.replay import CostModel, HeldCache
 
 TRACE_BLOCK_TOKENS = 512
 # Token t of the block with id k is (512 k + t) * _MIX mod 2**32: odd, so a bijection on uint32, and ids
@@ -154,27 +156,12 @@ def infinite_hit_rate(trace: Sequence[TraceRequest], block_size: int) -> float:
 
 
 @dataclass(frozen=True, slots=True)
-class CostModel:
-    """How long a request holds its blocks once started: prefill of the uncached prompt, then decode.
-
-    Defaults: 20,000 prefill tokens/s and 20 ms per output token, one request's view of a busy server;
-    cached tokens cost nothing, so better caching also shortens holding.
-    """
-
-    prefill_ms_per_token: float = 0.05
-    decode_ms_per_token: float = 20.0
-
-    def duration_ms(self, uncached_tokens: int, output_tokens: int) -> float:
-        return self.prefill_ms_per_token * uncached_tokens + self.decode_ms_per_token * output_tokens
-
-
-@dataclass(frozen=True, slots=True)
 class ReplayConfig:
     """``in_flight=N`` holds each request until N later ones are admitted, instead of the cost model."""
 
     block_size: int = TRACE_BLOCK_TOKENS
     hash_algo: str = "sha256"
-    cost: CostModel = CostModel()
+    cost: CostModel = field(default_factory=CostModel)
     in_flight: int | None = None
     offload_blocks: int = 0
     offload_mode: str = WRITE_BACK
@@ -303,86 +290,17 @@ def replay(
     if policy == BELADY:
         eviction_policy = BeladyPolicy(FutureUses(trace, config.block_size), config.block_size)
         on_request = eviction_policy.start_request
+    connector = simulated_host_tier(config) if config.offload_blocks else None
     manager = KVCacheManager(
         num_blocks=capacity_blocks,
         block_size=config.block_size,
         hash_algo=config.hash_algo,
         eviction_policy=eviction_policy,
+        connector=connector,
     )
-    connector = simulated_host_tier(manager, config) if config.offload_blocks else None
     desc = f"{policy} @ {capacity_blocks * config.block_size:,} tokens"
-    drive(manager, trace, config, on_request, progress, desc, connector)
+    drive(manager, trace, config, on_request, progress, desc)
     return manager.stats.hit_rate
-
-
-class HeldCache:
-    """One manager under the replay's holding rule: an admitted request keeps its blocks until its finish time.
-
-    The cache has its own clock: a request that finds no room waits for the earliest finish, and so
-    does everything behind it on this cache. ``tokens_in_flight`` sums the uncached prompt and output
-    tokens of the admitted requests, the work a router sees queued there.
-    """
-
-    def __init__(
-        self, manager: KVCacheManager, config: ReplayConfig, connector: OffloadConnector | None = None
-    ) -> None:
-        self.manager = manager
-        self.config = config
-        self.connector = connector
-        self.now = 0.0
-        self.tokens_in_flight = 0
-        self._in_flight: list[tuple[float, int, Request, int]] = []  # (finish time, index, request, tokens)
-
-    def advance(self, now: float) -> None:
-        """Move the clock to ``now`` (never back) and free every request finished by then."""
-        self.now = max(self.now, now)
-        while self._in_flight and self._in_flight[0][0] <= self.now:
-            self._release()
-
-    def admit(self, index: int, request: Request, output_length: int) -> int:
-        """Look ``request`` up and admit it with room for ``output_length`` more tokens, waiting as needed.
-
-        Returns its cached prompt tokens; raises ValueError for a request larger than the whole cache.
-        """
-        manager, connector = self.manager, self.connector
-        while True:
-            blocks, num_cached = manager.get_computed_blocks(request)
-            num_external = 0
-            if connector is not None:
-                blocks, num_cached, num_external = connector.extend_local_hit(request, blocks, num_cached)
-            num_new = request.num_tokens - num_cached - num_external
-            allocated = manager.allocate_slots(request, num_new, num_cached, blocks, output_length, num_external)
-            if allocated is not None:
-                break
-            if not self._in_flight:
-                raise ValueError(
-                    f"request {index} needs {-(-(request.num_tokens + output_length) // manager.block_size)}"
-                    f" blocks, more than the capacity of {manager.num_blocks}"
-                )
-            self.now = max(self.now, self._in_flight[0][0])
-            self._release()
-        if connector is not None:
-            connector.update_state_after_alloc(request, manager.block_ids(request), num_external)
-            _simulate_transfers(connector)
-        duration = self.config.in_flight or self.config.cost.duration_ms(num_new, output_length)
-        tokens = num_new + output_length
-        heapq.heappush(self._in_flight, (self.now + duration, index, request, tokens))
-        self.tokens_in_flight += tokens
-        return num_cached
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._in_flight)
-
-    def drain(self) -> None:
-        """Free everything still in flight."""
-        while self._in_flight:
-            self._release()
-
-    def _release(self) -> None:
-        _, _, request, tokens = heapq.heappop(self._in_flight)
-        self.manager.free(request)
-        self.tokens_in_flight -= tokens
 
 
 def arrival(index: int, record: TraceRequest, config: ReplayConfig) -> float:
@@ -394,19 +312,29 @@ def trace_request(index: int, record: TraceRequest) -> Request:
     return Request(str(index), synthetic_tokens(record.hash_ids, record.input_length))
 
 
-def simulated_host_tier(manager: KVCacheManager, config: ReplayConfig) -> OffloadConnector:
+def simulated_host_tier(config: ReplayConfig) -> OffloadConnector:
     """The real connector and host store with ``config.offload_blocks`` blocks of a one-value layout."""
-    layout = KVLayout("trace-simulation", "float16", config.block_size, 1, 1, 1, config.hash_algo, manager.root_hash)
+    layout = KVLayout(
+        "trace-simulation", "float16", config.block_size, 1, 1, 1, config.hash_algo, root_hash(config.hash_algo)
+    )
     store = HostMemoryStore(layout, config.offload_blocks * layout.block_bytes)
-    return OffloadConnector(manager, [store], config.offload_mode, TierWriter([store], background=False))
+    writer = TierWriter([store], background=False)
+    return OffloadConnector([store], config.block_size, config.offload_mode, writer)
 
 
-def _simulate_transfers(connector: OffloadConnector) -> None:
-    """The worker's part without a model: every block the plan saves is stored with a placeholder payload."""
-    plan = connector.build_plan()
-    placeholder = bytes(connector.stores[0].layout.block_bytes)
-    for save in plan.save_before + plan.save_after:
-        connector.writer.submit(save.tiers, [(save.block_hash, placeholder)])
+def held_cache(manager: KVCacheManager, config: ReplayConfig) -> HeldCache:
+    """A :class:`~prefixcache.replay.HeldCache` holding requests as ``config`` says; with a simulated host tier
+    behind ``manager``, every block its plans save is stored with a placeholder payload (the worker's part)."""
+    connector = manager.connector
+    on_transfers = None
+    if isinstance(connector, OffloadConnector):
+        placeholder = bytes(connector.stores[0].layout.block_bytes)
+
+        def on_transfers(plan: OffloadPlan) -> None:
+            for save in plan.save_before + plan.save_after:
+                connector.writer.submit(save.tiers, [(save.block_hash, placeholder)])
+
+    return HeldCache(manager, config.cost, config.in_flight, on_transfers)
 
 
 def drive(
@@ -416,15 +344,14 @@ def drive(
     on_request: Callable[[int, TraceRequest, Sequence[BlockHash]], None] | None = None,
     progress: bool = False,
     desc: str = "",
-    connector: OffloadConnector | None = None,
 ) -> None:
     """Admit each request in order, freeing in-flight ones as their time comes or when room is needed.
 
     With ``in_flight`` the clock counts admissions instead of milliseconds. ``on_request`` sees each
-    request's index, record and block hashes before its lookup. With a ``connector`` the lookup is
-    extended by its tiers, and tokens loaded from them cost nothing, like cached ones.
+    request's index, record and block hashes before its lookup. With a connector behind the manager the
+    lookup is extended by its tiers, and tokens loaded from them cost nothing, like cached ones.
     """
-    cache = HeldCache(manager, config, connector)
+    cache = held_cache(manager, config)
     for index, record in enumerate(tqdm(trace, desc=desc, unit="req", disable=not progress, leave=False)):
         cache.advance(arrival(index, record, config))
         request = trace_request(index, record)

@@ -1,8 +1,13 @@
-"""The fixed pool of KV blocks, the free queue and the map from block hash to cached block.
+"""The fixed pool of KV blocks, the free queue and the map from block hash to cached block, per KV cache group.
 
 Eviction is lazy: a freed block keeps its hash and stays findable until it is popped for reuse;
 only then is its map entry dropped. Whatever must follow the index (KV cache events, the sub-block
-index, offload tiers, the record of evicted hashes) subscribes as a :class:`BlockPoolListener`.
+index, offload tiers, the record of evicted hashes) is a :class:`BlockPoolListener` given at construction.
+
+Every KV cache group (:mod:`prefixcache.core.kv_cache_groups`) draws from the one pool and has its own
+map from hash to block: a block belongs to one group at a time, so the same tokens are cached once per
+group. When some group slides, block 0 is the *null block*: never handed out, never written, it stands
+in a sliding group's table for the blocks that left (or never entered) the window.
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True, eq=False)
 class Block:
-    """One KV block: ``block_id`` indexes the cache tensors; ``block_hash`` is set while it is cached."""
+    """One KV block: ``block_id`` indexes the cache tensors; ``block_hash`` is set while it is cached, in the
+    map of KV cache group ``group``."""
 
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    group: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +40,8 @@ class StoredBlocks:
     """Consecutive blocks of one request whose hashes just became findable (first copy of each).
 
     ``parent_block_hash`` is the hash of the block before the first one, None at the start of a
-    prompt; ``token_ids`` are all the blocks' tokens in order; ``extra_keys`` has one entry a block.
+    prompt; ``token_ids`` are all the blocks' tokens in order; ``extra_keys`` has one entry a block;
+    ``group`` is the KV cache group whose map now holds them.
     """
 
     block_hashes: list[BlockHash]
@@ -42,6 +50,7 @@ class StoredBlocks:
     block_size: int
     lora_name: str | None
     extra_keys: list[ExtraKeys | None]
+    group: int = 0
 
 
 class BlockPoolListener:
@@ -52,13 +61,14 @@ class BlockPoolListener:
     """
 
     def blocks_stored(self, stored: StoredBlocks) -> None:
-        """Hashes that were not in the pool now are (a duplicate of a cached hash is not reported)."""
+        """Hashes that were not in ``stored.group``'s map now are (a duplicate of a cached hash is not reported)."""
 
-    def blocks_removed(self, block_hashes: list[BlockHash]) -> None:
-        """The last block of each of these hashes is being reused: the pool no longer holds them."""
+    def blocks_removed(self, block_hashes: list[BlockHash], group: int) -> None:
+        """The last block of each of these hashes in ``group`` is being reused: that group no longer holds them."""
 
-    def block_reused(self, block: Block) -> None:
-        """``block`` is about to be overwritten, whether or not it held a hash."""
+    def block_reused(self, block: Block, last_copy: bool) -> None:
+        """``block`` is about to be overwritten, whether or not it held a hash (in ``block.group``);
+        ``last_copy``: it was the last block of its group holding that hash."""
 
     def cache_cleared(self) -> None:
         """Every cached hash was dropped at once (reset)."""
@@ -72,11 +82,13 @@ def _overriding(listeners: list[BlockPoolListener], event: str) -> list[BlockPoo
 
 
 class BlockPool:
-    """Hands out blocks, takes them back, and keeps the prefix index.
+    """Hands out blocks, takes them back, and keeps the prefix index of every KV cache group.
 
     Free blocks live in two queues: blocks holding no cached prefix (reused first, oldest first) and
-    cached blocks, ordered by the eviction policy. A cached hash maps to one block, or to several
-    when requests filled identical blocks independently (lookups return the first one cached).
+    cached blocks, ordered by the eviction policy, whatever their group. A cached hash maps, in its
+    group's map, to one block, or to several when requests filled identical blocks independently
+    (lookups return the first one cached). ``reserve_null_block`` keeps block 0 out of circulation as
+    the null block (the pool then hands out ``num_blocks - 1``).
     """
 
     def __init__(
@@ -85,38 +97,45 @@ class BlockPool:
         enable_caching: bool = True,
         eviction_policy: str | EvictionPolicy = "lru",
         listeners: Sequence[BlockPoolListener] = (),
+        num_groups: int = 1,
+        reserve_null_block: bool = False,
     ) -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if num_blocks <= reserve_null_block:
+            raise ValueError(f"num_blocks must be more than {int(reserve_null_block)}, got {num_blocks}")
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be positive, got {num_groups}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [Block(block_id=i) for i in range(num_blocks)]
-        self.uncached_free: deque[Block] = deque(self.blocks)
+        self.null_block: Block | None = self.blocks[0] if reserve_null_block else None
+        self.usable_blocks = self.blocks[1:] if reserve_null_block else self.blocks
+        self.uncached_free: deque[Block] = deque(self.usable_blocks)
         self.evictable: EvictionPolicy = make_eviction_policy(eviction_policy)
-        self.cached: dict[BlockHash, Block | dict[int, Block]] = {}
-        self.listeners: list[BlockPoolListener] = []
-        for listener in listeners:
-            self.add_listener(listener)
-
-    def add_listener(self, listener: BlockPoolListener) -> None:
-        self.listeners.append(listener)
+        # One map a group, never replaced (the groups' managers hold them).
+        self.cached: list[dict[BlockHash, Block | dict[int, Block]]] = [{} for _ in range(num_groups)]
+        self.listeners = list(listeners)
         self._on_stored = _overriding(self.listeners, "blocks_stored")
         self._on_removed = _overriding(self.listeners, "blocks_removed")
         self._on_reused = _overriding(self.listeners, "block_reused")
         self._on_cleared = _overriding(self.listeners, "cache_cleared")
 
     @property
+    def num_usable_blocks(self) -> int:
+        """Blocks the pool hands out: all but the null block."""
+        return len(self.usable_blocks)
+
+    @property
     def num_free_blocks(self) -> int:
         return len(self.uncached_free) + len(self.evictable)
 
-    def get_cached_block(self, block_hash: BlockHash) -> Block | None:
-        entry = self.cached.get(block_hash)
+    def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> Block | None:
+        entry = self.cached[group].get(block_hash)
         if entry is None or type(entry) is Block:
             return entry
         return next(iter(entry.values()))
 
     def touch(self, blocks: Iterable[Block]) -> None:
-        """Take a reference on hit blocks; a free one leaves the free queue."""
+        """Take a reference on hit blocks (never the null block); a free one leaves the free queue."""
         evictable = self.evictable
         for block in blocks:
             if block.ref_cnt == 0:
@@ -124,56 +143,76 @@ class BlockPool:
             block.ref_cnt += 1
 
     def get_new_blocks(self, num_blocks: int) -> list[Block]:
-        """Pop ``num_blocks`` free blocks (caller checked there are enough), evicting cached ones last."""
-        uncached, evictable, on_reused = self.uncached_free, self.evictable, self._on_reused
+        """Pop ``num_blocks`` free blocks (caller checked there are enough), evicting cached ones last.
+
+        An evicted block leaves its group's map; listeners hear of the hashes whose last block it was.
+        """
+        uncached, evictable, on_reused, maps = self.uncached_free, self.evictable, self._on_reused, self.cached
         out: list[Block] = []
-        removed: list[BlockHash] = []
+        removed: list[list[BlockHash]] | None = None  # by group, made at the first eviction
         for _ in range(num_blocks):
             block = uncached.popleft() if uncached else evictable.pop()
-            if block.block_hash is not None and self._drop_from_index(block):
-                removed.append(block.block_hash)
+            block_hash = block.block_hash
+            last_copy = False
+            if block_hash is not None:
+                cached = maps[block.group]
+                entry = cached[block_hash]
+                if type(entry) is Block:
+                    del cached[block_hash]
+                    last_copy = True
+                    if removed is None:
+                        removed = [[] for _ in maps]
+                    removed[block.group].append(block_hash)
+                else:
+                    del entry[block.block_id]
+                    if len(entry) == 1:
+                        cached[block_hash] = next(iter(entry.values()))
             for listener in on_reused:
-                listener.block_reused(block)
+                listener.block_reused(block, last_copy)
             block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
-        if removed:
-            for listener in self._on_removed:
-                listener.blocks_removed(removed)
+        for group, hashes in enumerate(removed or ()):
+            if hashes:
+                for listener in self._on_removed:
+                    listener.blocks_removed(hashes, group)
         return out
 
-    def cache_block(self, block: Block, block_hash: BlockHash) -> bool:
-        """Index a block that just became full; True when its hash is new to the pool.
-
-        A block already holding a hash (a hit) is left alone.
-        """
-        if block.block_hash is not None:
-            return False
-        block.block_hash = block_hash
-        entry = self.cached.get(block_hash)
-        if entry is None:
-            self.cached[block_hash] = block
-            return True
-        if type(entry) is Block:
-            self.cached[block_hash] = {entry.block_id: entry, block.block_id: block}
-        else:
-            entry[block.block_id] = block
-        return False
-
     def cache_full_blocks(
-        self, request: Request, table: list[Block], block_hashes: list[BlockHash], start: int, end: int, block_size: int
+        self,
+        request: Request,
+        table: list[Block],
+        block_hashes: list[BlockHash],
+        start: int,
+        end: int,
+        block_size: int,
+        group: int = 0,
     ) -> None:
-        """Index blocks ``start`` .. ``end`` - 1 of ``request``'s table, which just became full.
+        """Index blocks ``start`` .. ``end`` - 1 of ``request``'s table of ``group``, which just became full
+        (null entries and blocks already holding a hash, hits, are skipped).
 
-        Listeners hear of each run of consecutive blocks whose hashes are new to the pool.
+        A hash already in the group's map gets the block too (two requests filled it independently).
+        Listeners hear of each run of consecutive blocks whose hashes are new to the group.
         """
         runs: list[tuple[int, int]] = []
+        null, cached = self.null_block, self.cached[group]
         for i in range(start, end):
-            if self.cache_block(table[i], block_hashes[i]):
+            block = table[i]
+            if block is null or block.block_hash is not None:  # a hit block keeps its hash
+                continue
+            block_hash = block.block_hash = block_hashes[i]
+            block.group = group
+            entry = cached.get(block_hash)
+            if entry is None:  # new to the group
+                cached[block_hash] = block
                 if runs and runs[-1][1] == i:
                     runs[-1] = (runs[-1][0], i + 1)
                 else:
                     runs.append((i, i + 1))
+            elif type(entry) is Block:
+                cached[block_hash] = {entry.block_id: entry, block.block_id: block}
+            else:
+                entry[block.block_id] = block
         if not self._on_stored:
             return
         for first, last in runs:
@@ -184,12 +223,14 @@ class BlockPool:
                 block_size=block_size,
                 lora_name=request.lora_name,
                 extra_keys=[request.block_extra_keys(k, block_size) for k in range(first, last)],
+                group=group,
             )
             for listener in self._on_stored:
                 listener.blocks_stored(stored)
 
     def free_blocks(self, blocks: Iterable[Block]) -> None:
-        """Drop one reference from each block, in eviction order (the first freed is evicted first)."""
+        """Drop one reference from each block (never the null block), in eviction order (the first freed is
+        evicted first)."""
         uncached, evictable = self.uncached_free, self.evictable
         for block in blocks:
             block.ref_cnt -= 1
@@ -201,39 +242,33 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while any block is in use."""
-        if self.num_free_blocks != self.num_blocks:
+        if self.num_free_blocks != self.num_usable_blocks:
             return False
-        for block in self.blocks:
+        for block in self.usable_blocks:
             block.block_hash = None
-        self.cached.clear()
+        for cached in self.cached:
+            cached.clear()
         self.evictable.clear()
-        self.uncached_free = deque(self.blocks)
+        self.uncached_free = deque(self.usable_blocks)
         for listener in self._on_cleared:
             listener.cache_cleared()
         return True
 
-    def _drop_from_index(self, block: Block) -> bool:
-        """Forget that ``block`` holds its hash; True when it was the hash's last block."""
-        block_hash = block.block_hash
-        entry = self.cached[block_hash]
-        if type(entry) is Block:
-            del self.cached[block_hash]
-            return True
-        del entry[block.block_id]
-        if len(entry) == 1:
-            self.cached[block_hash] = next(iter(entry.values()))
-        return False
-
     def check_invariants(self, block_tables: Iterable[list[Block]]) -> None:
         """Assert the pool's bookkeeping; ``block_tables`` are all live tables. For tests and debugging."""
+        null = self.null_block
         holders: dict[int, int] = {}
         for table in block_tables:
             for block in table:
-                holders[block.block_id] = holders.get(block.block_id, 0) + 1
+                if block is not null:
+                    holders[block.block_id] = holders.get(block.block_id, 0) + 1
         free_ids = [b.block_id for b in self.uncached_free] + [b.block_id for b in self.evictable]
         assert len(free_ids) == len(set(free_ids)), "a block is in the free queues twice"
         free = set(free_ids)
-        for block in self.blocks:
+        if null is not None:
+            assert null.block_id not in free, "the null block is in a free queue"
+            assert null.block_hash is None and null.ref_cnt == 0, "the null block was handed out"
+        for block in self.usable_blocks:
             if block.block_id in free:
                 assert block.ref_cnt == 0, f"free block {block.block_id} has ref_cnt {block.ref_cnt}"
                 assert block.block_id not in holders, f"free block {block.block_id} is in a block table"
@@ -248,10 +283,12 @@ class BlockPool:
         for block in self.evictable:
             assert block.block_hash is not None, f"evictable block {block.block_id} carries no hash"
         indexed = 0
-        for block_hash, entry in self.cached.items():
-            members = [entry] if type(entry) is Block else list(entry.values())
-            assert members, "empty hash entry"
-            for block in members:
-                assert block.block_hash == block_hash, f"index entry points at block {block.block_id} wrongly"
-            indexed += len(members)
+        for group, cached in enumerate(self.cached):
+            for block_hash, entry in cached.items():
+                members = [entry] if type(entry) is Block else list(entry.values())
+                assert members, "empty hash entry"
+                for block in members:
+                    assert block.block_hash == block_hash, f"index entry points at block {block.block_id} wrongly"
+                    assert block.group == group, f"block {block.block_id} is indexed in group {group}, not its own"
+                indexed += len(members)
         assert indexed == sum(b.block_hash is not None for b in self.blocks), "a hashed block is not indexed"

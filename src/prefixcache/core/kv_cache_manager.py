@@ -1,13 +1,30 @@
-"""The prefix-caching KV cache manager: finds a request's cached prefix and allocates its block table."""
+"""The prefix-caching KV cache manager: the one owner of prefix admission and of every request's block tables.
+
+A request is admitted in two calls every caller makes (the scheduler, the trace replays, the tests):
+:meth:`KVCacheManager.find_prefix` finds what it can reuse (blocks every KV cache group holds, a sub-block
+copy, whole blocks an external source such as the offload tiers can load) without taking anything, and
+:meth:`KVCacheManager.allocate_slots` admits it with that hit and grows its tables afterwards; ``free``
+gives its blocks back. The connector of the external source, the pool's listeners and the groups are
+given at construction.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from prefixcache.core.block_pool import Block, BlockPool
+from prefixcache.core.block_pool import Block, BlockPool, BlockPoolListener
 from prefixcache.core.eviction import EvictionPolicy
 from prefixcache.core.hashing import BlockHash, root_hash, warn_if_unsafe
+from prefixcache.core.kv_cache_groups import (
+    FULL_ATTENTION,
+    KVCacheGroupSpec,
+    check_groups,
+    check_sub_blocks,
+    full_hit,
+    longest_common_hit,
+)
 from prefixcache.core.miss import (
     MISS_REASONS,
     EvictedHashes,
@@ -19,18 +36,49 @@ from prefixcache.core.miss import (
 from prefixcache.core.request import MultiModalFeature, Request
 from prefixcache.core.sub_block import CopyOp, SubBlockIndex
 
-# Tokens per tier, "device" first, that admitting a request would find, given the device's hit.
-TierLookup = Callable[[Request, int], dict[str, int]]
+# The block ids of one position in every group's table (None where a sliding group holds the null block).
+BlockTargets = tuple[int | None, ...]
+
+
+class KVConnector(Protocol):
+    """K/V kept outside the pool that admission can load into it (the offload tiers' scheduler side).
+
+    The manager calls it with the request's block hashes; ``start`` .. ``end`` is the range of block
+    indexes a hit may still cover (after the pool's hit, before the last token's block).
+    """
+
+    def extend_hit(self, request: Request, block_hashes: Sequence[BlockHash], start: int, end: int) -> int:
+        """How many blocks from ``start`` on the source holds; they are read now and staged for ``request``."""
+
+    def held(self, request: Request, block_hashes: Sequence[BlockHash], start: int, end: int) -> dict[str, int]:
+        """Tokens each medium would supply from ``start`` on, as ``extend_hit`` would take them; changes nothing."""
+
+    def admitted(
+        self, request: Request, block_hashes: Sequence[BlockHash], start: int, targets: Sequence[BlockTargets]
+    ) -> None:
+        """``request`` was admitted with the staged blocks ``start`` .. ``start + len(targets) - 1``: load each
+        into its blocks ``targets[i]``, one a group."""
+
+    def request_finished(self, request: Request) -> None:
+        """Forget whatever was staged for ``request``."""
+
+    def take_plan(self, cached_block_ids: Callable[[BlockHash], BlockTargets | None]) -> Any:
+        """This step's transfers for the worker; ``cached_block_ids`` names the blocks that hold a hash in every
+        group (None when some group lacks it)."""
 
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    """Counted once per request, when it is admitted: prompt tokens looked up, not computed, and missed.
+    """Counted when a request is admitted: prompt tokens looked up, not computed, and missed.
 
     ``hits`` are the prompt tokens whose K/V was reused, from shared blocks, copied from a sub-block
     match (``copied_tokens`` of them) or loaded from an offload tier; this is the one definition of a hit
     everywhere in prefixcache. Every other prompt token is missed for one reason
     (:mod:`prefixcache.core.miss`), so ``queries == hits + sum(missed_tokens.values())``.
+
+    A request admitted again after a preemption mostly re-reads the blocks it computed itself: a hit no
+    sharing produced. Those admissions count apart, in ``preempted_requests``, ``preempted_queries`` (its
+    tokens then) and ``preempted_hits``, so that ``hit_rate`` means sharing (vLLM's ``preempted`` flag).
     """
 
     requests: int = 0
@@ -38,25 +86,72 @@ class PrefixCacheStats:
     hits: int = 0
     copied_tokens: int = 0
     missed_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
 
 
+@dataclass(slots=True)
+class PrefixHit:
+    """What admitting a request now would reuse, from :meth:`KVCacheManager.find_prefix`.
+
+    ``blocks[g]`` are group ``g``'s cached blocks for the first ``num_local_tokens`` (a sliding group's
+    table holds the null block where its window does not reach); with a sub-block copy
+    (``num_copied_tokens`` > 0, one full-attention group only) the last block is the copy source.
+    ``num_external_tokens`` are whole blocks right after, which the connector staged and loads into
+    new blocks.
+    """
+
+    blocks: list[list[Block]]
+    num_local_tokens: int = 0
+    num_copied_tokens: int = 0
+    num_external_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt tokens the hit spares from computing: the first token to compute."""
+        return self.num_local_tokens + self.num_external_tokens
+
+    def block_ids(self) -> list[list[int]]:
+        return [[block.block_id for block in blocks] for blocks in self.blocks]
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager:
-    """Owns the block pool and every running request's block table.
+def _cached_lookup(cached: dict[BlockHash, Block | dict[int, Block]]) -> Callable[[BlockHash], Block | None]:
+    """The first block holding a hash in one group's map (several when requests filled it independently)."""
+    get = cached.get
 
-    ``get_computed_blocks`` looks a prompt up without changing anything; ``allocate_slots`` admits
-    it (taking references on the hit blocks) and grows its table; ``free`` gives the blocks back.
-    Allocation that does not fit returns None and changes nothing. The record of recently evicted
-    hashes, which tells an ``evicted`` miss from a ``new`` one, remembers at least the last
-    ``evicted_record_size`` of them (default: as many as the pool has blocks; 0 counts every such
-    miss as ``new``).
+    def lookup(block_hash: BlockHash) -> Block | None:
+        entry = get(block_hash)
+        if entry is None or type(entry) is Block:
+            return entry
+        return next(iter(entry.values()))
+
+    return lookup
+
+
+class KVCacheManager:
+    """Owns the block pool and every running request's block tables, one table a KV cache group.
+
+    ``find_prefix`` looks a request up without taking anything; ``allocate_slots`` admits it with that
+    hit (taking references on the hit blocks, staging the connector's loads) and grows its tables;
+    ``free`` gives the blocks back. Allocation that does not fit returns None and changes nothing. A
+    sliding-window group gives back the blocks that left its window as the request advances (to the
+    cached free queue, hash kept), its table holding the null block there. The record of recently
+    evicted hashes, which tells an ``evicted`` miss from a ``new`` one, remembers at least the last
+    ``evicted_record_size`` of them (default: as many as the pool has blocks; 0 counts every such miss
+    as ``new``).
+
+    ``groups`` (default: one full-attention group, a plain prefix cache) come from the model;
+    ``connector`` extends hits with K/V from outside the pool (the offload tiers); ``listeners`` hear the
+    pool's changes (KV events, a router's index). Sub-block matching needs one full-attention group.
     """
 
     def __init__(
@@ -70,6 +165,9 @@ class KVCacheManager:
         eviction_policy: str | EvictionPolicy = "lru",
         sub_block_size: int | None = None,
         evicted_record_size: int | None = None,
+        groups: Sequence[KVCacheGroupSpec] = (FULL_ATTENTION,),
+        connector: KVConnector | None = None,
+        listeners: Sequence[BlockPoolListener] = (),
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -78,6 +176,8 @@ class KVCacheManager:
             raise ValueError(f"sub_block_size must be a positive divisor of block_size, got {sub_block_size}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.groups = check_groups(groups)
+        check_sub_blocks(self.groups, block_size, sub_block_size)
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
@@ -85,7 +185,6 @@ class KVCacheManager:
         if enable_caching:
             warn_if_unsafe(hash_algo)
         self._hash_key = (hash_algo, self.root_hash, block_size)
-        self.watermark_blocks = int(watermark * num_blocks)
         self.sub_block_size = sub_block_size
         self.sub_blocks = (
             SubBlockIndex(hash_algo, self.root_hash, block_size, sub_block_size)
@@ -93,10 +192,28 @@ class KVCacheManager:
             else None
         )
         self.evicted = EvictedHashes(num_blocks if evicted_record_size is None else evicted_record_size)
-        listeners = [self.sub_blocks, self.evicted] if self.sub_blocks else [self.evicted]
-        self.pool = BlockPool(num_blocks, enable_caching, eviction_policy, listeners)
+        self.connector = connector if enable_caching else None
+        pool_listeners: list[BlockPoolListener] = [self.sub_blocks] if self.sub_blocks else []
+        pool_listeners.append(self.evicted)
+        if isinstance(self.connector, BlockPoolListener):
+            pool_listeners.append(self.connector)
+        pool_listeners.extend(listeners)
+        self._sliding = [g for g, spec in enumerate(self.groups) if spec.sliding_window is not None]
+        self.pool = BlockPool(
+            num_blocks,
+            enable_caching,
+            eviction_policy,
+            pool_listeners,
+            num_groups=len(self.groups),
+            reserve_null_block=bool(self._sliding),
+        )
+        self.null_block = self.pool.null_block
+        self.watermark_blocks = int(watermark * self.pool.num_usable_blocks)
+        self._lookups = [_cached_lookup(cached) for cached in self.pool.cached]
+        self._single_full = self.groups == (FULL_ATTENTION,)
+        self._no_hit_blocks: list[list[Block]] = [[] for _ in self.groups]
         self.stats = PrefixCacheStats()
-        self._tables: dict[str, list[Block]] = {}
+        self._tables: dict[str, list[list[Block]]] = {}
         self._num_cached_blocks: dict[str, int] = {}
         self._sub_block_requests: dict[str, Request] = {}
         self._sub_block_indexed: dict[str, int] = {}
@@ -104,7 +221,13 @@ class KVCacheManager:
 
     @property
     def num_blocks(self) -> int:
+        """Blocks of the pool, the null block included."""
         return self.pool.num_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold: all but the null block (reserved when some group slides)."""
+        return self.pool.num_usable_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -113,7 +236,32 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         """Fraction of blocks held by running requests (cached-but-free blocks count as free)."""
-        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_usable_blocks
+
+    def peak_blocks(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens holds at once, computing at most
+        ``max_chunk_tokens`` a step: every block in a full-attention group; in a sliding group, the window
+        before a step plus the step's own tokens, once earlier blocks were given back."""
+        all_blocks = _cdiv(num_tokens, self.block_size)
+        total = 0
+        for spec in self.groups:
+            if spec.sliding_window is None:
+                total += all_blocks
+            else:
+                in_window = _cdiv(min(max_chunk_tokens, num_tokens) + spec.sliding_window - 1, self.block_size) + 1
+                total += min(all_blocks, in_window)
+        return total
+
+    def max_request_tokens(self, max_chunk_tokens: int) -> int:
+        """The longest request (prompt plus output) whose :meth:`peak_blocks` fit in the pool."""
+        low, high = 0, self.num_usable_blocks * self.block_size
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.peak_blocks(mid, max_chunk_tokens) <= self.num_usable_blocks:
+                low = mid
+            else:
+                high = mid - 1
+        return low
 
     def block_hashes(self, request: Request) -> list[BlockHash]:
         """The request's chained hashes for every full block of its tokens, hashing only new blocks."""
@@ -128,33 +276,32 @@ class KVCacheManager:
             hashes.extend(request.hash_blocks(self.hash_algo, parent, done, num_full - done, self.block_size))
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
-        """The longest run of cached full blocks from the start of the request's tokens.
+    def find_prefix(self, request: Request) -> PrefixHit:
+        """The longest prefix of the request every group can serve, extended by a sub-block copy or by the
+        connector's blocks, whichever reaches further.
 
-        With sub-blocks on, the hit is extended by the longest written sub-prefix of the next block;
-        the last returned block is then the copy source and the token count is not block-aligned.
-        Capped so that at least the last token is computed (its logits are needed). Changes no
-        state: nothing is referenced until ``allocate_slots`` admits the request.
+        Groups agree on the hit (:func:`~prefixcache.core.kv_cache_groups.longest_common_hit`). With
+        sub-blocks on, the hit is extended by the longest written sub-prefix of the next block. The
+        connector continues from the last whole block and wins when it beats the copy; its blocks are
+        read and staged now. Capped so that at least the last token is computed (its logits are needed).
+        Takes nothing: no reference, no move in the eviction order, until ``allocate_slots``.
         """
         if not self.enable_caching or request.skip_reading_prefix_cache:
-            return [], 0
+            return PrefixHit([[] for _ in self.groups])
         hashes = self.block_hashes(request)
         max_blocks = hittable_blocks(request.num_tokens, self.block_size)
-        get_cached = self.pool.get_cached_block
-        hits: list[Block] = []
-        for block_hash in hashes[:max_blocks]:
-            block = get_cached(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        num_cached = len(hits) * self.block_size
-        room = request.num_tokens - 1 - num_cached
-        if self.sub_blocks is not None and room >= self.sub_block_size:
-            found = self.sub_blocks.lookup(request, hashes, len(hits), room)
-            if found is not None:
-                hits.append(found[0])
-                num_cached += found[1]
-        return hits, num_cached
+        num_blocks, blocks, num_copied = self._local_hit(request, hashes, max_blocks)
+        num_cached = num_blocks * self.block_size
+        num_external = 0
+        if self.connector is not None:
+            num_external = self.connector.extend_hit(request, hashes, num_blocks, max_blocks) * self.block_size
+            if num_external > num_copied:
+                if num_copied:
+                    blocks[0].pop()
+                num_copied = 0
+            else:
+                num_external = 0
+        return PrefixHit(blocks, num_cached + num_copied, num_copied, num_external)
 
     def lookup(
         self,
@@ -162,27 +309,38 @@ class KVCacheManager:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         mm_features: Sequence[MultiModalFeature] = (),
-        tiers: TierLookup | None = None,
     ) -> PrefixLookup:
         """What admitting this prompt now would find cached, and why the rest would miss.
 
-        ``tiers`` (the offload connector's ``lookup``) extends the device's hit with the blocks the offload
-        tiers hold, as admission would, and splits it by tier. Changes no state: no reference is taken, no
-        free block moves in the eviction order, nothing is counted in the stats. Raises ValueError for a
-        prompt no request could have (empty, bad ids).
+        With a connector, the device's hit is extended by what it holds, split by medium, as admission
+        would take it. Changes no state: no reference is taken, no free block moves in the eviction order,
+        nothing is read from or staged by the connector, nothing is counted in the stats. Raises ValueError
+        for a prompt no request could have (empty, bad ids).
         """
         request = Request("lookup", token_ids, cache_salt=cache_salt, lora_name=lora_name, mm_features=mm_features)
-        _, num_cached = self.get_computed_blocks(request)
-        by_tier = {"device": num_cached} if tiers is None else tiers(request, num_cached)
-        num_cached = sum(by_tier.values())
-        num_copied = num_cached % self.block_size  # tiers extend only a block-aligned device hit
+        by_tier = {"device": 0}
+        num_cached = num_copied = 0
+        if self.enable_caching and not request.skip_reading_prefix_cache:
+            hashes = self.block_hashes(request)
+            max_blocks = hittable_blocks(request.num_tokens, self.block_size)
+            num_blocks, _, num_copied = self._local_hit(request, hashes, max_blocks)
+            num_cached = num_blocks * self.block_size
+            if self.connector is not None:
+                tiers = self.connector.held(request, hashes, num_blocks, max_blocks)
+                if sum(tiers.values()) > num_copied:
+                    num_copied = 0
+                    by_tier |= tiers
+                else:
+                    by_tier |= dict.fromkeys(tiers, 0)
+            by_tier["device"] = num_cached + num_copied
+        total = sum(by_tier.values())
         missed = dict.fromkeys(MISS_REASONS, 0)
-        self._count_missed(missed, request, num_cached - num_copied, num_copied)
+        self._count_missed(missed, request, total - num_copied, num_copied)
         return PrefixLookup(
             prompt_tokens=request.num_tokens,
-            cached_tokens=num_cached,
+            cached_tokens=total,
             cached_tokens_by_tier=by_tier,
-            cached_prefix_end=num_cached,
+            cached_prefix_end=total,
             copied_tokens=num_copied,
             block_size=self.block_size,
             first_miss_reason=first_miss_reason(missed),
@@ -193,83 +351,132 @@ class KVCacheManager:
         self,
         request: Request,
         num_new_tokens: int,
-        num_cached_tokens: int = 0,
-        cached_blocks: list[Block] | None = None,
+        hit: PrefixHit | None = None,
         num_lookahead_tokens: int = 0,
-        num_external_tokens: int = 0,
     ) -> list[Block] | None:
-        """Grow the request's table to hold its computed tokens plus ``num_new_tokens`` and lookahead.
+        """Grow the request's tables to hold its computed tokens plus ``num_new_tokens`` and lookahead.
 
-        The first call admits the request with the hit from ``get_computed_blocks``, extended by
-        ``num_external_tokens`` whose K/V comes from outside the pool (the offload tiers): full blocks
-        right after the cached prefix, which get new blocks like new tokens but count as hits. Every block
-        that becomes full is cached. Returns the newly allocated blocks, or None (nothing changed) when
-        they do not fit.
+        The first call admits the request with ``hit`` from :meth:`find_prefix` (None: nothing reused);
+        the connector's blocks get new blocks like new tokens but count as hits, and their loads are
+        planned. Later calls pass no hit. Every block that becomes full is cached; a sliding group first
+        gives back the blocks that left its window. Returns the newly allocated blocks (group by group),
+        or None when they do not fit: then nothing changed, and a hit stays valid for another try.
         """
-        if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_external_tokens < 0:
-            raise ValueError("num_new_tokens, num_lookahead_tokens and num_external_tokens must be >= 0")
-        table = self._tables.get(request.request_id)
-        admitting = table is None
+        if num_new_tokens < 0 or num_lookahead_tokens < 0:
+            raise ValueError("num_new_tokens and num_lookahead_tokens must be >= 0")
+        tables = self._tables.get(request.request_id)
+        admitting = tables is None
+        if not admitting and hit is not None:
+            raise ValueError(f"request {request.request_id!r} is already admitted; pass no hit")
         block_size = self.block_size
+        null = self.null_block
         if admitting:
-            cached_blocks = cached_blocks or []
-            self._check_hit(request, cached_blocks, num_cached_tokens, num_external_tokens)
-            num_computed = num_cached_tokens + num_external_tokens
-            num_copied = num_cached_tokens % block_size
-            copy_source = cached_blocks[-1] if num_copied else None
-            cached_blocks = cached_blocks[:-1] if num_copied else cached_blocks
-            num_held = len(cached_blocks)
-            num_to_touch = sum(1 for block in cached_blocks if block.ref_cnt == 0)
-            reserve = self.watermark_blocks
+            hit = hit if hit is not None else PrefixHit(self._no_hit_blocks)
+            self._check_hit(request, hit)
+            num_computed = hit.num_tokens
+            num_copied = hit.num_copied_tokens
+            held = hit.blocks
+            copy_source = held[0][-1] if num_copied else None
+            num_held = len(held[0]) - (num_copied > 0)
         else:
-            if cached_blocks or num_cached_tokens or num_external_tokens:
-                raise ValueError(f"request {request.request_id!r} is already admitted; pass no cached blocks")
             num_computed = request.num_computed_tokens
-            num_held = len(table)
-            num_to_touch = 0
-            reserve = 0
+            num_held = len(tables[0])
         total = num_computed + num_new_tokens
         if total > request.num_tokens:
             raise ValueError(
                 f"request {request.request_id!r}: {total} tokens scheduled, it only has {request.num_tokens}"
             )
-        num_new_blocks = max(0, _cdiv(total + num_lookahead_tokens, block_size) - num_held)
-        if self.pool.num_free_blocks - num_new_blocks - num_to_touch < reserve:
+        num_needed = _cdiv(total + num_lookahead_tokens, block_size)
+        num_new_blocks = max(0, num_needed - num_held)
+        # A sliding group holds no block wholly before its window, the first `skips[g]` positions: at admission
+        # the null block stands there (and for as many new positions), later those blocks are given back
+        # (`leaving[g]`), which frees the ones no other request holds.
+        skips = [spec.first_needed_block(num_computed, block_size) for spec in self.groups] if self._sliding else None
+        num_allocated = num_new_blocks * len(self.groups)
+        if admitting:
+            reserve = self.watermark_blocks
+            num_released = 0
+            tables = []
+            for g, blocks in enumerate(held):
+                skip = min(skips[g], num_held) if skips else 0
+                table = [null] * skip + blocks[skip:num_held] if skip else blocks[:num_held]
+                tables.append(table)
+                if skips:
+                    num_allocated -= max(0, min(skips[g], num_needed) - num_held)
+            # Hit blocks in the free queue leave it when taken (the null block is never taken).
+            num_to_touch = sum(1 for table in tables for block in table if block.ref_cnt == 0)
+            if null is not None:
+                num_to_touch -= sum(table.count(null) for table in tables)
+        else:
+            reserve = num_to_touch = num_released = 0
+            leaving = {g: self._leaving_window(tables[g], skips[g]) for g in self._sliding}
+            for g, positions in leaving.items():
+                num_released += sum(1 for i in positions if tables[g][i].ref_cnt == 1)
+        if self.pool.num_free_blocks + num_released - num_allocated - num_to_touch < reserve:
             return None
 
+        new_blocks: list[Block] = []
         if admitting:
-            self.pool.touch(cached_blocks)
-            table = list(cached_blocks)
-            self._tables[request.request_id] = table
-            self._num_cached_blocks[request.request_id] = len(cached_blocks)
-            self._count_admission(request, num_held * block_size + num_external_tokens, num_copied)
+            for table in tables:
+                self.pool.touch(table if null is None else [block for block in table if block is not null])
+            self._tables[request.request_id] = tables
+            self._num_cached_blocks[request.request_id] = num_held
+            self._count_admission(request, num_held * block_size + hit.num_external_tokens, num_copied)
             if self.sub_blocks is not None:
                 self._sub_block_requests[request.request_id] = request
                 self._sub_block_indexed[request.request_id] = num_held * block_size
-        new_blocks = self.pool.get_new_blocks(num_new_blocks)
-        table.extend(new_blocks)
-        if admitting and copy_source is not None:
-            self._pending_copies.append(CopyOp(copy_source.block_id, table[num_held].block_id, num_copied))
+        else:
+            for g, positions in leaving.items():
+                table = tables[g]
+                self.pool.free_blocks([table[i] for i in positions])
+                for i in positions:
+                    table[i] = null
+        if num_new_blocks:
+            for g, table in enumerate(tables):
+                num_null = max(0, min(skips[g], num_needed) - num_held) if admitting and skips else 0
+                if num_null:
+                    table.extend([null] * num_null)
+                blocks = self.pool.get_new_blocks(num_new_blocks - num_null)
+                table.extend(blocks)
+                new_blocks.extend(blocks)
+        if admitting:
+            if copy_source is not None:
+                self._pending_copies.append(CopyOp(copy_source.block_id, tables[0][num_held].block_id, num_copied))
+            if hit.num_external_tokens:
+                end = num_held + hit.num_external_tokens // block_size
+                targets = [self._targets(tables, i) for i in range(num_held, end)]
+                self.connector.admitted(request, self.block_hashes(request), num_held, targets)
         request.num_computed_tokens = total
         if self.enable_caching:
-            self._cache_full_blocks(request, table, total // block_size)
+            self._cache_full_blocks(request, tables, total // block_size)
         return new_blocks
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks tail first: its longest prefixes are evicted before their parents."""
-        table = self._tables.pop(request.request_id, None)
-        if table is None:
+        """Release the request's blocks tail first, position by position across groups: its longest prefixes
+        are evicted before their parents. Also drops what the connector staged for it."""
+        if self.connector is not None:
+            self.connector.request_finished(request)
+        tables = self._tables.pop(request.request_id, None)
+        if tables is None:
             return
         del self._num_cached_blocks[request.request_id]
         self._sub_block_requests.pop(request.request_id, None)
         self._sub_block_indexed.pop(request.request_id, None)
-        self.pool.free_blocks(reversed(table))
+        null = self.null_block
+        if null is None and len(tables) == 1:
+            self.pool.free_blocks(reversed(tables[0]))
+        else:
+            self.pool.free_blocks(
+                table[i] for i in range(len(tables[0]) - 1, -1, -1) for table in tables if table[i] is not null
+            )
         request.num_computed_tokens = 0
 
-    def take_copy_ops(self) -> list[CopyOp]:
-        """The K/V copies of this step's sub-block hits, for the model runner to do before the forward pass."""
+    def take_transfers(self) -> tuple[list[CopyOp], Any]:
+        """What the model runner must move around this step's forward pass: the sub-block hits' K/V copies
+        (before it) and the connector's plan (None without a connector)."""
         ops, self._pending_copies = self._pending_copies, []
-        return ops
+        plan = None if self.connector is None else self.connector.take_plan(self._cached_block_ids)
+        return ops, plan
 
     def index_written_sub_blocks(self) -> None:
         """Index the sub-block prefixes of every token whose K/V a forward pass has now written.
@@ -283,13 +490,17 @@ class KVCacheManager:
             start = self._sub_block_indexed[request_id]
             if request.num_computed_tokens // self.sub_block_size > start // self.sub_block_size:
                 hashes = self.block_hashes(request)
-                table = self._tables[request_id]
+                table = self._tables[request_id][0]
                 self.sub_blocks.index_written(request, table, hashes, start, request.num_computed_tokens)
                 self._sub_block_indexed[request_id] = request.num_computed_tokens
 
-    def block_ids(self, request: Request) -> list[int]:
-        """The request's block table (empty when it is not admitted)."""
-        return [block.block_id for block in self._tables.get(request.request_id, ())]
+    def block_ids(self, request: Request) -> list[list[int]]:
+        """The request's block table of each group (empty when it is not admitted); the null block's id where
+        a sliding group holds nothing."""
+        tables = self._tables.get(request.request_id)
+        if tables is None:
+            return [[] for _ in self.groups]
+        return [[block.block_id for block in table] for table in tables]
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix; returns False (and does nothing) while any block is in use."""
@@ -297,39 +508,121 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Assert that pool, tables and index agree; raises AssertionError naming the first violation."""
-        self.pool.check_invariants(self._tables.values())
+        self.pool.check_invariants(table for tables in self._tables.values() for table in tables)
         if self.sub_blocks is not None:
             self.sub_blocks.check_invariants()
-        for request_id, table in self._tables.items():
+        for request_id, tables in self._tables.items():
             num_cached = self._num_cached_blocks[request_id]
-            assert num_cached <= len(table), f"{request_id}: more cached blocks than table entries"
-            for block in table[:num_cached]:
-                assert block.block_hash is not None or not self.enable_caching, (
-                    f"{request_id}: block {block.block_id} counted as cached holds no hash"
+            lengths = {len(table) for table in tables}
+            assert len(lengths) == 1, f"{request_id}: groups' tables differ in length {sorted(lengths)}"
+            for g, table in enumerate(tables):
+                assert num_cached <= len(table), f"{request_id}: more cached blocks than table entries"
+                for block in table[:num_cached]:
+                    if block is self.null_block:
+                        continue
+                    assert block.block_hash is not None or not self.enable_caching, (
+                        f"{request_id}: block {block.block_id} counted as cached holds no hash"
+                    )
+                    assert block.block_hash is None or block.group == g, (
+                        f"{request_id}: block {block.block_id} of group {g} is cached in group {block.group}"
+                    )
+            for g in self._sliding:
+                live = [i for i, block in enumerate(tables[g]) if block is not self.null_block]
+                assert live == list(range(len(tables[g]) - len(live), len(tables[g]))), (
+                    f"{request_id}: sliding group {g} holds a block after a null block"
                 )
 
-    def _check_hit(
-        self, request: Request, cached_blocks: list[Block], num_cached_tokens: int, num_external_tokens: int
-    ) -> None:
-        num_full, num_copied = divmod(num_cached_tokens, self.block_size)
-        copies_ok = num_copied == 0 or (self.sub_blocks is not None and num_copied % self.sub_block_size == 0)
-        if len(cached_blocks) != num_full + (num_copied > 0) or not copies_ok:
-            raise ValueError(f"num_cached_tokens={num_cached_tokens} does not match {len(cached_blocks)} cached blocks")
-        if num_external_tokens and (num_copied or num_external_tokens % self.block_size):
+    def _local_hit(
+        self, request: Request, hashes: list[BlockHash], max_blocks: int
+    ) -> tuple[int, list[list[Block]], int]:
+        """The pool's hit: ``(k, blocks, copied)``. The groups agree on ``k`` whole blocks (a sliding group's
+        table padded with the null block); with sub-blocks, ``copied`` more tokens of block ``k`` come from
+        the copy source appended to ``blocks[0]``."""
+        if self._single_full:
+            found = full_hit(self._lookups[0], hashes, max_blocks)
+            num_blocks, blocks = len(found), [found]
+        else:
+            num_blocks, blocks = longest_common_hit(self.groups, self._lookups, hashes, max_blocks, self.block_size)
+            for g in self._sliding:
+                blocks[g] = [self.null_block] * (num_blocks - len(blocks[g])) + blocks[g]
+        room = request.num_tokens - 1 - num_blocks * self.block_size
+        if self.sub_blocks is not None and room >= self.sub_block_size:
+            found_copy = self.sub_blocks.lookup(request, hashes, num_blocks, room)
+            if found_copy is not None:
+                blocks[0].append(found_copy[0])
+                return num_blocks, blocks, found_copy[1]
+        return num_blocks, blocks, 0
+
+    def _leaving_window(self, table: list[Block], skip: int) -> list[int]:
+        """Positions before ``skip`` that still hold a block, last first (the earlier ones were given back)."""
+        positions = []
+        for i in range(skip - 1, -1, -1):
+            if table[i] is self.null_block:
+                break
+            positions.append(i)
+        return positions
+
+    def _targets(self, tables: list[list[Block]], position: int) -> BlockTargets:
+        null = self.null_block
+        return tuple(None if table[position] is null else table[position].block_id for table in tables)
+
+    def _cached_block_ids(self, block_hash: BlockHash) -> BlockTargets | None:
+        """A block holding ``block_hash`` in each group, or None when some group does not hold it."""
+        ids = []
+        for lookup in self._lookups:
+            block = lookup(block_hash)
+            if block is None:
+                return None
+            ids.append(block.block_id)
+        return tuple(ids)
+
+    def _check_hit(self, request: Request, hit: PrefixHit) -> None:
+        block_size = self.block_size
+        num_full, num_copied = divmod(hit.num_local_tokens, block_size)
+        if len(hit.blocks) != len(self.groups):
+            raise ValueError(f"the hit has {len(hit.blocks)} groups' blocks, the cache {len(self.groups)} groups")
+        copies_ok = num_copied == hit.num_copied_tokens and (
+            num_copied == 0 or (self.sub_blocks is not None and num_copied % self.sub_block_size == 0)
+        )
+        others = hit.blocks[1:]
+        if (
+            len(hit.blocks[0]) != num_full + (num_copied > 0)
+            or (others and any(len(blocks) != num_full for blocks in others))
+            or not copies_ok
+        ):
+            raise ValueError(
+                f"num_local_tokens={hit.num_local_tokens} does not match the hit's blocks "
+                f"{[len(blocks) for blocks in hit.blocks]}"
+            )
+        if hit.num_external_tokens and (num_copied or hit.num_external_tokens % block_size):
             raise ValueError("external tokens must be whole blocks right after a block-aligned cached prefix")
-        num_hit = num_cached_tokens + num_external_tokens
-        if num_hit and num_hit >= request.num_tokens:
+        if hit.num_external_tokens and self.connector is None:
+            raise ValueError("a hit with external tokens needs a connector")
+        if hit.num_tokens and hit.num_tokens >= request.num_tokens:
             raise ValueError("the cached prefix must leave at least one token to compute")
-        if not cached_blocks:
+        if not num_full and not num_copied:
             return
         hashes = self.block_hashes(request)
-        stale = [b for b, h in zip(cached_blocks[:num_full], hashes, strict=False) if b.block_hash != h]
+        stale: list[Block] = []
+        if self.null_block is None and len(self.groups) == 1:  # one group: a block holds its hash there or not
+            stale = [b for b, h in zip(hit.blocks[0][:num_full], hashes, strict=False) if b.block_hash != h]
+        else:
+            for g, blocks in enumerate(hit.blocks):
+                first = 0  # a sliding group holds the null block before its window
+                while first < num_full and blocks[first] is self.null_block:
+                    first += 1
+                stale += [
+                    block
+                    for block, block_hash in zip(blocks[first:num_full], hashes[first:num_full], strict=True)
+                    if block.block_hash != block_hash or block.group != g
+                ]
+        source = hit.blocks[0][-1] if num_copied else None
         if (
-            num_copied
+            source is not None
             and not stale
-            and not self.sub_blocks.holds(cached_blocks[-1], request, hashes, num_full, num_copied)
+            and not self.sub_blocks.holds(source, request, hashes, num_full, num_copied)
         ):
-            stale = [cached_blocks[-1]]
+            stale = [source]
         if stale:
             raise ValueError(
                 f"request {request.request_id!r}: cached block {stale[0].block_id} no longer holds the "
@@ -337,10 +630,13 @@ class KVCacheManager:
             )
 
     def _count_admission(self, request: Request, num_hit_tokens: int, num_copied_tokens: int) -> None:
-        if request.counted_in_stats:
+        stats = self.stats
+        if request.counted_in_stats:  # admitted again after a preemption: its own blocks, mostly
+            stats.preempted_requests += 1
+            stats.preempted_queries += request.num_tokens
+            stats.preempted_hits += num_hit_tokens + num_copied_tokens
             return
         request.counted_in_stats = True
-        stats = self.stats
         stats.requests += 1
         stats.queries += request.num_tokens
         stats.hits += num_hit_tokens + num_copied_tokens
@@ -365,9 +661,11 @@ class KVCacheManager:
             missed["evicted" if first_missing in self.evicted else "new"] += hittable_end - cached_end
         missed["partial_block"] += num_tokens - max(cached_end, hittable_end)
 
-    def _cache_full_blocks(self, request: Request, table: list[Block], num_full: int) -> None:
+    def _cache_full_blocks(self, request: Request, tables: list[list[Block]], num_full: int) -> None:
         start = self._num_cached_blocks[request.request_id]
         if num_full <= start:
             return
-        self.pool.cache_full_blocks(request, table, self.block_hashes(request), start, num_full, self.block_size)
+        hashes = self.block_hashes(request)
+        for g, table in enumerate(tables):
+            self.pool.cache_full_blocks(request, table, hashes, start, num_full, self.block_size, g)
         self._num_cached_blocks[request.request_id] = num_full

@@ -34,7 +34,8 @@ MISS_REASONS = ("new", "evicted", "partial_block", "skipped")
 
 
 class EvictedHashes(BlockPoolListener):
-    """The block hashes the pool evicted lately (their last copy reused): at least the last ``capacity``.
+    """The block hashes the pool evicted lately (their last copy in some KV cache group reused): at least the
+    last ``capacity``.
 
     Two generations of sets: new hashes go into the current one, which becomes the previous one (and
     the previous one is dropped) once it holds ``capacity`` hashes. So a hash is remembered for at least
@@ -61,7 +62,7 @@ class EvictedHashes(BlockPoolListener):
     def __iter__(self):
         return iter(self._current | self._previous)
 
-    def blocks_removed(self, block_hashes: list[BlockHash]) -> None:
+    def blocks_removed(self, block_hashes: list[BlockHash], group: int) -> None:
         if not self.capacity:
             return
         current = self._current

@@ -97,7 +97,7 @@ class SubBlockIndex(BlockPoolListener):
             self.index.setdefault(block_hash, {})[block.block_id] = block
             self.entries_of_block.setdefault(block.block_id, []).append(block_hash)
 
-    def block_reused(self, block: Block) -> None:
+    def block_reused(self, block: Block, last_copy: bool) -> None:
         """The block is about to be overwritten: forget the sub-prefixes it held."""
         for block_hash in self.entries_of_block.pop(block.block_id, ()):
             holders = self.index[block_hash]

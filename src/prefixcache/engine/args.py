@@ -44,6 +44,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     group.add_argument("--prefix-caching-hash-algo", dest="hash_algo", default="sha256", choices=HASH_ALGOS)
     group.add_argument("--eviction-policy", default="lru", choices=sorted(EVICTION_POLICIES))
+    group.add_argument(
+        "--disable-hybrid-kv-cache-manager",
+        action="store_true",
+        help="one KV cache group for all layers: sliding-window layers keep every block and mask their window",
+    )
     group.add_argument("--max-num-batched-tokens", type=int, default=2048)
     group.add_argument("--max-num-seqs", type=int, default=64)
     group.add_argument("--max-model-len", type=int, default=None)

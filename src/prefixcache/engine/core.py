@@ -17,15 +17,17 @@ from collections import deque
 import torch
 
 from prefixcache.config import EngineConfig, parse_memory
-from prefixcache.core import KVCacheManager, PrefixLookup
-from prefixcache.core.hashing import resolve_hash_seed
+from prefixcache.core import KVCacheGroupSpec, KVCacheManager, PrefixLookup
+from prefixcache.core.hashing import resolve_hash_seed, root_hash
+from prefixcache.core.kv_cache_groups import check_sub_blocks
 from prefixcache.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, EngineStats
 from prefixcache.engine.model_runner import ModelRunner
 from prefixcache.engine.request import EngineRequest, RequestStatus
 from prefixcache.engine.scheduler import Scheduler
 from prefixcache.kv_events.sink import KVEventSink
 from prefixcache.model import LoadedModel, load_model
-from prefixcache.offload.engine import attach_offload
+from prefixcache.offload.engine import build_offload
+from prefixcache.offload.worker import OffloadWorker
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +48,22 @@ class EngineCore:
             logger.warning("prefix caching turned off: %s attention is not causal", model_config.architecture)
             enable_caching = False
         dtype = getattr(torch, config.dtype)
-        num_blocks = config.num_blocks or parse_memory(config.kv_cache_memory) // self.loaded.model.kv_bytes_per_block(
-            config.block_size, dtype
-        )
+        model = self.loaded.model
+        # Layers of one attention spec form a KV cache group; without the hybrid manager, one group of all.
+        model_groups = model_config.kv_cache_groups(hybrid=not config.disable_hybrid_kv_cache_manager)
+        groups = tuple(KVCacheGroupSpec(group.sliding_window) for group in model_groups)
+        self.block_bytes = model.kv_bytes_per_block(config.block_size, dtype, model_groups)
+        num_blocks = config.num_blocks or parse_memory(config.kv_cache_memory) // self.block_bytes
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory={config.kv_cache_memory!r} holds fewer than 2 blocks")
+        check_sub_blocks(groups, config.block_size, config.sub_block_size)  # before any tier starts
+        self.kv_events = KVEventSink.create(config.kv_events_config, groups)
+        listeners = [self.kv_events.collector] if self.kv_events is not None else []
+        root = root_hash(config.hash_algo, config.hash_seed)
+        tiers = build_offload(
+            self, config, model_config, self.loaded.weights_digest, root, groups, enable_caching, listeners
+        )
+        self.offload = tiers.connector if tiers is not None else None
         self.manager = KVCacheManager(
             num_blocks=num_blocks,
             block_size=config.block_size,
@@ -59,21 +72,41 @@ class EngineCore:
             hash_seed=config.hash_seed,
             eviction_policy=config.eviction_policy,
             sub_block_size=config.sub_block_size,
+            groups=groups,
+            connector=self.offload,
+            listeners=listeners,
         )
+        self.kv_capacity_tokens = self.manager.max_request_tokens(config.max_num_batched_tokens)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, dtype, config.device, config.seed)
-        self.offload = attach_offload(self, config, self.scheduler, self.runner, self.loaded.weights_digest)
-        self.kv_events = KVEventSink.create(config.kv_events_config, self.manager.pool)
-        if self.kv_events is not None and self.offload is not None:
-            self.offload.add_listener(self.kv_events.collector)
+        device = torch.device(config.device)
+        kv_caches = model.allocate_kv_cache(num_blocks, config.block_size, dtype, device, model_groups)
+        worker = None
+        if tiers is not None:
+            layer_groups = [0] * model_config.num_layers
+            for g, group in enumerate(model_groups):
+                for layer in group.layers:
+                    layer_groups[layer] = g
+            worker = OffloadWorker(kv_caches, tiers.layout, tiers.writer, layer_groups)
+        self.runner = ModelRunner(
+            model,
+            kv_caches,
+            config.block_size,
+            config.device,
+            config.seed,
+            model_groups,
+            worker,
+            eos_token_ids=tuple(model_config.eos_token_ids),
+        )
         self.requests: dict[str, EngineRequest] = {}
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self._recent: deque[tuple[int, int]] = deque(maxlen=ROLLING_WINDOW)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens), prefix caching %s",
+            "KV cache: %d blocks of %d tokens, %d KV cache group(s) (%s), requests up to %d tokens, prefix caching %s",
             num_blocks,
             config.block_size,
-            num_blocks * config.block_size,
+            len(groups),
+            ", ".join(spec.describe() for spec in groups),
+            self.kv_capacity_tokens,
             "on" if enable_caching else "off",
         )
 
@@ -87,6 +120,11 @@ class EngineCore:
             hash_algo=self.manager.hash_algo,
             hash_seed=resolve_hash_seed(self.config.hash_seed),
             enable_prefix_caching=self.manager.enable_caching,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            architecture=self.loaded.config.architecture,
+            dtype=str(self.runner.kv_caches[0][0].dtype).removeprefix("torch."),
+            device=str(self.runner.device),
+            kv_cache_bytes=self.manager.num_blocks * self.block_bytes,  # layer views share storage per group slot
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -97,7 +135,7 @@ class EngineCore:
         if not token_ids or min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise ValueError(f"request {request.request_id!r}: prompt token ids must be in [0, {self.vocab_size})")
         total = len(token_ids) + request.sampling_params.max_tokens
-        if total > min(self.max_model_len, self.manager.num_blocks * self.manager.block_size):
+        if total > min(self.max_model_len, self.kv_capacity_tokens):
             raise ValueError(f"request {request.request_id!r}: {total} tokens do not fit the context or KV cache")
         params = request.sampling_params
         engine_request = EngineRequest(
@@ -164,8 +202,7 @@ class EngineCore:
     def lookup(self, token_ids: list[int], cache_salt: str | None = None, lora_name: str | None = None) -> PrefixLookup:
         """What the cache and the offload tiers hold of these (validated) prompt tokens now; runs no model and
         changes nothing."""
-        tiers = self.offload.lookup if self.offload is not None else None
-        return self.manager.lookup(token_ids, cache_salt=cache_salt, lora_name=lora_name, tiers=tiers)
+        return self.manager.lookup(token_ids, cache_salt=cache_salt, lora_name=lora_name)
 
     def stats(self) -> EngineStats:
         stats = self.manager.stats
@@ -176,6 +213,8 @@ class EngineCore:
             prefix_cache_copied_tokens=stats.copied_tokens,
             prefix_cache_missed_tokens=dict(stats.missed_tokens),
             prefix_cache_hit_rate=stats.hit_rate,
+            prefix_cache_preempted_queries=stats.preempted_queries,
+            prefix_cache_preempted_hits=stats.preempted_hits,
             rolling_hit_rate=sum(h for _, h in self._recent) / recent_queries if recent_queries else 0.0,
             num_requests=stats.requests,
             num_preemptions=self.scheduler.num_preemptions,

@@ -51,7 +51,9 @@ class EngineStats(msgspec.Struct, array_like=True, tag=True, frozen=True):
     ``prefix_cache_hits`` counts every prompt token whose K/V was not computed (shared blocks and sub-block
     copies, of which ``prefix_cache_copied_tokens`` were copies); ``prefix_cache_hit_rate`` is hits over
     queries, and ``rolling_hit_rate`` the same over the last finished requests. The same definition is used
-    by ``/metrics`` and the benchmarks.
+    by ``/metrics`` and the benchmarks. A request admitted again after a preemption is not counted there but
+    in ``prefix_cache_preempted_queries`` and ``prefix_cache_preempted_hits``: those hits are its own blocks
+    read back, not sharing.
     """
 
     prefix_cache_queries: int
@@ -69,6 +71,9 @@ class EngineStats(msgspec.Struct, array_like=True, tag=True, frozen=True):
     block_size: int
     kv_offload: list[TierStats] = []
     kv_events_dropped: int = 0
+    # Admissions after a preemption, counted apart: they re-read the request's own blocks, not shared ones.
+    prefix_cache_preempted_queries: int = 0
+    prefix_cache_preempted_hits: int = 0
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True):
@@ -112,7 +117,11 @@ class EngineCoreFailure(msgspec.Struct, array_like=True, tag=True, frozen=True):
 
 
 class EngineInfo(msgspec.Struct, array_like=True, tag=True, frozen=True):
-    """The startup handshake: what the API side needs to validate requests and describe the engine."""
+    """The startup handshake: what the API side needs to validate requests and describe the engine.
+
+    ``architecture``, ``dtype`` (the weights' and KV cache's, as resolved by the core), ``device`` and
+    ``kv_cache_bytes`` (what the KV blocks take) describe the engine in the start-up log and metadata paths.
+    """
 
     model_name: str
     max_model_len: int
@@ -122,10 +131,12 @@ class EngineInfo(msgspec.Struct, array_like=True, tag=True, frozen=True):
     hash_algo: str
     hash_seed: str
     enable_prefix_caching: bool
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+    # The longest request (prompt plus output) the KV cache can hold.
+    kv_capacity_tokens: int
+    architecture: str = ""
+    dtype: str = ""
+    device: str = ""
+    kv_cache_bytes: int = 0
 
 
 CoreInput = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown

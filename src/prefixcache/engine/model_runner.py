@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,28 +37,29 @@ class ModelRunnerOutput:
 class ModelRunner:
     """Owns the paged KV cache tensors and the sampler; knows nothing of scheduling or caching policy.
 
-    ``kv_cache_groups`` (default: the mask-only single group) lay out the cache; each chunk brings one block
-    table per group. ``offload`` (set when KV offload tiers are on) moves blocks between the cache tensors and
-    the tiers around the forward pass.
+    ``kv_caches`` are the model's per-layer cache tensors (``allocate_kv_cache`` for ``kv_cache_groups``); each
+    chunk brings one block table per group. ``offload`` (when KV offload tiers are on) moves blocks between the
+    cache tensors and the tiers around the forward pass.
     """
 
     def __init__(
         self,
         model: DecoderForCausalLM,
-        num_blocks: int,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
-        dtype: torch.dtype,
         device: str,
         seed: int,
-        kv_cache_groups: Sequence[KVCacheGroup] | None = None,
+        kv_cache_groups: Sequence[KVCacheGroup],
+        offload: OffloadWorker | None = None,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
-        self.kv_cache_groups = tuple(kv_cache_groups or model.config.kv_cache_groups(hybrid=False))
-        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, dtype, self.device, self.kv_cache_groups)
-        self.sampler = Sampler(seed, self.device)
-        self.offload: OffloadWorker | None = None
+        self.kv_caches = kv_caches
+        self.kv_cache_groups = tuple(kv_cache_groups)
+        self.sampler = Sampler(seed, self.device, eos_token_ids)
+        self.offload = offload
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
@@ -69,11 +70,14 @@ class ModelRunner:
         token_ids: list[int] = []
         for chunk in chunks:
             token_ids.extend(chunk.request.all_token_ids[chunk.start : chunk.start + chunk.num_new_tokens])
-        tables = [group_tables(c.block_ids, len(self.kv_cache_groups)) for c in chunks]
+        num_groups = len(self.kv_cache_groups)
+        for chunk in chunks:
+            if len(chunk.block_ids) != num_groups:
+                raise ValueError(f"a chunk has {len(chunk.block_ids)} block tables for {num_groups} KV cache groups")
         starts, num_new = [c.start for c in chunks], [c.num_new_tokens for c in chunks]
         group_metadata = [
             AttentionMetadata.build(
-                [t[g] for t in tables], starts, num_new, self.block_size, self.device, group.sliding_window
+                [c.block_ids[g] for c in chunks], starts, num_new, self.block_size, self.device, group.sliding_window
             )
             for g, group in enumerate(self.kv_cache_groups)
         ]
@@ -137,15 +141,3 @@ class ModelRunner:
 
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
-
-
-def group_tables(block_ids: Sequence[int] | Sequence[Sequence[int]], num_groups: int) -> Sequence[Sequence[int]]:
-    """A chunk's block table per KV cache group: ``block_ids`` is one table per group, or (from a scheduler that
-    knows one group) the single group's table."""
-    if block_ids and not isinstance(block_ids[0], int):
-        tables = cast("Sequence[Sequence[int]]", block_ids)
-    else:
-        tables = [cast("Sequence[int]", block_ids)]
-    if len(tables) != num_groups:
-        raise ValueError(f"a chunk has {len(tables)} block tables for {num_groups} KV cache groups")
-    return tables

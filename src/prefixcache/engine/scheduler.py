@@ -18,17 +18,18 @@ from prefixcache.core.sub_block import CopyOp
 from prefixcache.engine.request import EngineRequest, RequestStatus
 
 if TYPE_CHECKING:
-    from prefixcache.offload.connector import OffloadConnector, OffloadPlan
+    from prefixcache.offload.connector import OffloadPlan
 
 
 @dataclass(slots=True)
 class ScheduledChunk:
-    """``num_new_tokens`` of ``request`` computed this step, starting at ``start``."""
+    """``num_new_tokens`` of ``request`` computed this step, starting at ``start``; ``block_ids[g]`` is its
+    block table in KV cache group ``g`` (the null block's id where a sliding group holds nothing)."""
 
     request: EngineRequest
     start: int
     num_new_tokens: int
-    block_ids: list[int]
+    block_ids: list[list[int]]
 
     @property
     def samples(self) -> bool:
@@ -46,23 +47,13 @@ class SchedulerOutput:
     copies: list[CopyOp] = field(default_factory=list)
     offload: OffloadPlan | None = None
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_new_tokens for c in self.chunks)
-
 
 class Scheduler:
-    """``connector`` (optional) extends each prefix hit with blocks from the KV offload tiers."""
+    """Admits and grows requests through ``manager``, which finds their prefixes (device, sub-block copies,
+    offload tiers) and owns their blocks."""
 
-    def __init__(
-        self,
-        manager: KVCacheManager,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        connector: OffloadConnector | None = None,
-    ) -> None:
+    def __init__(self, manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.manager = manager
-        self.connector = connector
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[EngineRequest] = deque()
@@ -82,8 +73,6 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
-        if self.connector is not None:
-            self.connector.request_finished(request)
         self.manager.free(request)
 
     def schedule(self) -> SchedulerOutput:
@@ -101,9 +90,7 @@ class Scheduler:
             i += 1
         if not out.preempted:
             self._admit_waiting(out, budget)
-        out.copies = self.manager.take_copy_ops()
-        if self.connector is not None:
-            out.offload = self.connector.build_plan()
+        out.copies, out.offload = self.manager.take_transfers()
         return out
 
     def _allocate_or_preempt(self, request: EngineRequest, num_new: int, out: SchedulerOutput) -> bool:
@@ -119,16 +106,11 @@ class Scheduler:
         manager = self.manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            blocks, num_cached = manager.get_computed_blocks(request)
-            num_external = 0  # tokens loaded from the offload tiers into new blocks: allocated, not computed
-            if self.connector is not None:
-                blocks, num_cached, num_external = self.connector.extend_local_hit(request, blocks, num_cached)
-            num_computed = num_cached + num_external
+            hit = manager.find_prefix(request)
+            num_computed = hit.num_tokens
             num_new = min(request.num_tokens - num_computed, budget)
-            if manager.allocate_slots(request, num_new, num_cached, blocks, num_external_tokens=num_external) is None:
+            if manager.allocate_slots(request, num_new, hit) is None:
                 break
-            if self.connector is not None:
-                self.connector.update_state_after_alloc(request, manager.block_ids(request), num_external)
             self.waiting.popleft()
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_computed

@@ -30,10 +30,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from prefixcache.bench.trace import HeldCache, ReplayConfig
-from prefixcache.core import EVICTION_POLICIES, HASH_ALGOS, KVCacheManager, Request
+from prefixcache.core import EVICTION_POLICIES, FULL_ATTENTION, HASH_ALGOS, KVCacheGroupSpec, KVCacheManager, Request
+from prefixcache.core.kv_cache_groups import check_groups
 from prefixcache.core.miss import hittable_tokens
 from prefixcache.explain.log import Decode, Prompt
+from prefixcache.replay import HeldCache
 
 # Two prompts "agree again" when SYNC_TOKENS tokens match; a varying field is at most MAX_SPAN_TOKENS long.
 SYNC_TOKENS = 8
@@ -61,15 +62,18 @@ KINDS = {
 
 @dataclass(frozen=True, slots=True)
 class ExplainConfig:
-    """``capacity_tokens`` turns on the replay through a real manager of that many tokens (whole blocks)."""
+    """``capacity_tokens`` turns on the replay through a real manager of that many tokens (whole blocks), whose
+    KV cache groups are ``kv_cache_groups`` (the model's: a sliding-window layer keeps only its window)."""
 
     block_size: int = 16
     capacity_tokens: int | None = None
     eviction_policy: str = "lru"
     hash_algo: str = "sha256"
     window_tokens: int = 8
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...] = (FULL_ATTENTION,)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_cache_groups", check_groups(self.kv_cache_groups))
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.capacity_tokens is not None and self.capacity_tokens < self.block_size:
@@ -278,8 +282,9 @@ def _replay(prompts: Sequence[Prompt], config: ExplainConfig) -> list[int]:
         block_size=config.block_size,
         hash_algo=config.hash_algo,
         eviction_policy=config.eviction_policy,
+        groups=config.kv_cache_groups,
     )
-    cache = HeldCache(manager, ReplayConfig(in_flight=1))  # a request is freed when the next one arrives
+    cache = HeldCache(manager, in_flight=1)  # a request is freed when the next one arrives
     hits = []
     for i, prompt in enumerate(prompts):
         cache.advance(float(i))

@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The command: read, tokenize, explain, print; a bad line is reported and skipped."""
+    from prefixcache.core import FULL_ATTENTION
     from prefixcache.explain.analysis import ExplainConfig, explain
     from prefixcache.explain.log import read_log
     from prefixcache.explain.report import format_report, to_json, write_plot
@@ -69,8 +70,9 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             bodies, args.base_url, args.api_key
         )
         source = f"{args.log} (tokenized by {args.base_url})"
+        groups = (FULL_ATTENTION,)  # the server does not say how its layers are grouped
     else:
-        prompts, token_errors, decode, name = through_tokenizer(bodies, args.model)
+        prompts, token_errors, decode, name, groups = through_tokenizer(bodies, args.model)
         live_cached, server_block_size = None, None
         source = f"{args.log} (tokenizer: {name})"
     if args.block_size and server_block_size and args.block_size != server_block_size:
@@ -87,6 +89,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             eviction_policy=args.eviction_policy,
             hash_algo=args.hash_algo,
             window_tokens=args.window,
+            kv_cache_groups=groups,
         )
         explanation = explain(prompts, config, decode, live_cached)
     except ValueError as exc:  # a bad setting, or a prompt larger than --capacity-tokens

@@ -5,22 +5,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from prefixcache.core import KVCacheGroupSpec
 from prefixcache.explain.log import Decode, LineError, LoggedBody, Prompt, namespace_of, token_ids_of, tokenize_log
 
 
 def through_tokenizer(
     bodies: Sequence[LoggedBody], model: str | None
-) -> tuple[list[Prompt], list[LineError], Decode, str]:
-    """Tokenize with the model's own tokenizer (no weights loaded)."""
-    from prefixcache.model.loader import load_tokenizer, resolve_model
+) -> tuple[list[Prompt], list[LineError], Decode, str, tuple[KVCacheGroupSpec, ...]]:
+    """Tokenize with the model's own tokenizer (no weights loaded); also the KV cache groups an engine would
+    give the model, for the replay."""
+    from prefixcache.model.loader import load_tokenizer, read_config, resolve_model
 
     try:
         model_dir, name = resolve_model(model)
         tokenizer = load_tokenizer(model_dir)
+        groups = tuple(KVCacheGroupSpec(group.sliding_window) for group in read_config(model_dir).kv_cache_groups())
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"prefixcache explain: {exc}") from exc
     prompts, errors = tokenize_log(bodies, lambda body: token_ids_of(body, tokenizer))
-    return prompts, errors, lambda ids: tokenizer.decode(list(ids)), name
+    return prompts, errors, lambda ids: tokenizer.decode(list(ids)), name, groups
 
 
 def through_server(

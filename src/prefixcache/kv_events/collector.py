@@ -10,16 +10,24 @@ multimodal item the block overlaps. Our hashes keep the tags (``("lora", name)``
 ``("salt", s)``). Unlike vLLM, the cache salt is never published: it names a tenant (with API keys, the
 tenant salt of its key) or is a client's secret, and the block hashes, which it went into, are all a
 router needs. Token ids are published (as vLLM does) unless the config's ``publish_token_ids`` is off.
+
+KV cache groups are told apart as vLLM tells them: every event names its group (``group_idx``), and a
+``BlockStored`` also the group's attention (``kv_cache_spec_kind``: ``full_attention`` or
+``sliding_window``, with ``kv_cache_spec_sliding_window``). A hash stored in every group is one event a
+group. A tier record holds a block for every group, so a tier's events come once a group too. A consumer
+that keeps what each group holds predicts the engine's hit with
+:func:`prefixcache.core.kv_cache_groups.longest_common_hit`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from prefixcache.core.block_pool import BlockPoolListener, StoredBlocks
 from prefixcache.core.hashing import LORA_TAG, MM_TAG, SALT_TAG, BlockHash, ExtraKeys
+from prefixcache.core.kv_cache_groups import FULL_ATTENTION, KVCacheGroupSpec, check_groups
 from prefixcache.kv_events.events import (
-    FULL_ATTENTION,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
@@ -48,12 +56,20 @@ class KVEventCollector(BlockPoolListener, TierEventListener):
     device (vLLM's convention). As a ``TierEventListener`` it also hears the offload tiers, whose events carry
     their own medium (``"CPU"``, ``"DISK"``, ``"REDIS"``) and, like vLLM's offloading connector's when it has
     no token metadata, no tokens or parent: a router needs only which hashes each engine can load.
-    With ``token_ids`` false the engine's own ``BlockStored`` events leave the tokens out too.
+    ``groups`` are the KV cache groups of the pool (default: one full-attention group). With ``token_ids``
+    false the engine's own ``BlockStored`` events leave the tokens out too.
     """
 
-    def __init__(self, medium: str = MEDIUM_GPU, block_hash_encoding: str = "uint64", token_ids: bool = True) -> None:
+    def __init__(
+        self,
+        medium: str = MEDIUM_GPU,
+        block_hash_encoding: str = "uint64",
+        groups: Sequence[KVCacheGroupSpec] = (FULL_ATTENTION,),
+        token_ids: bool = True,
+    ) -> None:
         self.medium = medium
         self.block_hash_encoding = block_hash_encoding
+        self.groups = check_groups(groups)
         self.token_ids = token_ids
         self._events: list[KVCacheEvent] = []
 
@@ -75,33 +91,38 @@ class KVEventCollector(BlockPoolListener, TierEventListener):
                 medium=self.medium,
                 lora_name=stored.lora_name,
                 extra_keys=[vllm_extra_keys(keys) for keys in stored.extra_keys],
-                group_idx=0,
-                kv_cache_spec_kind=FULL_ATTENTION,
+                group_idx=stored.group,
+                kv_cache_spec_kind=self.groups[stored.group].kind,
+                kv_cache_spec_sliding_window=self.groups[stored.group].sliding_window,
             )
         )
 
-    def blocks_removed(self, block_hashes: list[BlockHash]) -> None:
-        self.tier_blocks_removed(self.medium, block_hashes)
+    def blocks_removed(self, block_hashes: list[BlockHash], group: int) -> None:
+        hashes = [encode_block_hash(h, self.block_hash_encoding) for h in block_hashes]
+        self._events.append(BlockRemoved(block_hashes=hashes, medium=self.medium, group_idx=group))
 
     def cache_cleared(self) -> None:
         self._events.append(AllBlocksCleared())
 
     def tier_blocks_stored(self, medium: str, block_hashes: list[BlockHash], block_size: int) -> None:
-        encoding = self.block_hash_encoding
-        self._events.append(
-            BlockStored(
-                block_hashes=[encode_block_hash(h, encoding) for h in block_hashes],
-                parent_block_hash=None,
-                token_ids=[],
-                block_size=block_size,
-                lora_id=None,
-                medium=medium,
-                lora_name=None,
-                group_idx=0,
-                kv_cache_spec_kind=FULL_ATTENTION,
+        hashes = [encode_block_hash(h, self.block_hash_encoding) for h in block_hashes]
+        for group, spec in enumerate(self.groups):
+            self._events.append(
+                BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=block_size,
+                    lora_id=None,
+                    medium=medium,
+                    lora_name=None,
+                    group_idx=group,
+                    kv_cache_spec_kind=spec.kind,
+                    kv_cache_spec_sliding_window=spec.sliding_window,
+                )
             )
-        )
 
     def tier_blocks_removed(self, medium: str, block_hashes: list[BlockHash]) -> None:
         hashes = [encode_block_hash(h, self.block_hash_encoding) for h in block_hashes]
-        self._events.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=0))
+        for group in range(len(self.groups)):
+            self._events.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group))

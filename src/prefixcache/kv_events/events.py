@@ -17,8 +17,6 @@ from prefixcache.core.hashing import BlockHash
 ExternalBlockHash = int | bytes
 
 MEDIUM_GPU = "GPU"
-# vLLM reports the attention kind of the cache group; ours is one group of full attention.
-FULL_ATTENTION = "full_attention"
 _UINT64_MASK = (1 << 64) - 1
 
 

@@ -1,10 +1,11 @@
-"""The engine's whole contact with KV cache events: attach to the pool, publish after each forward pass, close."""
+"""The engine's whole contact with KV cache events: a collector for the pool, publish after each forward pass, close."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
-from prefixcache.core.block_pool import BlockPool
+from prefixcache.core.kv_cache_groups import FULL_ATTENTION, KVCacheGroupSpec
 from prefixcache.kv_events.collector import KVEventCollector
 from prefixcache.kv_events.config import KVEventsConfig
 from prefixcache.kv_events.events import MEDIUM_GPU, KVEventBatch
@@ -14,31 +15,33 @@ from prefixcache.kv_events.publisher import EventPublisher, make_publisher
 class KVEventSink:
     """Collects one pool's events and publishes them as one batch per forward pass.
 
-    The engine calls :meth:`publish_pending` after each forward pass (and after a cache reset), so a
-    ``BlockStored`` never goes out before the K/V it announces was written.
+    ``collector`` is given to the cache manager as a pool listener (and to the offload tiers). The engine
+    calls :meth:`publish_pending` after each forward pass (and after a cache reset), so a ``BlockStored``
+    never goes out before the K/V it announces was written.
     """
 
-    def __init__(self, config: KVEventsConfig, medium: str = MEDIUM_GPU, data_parallel_rank: int = 0) -> None:
-        self.collector = KVEventCollector(medium, config.block_hash_encoding, config.publish_token_ids)
+    def __init__(
+        self,
+        config: KVEventsConfig,
+        groups: Sequence[KVCacheGroupSpec] = (FULL_ATTENTION,),
+        medium: str = MEDIUM_GPU,
+        data_parallel_rank: int = 0,
+    ) -> None:
+        self.collector = KVEventCollector(medium, config.block_hash_encoding, groups, config.publish_token_ids)
         self.publisher: EventPublisher = make_publisher(config, data_parallel_rank)
         self.data_parallel_rank = data_parallel_rank
 
     @classmethod
-    def create(cls, config: KVEventsConfig | None, pool: BlockPool) -> KVEventSink | None:
-        """A sink attached to ``pool`` when events are enabled, else None."""
+    def create(cls, config: KVEventsConfig | None, groups: Sequence[KVCacheGroupSpec]) -> KVEventSink | None:
+        """A sink for a pool of these KV cache groups when events are enabled, else None."""
         if config is None or not config.enable_kv_cache_events:
             return None
-        sink = cls(config)
-        sink.attach(pool)
-        return sink
+        return cls(config, groups)
 
     @property
     def num_dropped(self) -> int:
         """Batches dropped because the publisher's queue was full (a metric for the server)."""
         return self.publisher.num_dropped
-
-    def attach(self, pool: BlockPool) -> None:
-        pool.add_listener(self.collector)
 
     def publish_pending(self) -> None:
         """Publish the events collected since the last call as one batch; nothing when there are none."""

@@ -1,13 +1,20 @@
-"""The offload connector: the offload tiers seen from the scheduler, in the spirit of vLLM's KV connector.
+"""The offload connector: the offload tiers seen from the cache manager, in the spirit of vLLM's KV connector.
 
-Scheduler side, each admission: :meth:`OffloadConnector.extend_local_hit` takes the device cache's hit and
-extends it with the consecutive following blocks the tiers hold (for the next block host, then disk, then
-Redis are asked; the first that holds it supplies as many as it has), reading and verifying them at once,
-so a block that vanishes or fails its checksum later can never be loaded as garbage. The scheduler
-allocates device blocks for them like for new tokens, and :meth:`~OffloadConnector.update_state_after_alloc`
-puts them into this step's plan. At the end of the step :meth:`~OffloadConnector.build_plan` hands the
-worker an :class:`OffloadPlan`: blocks to copy out before anything overwrites them (write-back), blocks to
-load before the forward pass, blocks to copy out after it (write-through).
+It is the manager's :class:`~prefixcache.core.kv_cache_manager.KVConnector`, given to it at construction.
+Each admission: :meth:`OffloadConnector.extend_hit` extends the device cache's hit with the consecutive
+following blocks the tiers hold (for the next block host, then disk, then Redis are asked; the first that
+holds it supplies as many as it has), reading and verifying them at once, so a block that vanishes or fails
+its checksum later can never be loaded as garbage. The manager allocates device blocks for them like for
+new tokens, and :meth:`~OffloadConnector.admitted` puts them into this step's plan. At the end of the
+schedule :meth:`~OffloadConnector.take_plan` hands the worker an :class:`OffloadPlan`: blocks to copy out
+before anything overwrites them (write-back), blocks to load before the forward pass, blocks to copy out
+after it (write-through).
+
+A tier record holds one block hash's K/V for every layer, whatever KV cache group a layer is in, so it
+serves a hit in every group: a load names the block of each group it goes to (none for a sliding group
+whose window does not reach it), a save the block of each group it is read from. With more than one
+group a block is saved when its first group computes it (write-through): by the time a group evicts its
+copy, a sliding group has long given its copy back, so the host tier cannot wait for evictions.
 
 Which blocks are saved follows the device pool, which the connector watches as a ``BlockPoolListener``.
 Disk and Redis (persistent tiers) always get a block as soon as it is computed (write-through): they exist
@@ -36,8 +43,8 @@ from typing import TypeVar
 
 from prefixcache.core.block_pool import Block, BlockPoolListener, StoredBlocks
 from prefixcache.core.hashing import BlockHash
-from prefixcache.core.kv_cache_manager import KVCacheManager
-from prefixcache.core.miss import hittable_blocks
+from prefixcache.core.kv_cache_groups import FULL_ATTENTION, KVCacheGroupSpec, check_groups
+from prefixcache.core.kv_cache_manager import BlockTargets
 from prefixcache.core.request import Request
 from prefixcache.offload.store import KVStore, TierEventListener, TierStats
 
@@ -51,9 +58,10 @@ OFFLOAD_MODES = (WRITE_BACK, WRITE_THROUGH)
 
 @dataclass(frozen=True, slots=True)
 class BlockLoad:
-    """Write ``payload`` (read from tier ``tier``) into device block ``block_id``."""
+    """Write ``payload`` (read from tier ``tier``) into device blocks ``block_ids``, one a KV cache group: each
+    group's layers go to its block (a group whose id is None does not need them)."""
 
-    block_id: int
+    block_ids: BlockTargets
     block_hash: BlockHash
     payload: bytes
     tier: int
@@ -61,9 +69,10 @@ class BlockLoad:
 
 @dataclass(frozen=True, slots=True)
 class BlockSave:
-    """Copy device block ``block_id`` out and store it under ``block_hash`` in the tiers ``tiers``."""
+    """Copy out device blocks ``block_ids`` (each group's layers from its block) and store them under
+    ``block_hash`` in the tiers ``tiers``."""
 
-    block_id: int
+    block_ids: tuple[int, ...]
     block_hash: BlockHash
     tiers: tuple[int, ...]
 
@@ -147,106 +156,96 @@ class TierWriter:
 
 
 class OffloadConnector(BlockPoolListener, TierEventListener):
-    """Scheduler side of the offload tiers for one :class:`KVCacheManager`; see the module docstring."""
+    """Scheduler side of the offload tiers for one cache manager; see the module docstring.
+
+    ``groups`` are the cache's KV cache groups; ``tier_listeners`` hear the tiers' events (KV events).
+    """
 
     def __init__(
         self,
-        manager: KVCacheManager,
         stores: Sequence[KVStore],
+        block_size: int,
         mode: str = WRITE_BACK,
         writer: TierWriter | None = None,
+        groups: Sequence[KVCacheGroupSpec] = (FULL_ATTENTION,),
+        tier_listeners: Sequence[TierEventListener] = (),
     ) -> None:
         if mode not in OFFLOAD_MODES:
             raise ValueError(f"offload mode must be one of {', '.join(OFFLOAD_MODES)}, got {mode!r}")
         if not stores:
             raise ValueError("an offload connector needs at least one tier")
         for store in stores:
-            if store.layout.block_size != manager.block_size:
+            if store.layout.block_size != block_size:
                 raise ValueError(
-                    f"{store.medium} tier has blocks of {store.layout.block_size} tokens, "
-                    f"the device cache {manager.block_size}"
+                    f"{store.medium} tier has blocks of {store.layout.block_size} tokens, the device cache {block_size}"
                 )
-        self.manager = manager
+        groups = check_groups(groups)
+        if mode == WRITE_BACK and len(groups) > 1:
+            raise ValueError(
+                f"write_back needs one KV cache group, this cache has {len(groups)}: use write_through "
+                "(see the module docstring)"
+            )
         self.stores = list(stores)
+        self.block_size = block_size
         self.mode = mode
         back = [mode == WRITE_BACK and not store.persistent for store in self.stores]
         self._write_back_tiers = tuple(i for i, is_back in enumerate(back) if is_back)
         self._write_through_tiers = tuple(i for i, is_back in enumerate(back) if not is_back)
+        # A block is saved when it is new to this group: full attention keeps every block longest.
+        self._saving_group = next((g for g, spec in enumerate(groups) if spec.sliding_window is None), 0)
         self.writer = writer or TierWriter(self.stores)
-        self.block_size = manager.block_size
         self._staged: dict[str, _Staged] = {}
         self._plan = OffloadPlan()
+        self._to_save: list[BlockHash] = []
         self._loaded_this_step: set[BlockHash] = set()
         self._event_lock = threading.Lock()
         self._events: list[tuple[str, str, list[BlockHash], int]] = []
-        self._listeners: list[TierEventListener] = []
+        self._listeners: list[TierEventListener] = list(tier_listeners)
         for store in self.stores:
             store.add_listener(self)
-        manager.pool.add_listener(self)
 
-    # ---- scheduler side -------------------------------------------------------------------------
+    # ---- the manager's connector ------------------------------------------------------------------
 
-    def extend_local_hit(self, request: Request, blocks: list[Block], num_cached: int) -> tuple[list[Block], int, int]:
-        """The device hit ``(blocks, num_cached)`` extended by the tiers: ``(blocks, num_cached, num_external)``.
+    def extend_hit(self, request: Request, block_hashes: Sequence[BlockHash], start: int, end: int) -> int:
+        """How many of the blocks ``start`` .. ``end - 1`` (``end``: the last a hit may cover) the tiers hold
+        from ``start`` on, read and verified now.
 
-        The tiers continue from the last full device block. A device hit that ends in a partial block
-        (a sub-block copy) is kept when the tiers cannot beat it, else dropped for the longer tier hit.
+        The blocks stay staged for this request until it is admitted (:meth:`admitted`) or finished.
         """
-        full = num_cached // self.block_size
-        num_external = self.get_num_new_matched_tokens(request, full * self.block_size)
-        if full * self.block_size + num_external > num_cached:
-            return blocks[:full], full * self.block_size, num_external
-        return blocks, num_cached, 0
-
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        """Tokens the tiers hold right after the block-aligned ``num_computed_tokens``, read and verified.
-
-        Leaves at least the last prompt token to compute. The blocks stay staged for this request until it
-        is admitted (:meth:`update_state_after_alloc`) or finished.
-        """
-        if not self.manager.enable_caching or request.skip_reading_prefix_cache:
-            return 0
-        if num_computed_tokens % self.block_size:
-            raise ValueError(f"num_computed_tokens must be block-aligned, got {num_computed_tokens}")
-        start = num_computed_tokens // self.block_size
         staged = self._staged.get(request.request_id)
         if staged is None or staged.start != start or not staged.payloads:
-            staged = _Staged(start, *self._run(self._hittable_after(request, start), KVStore.load_prefix))
+            staged = _Staged(start, *self._run(block_hashes[start:end], KVStore.load_prefix))
             self._staged[request.request_id] = staged
-        return len(staged.payloads) * self.block_size
+        return len(staged.payloads)
 
-    def lookup(self, request: Request, num_cached: int) -> dict[str, int]:
-        """Where admitting ``request`` now would find its prefix, given the device's hit of ``num_cached``
-        tokens: tokens per tier, ``device`` first, taken as :meth:`extend_local_hit` takes them.
+    def held(self, request: Request, block_hashes: Sequence[BlockHash], start: int, end: int) -> dict[str, int]:
+        """Tokens per tier (every tier's medium, ``CPU``, ``DISK``, ``REDIS``) that :meth:`extend_hit` would
+        take from ``start`` on.
 
         Only the tiers' indexes are asked (:meth:`KVStore.held_prefix`): no block is read, no tier's LRU
         order or statistics change, nothing is staged.
         """
-        by_tier = {"device": num_cached} | dict.fromkeys((store.medium for store in self.stores), 0)
-        if not self.manager.enable_caching or request.skip_reading_prefix_cache:
-            return by_tier
-        full = num_cached // self.block_size
-        tiers, _ = self._run(self._hittable_after(request, full), KVStore.held_prefix)
-        if (full + len(tiers)) * self.block_size > num_cached:
-            by_tier["device"] = full * self.block_size
-            for tier in tiers:
-                by_tier[self.stores[tier].medium] += self.block_size
+        by_tier = dict.fromkeys((store.medium for store in self.stores), 0)
+        tiers, _ = self._run(block_hashes[start:end], KVStore.held_prefix)
+        for tier in tiers:
+            by_tier[self.stores[tier].medium] += self.block_size
         return by_tier
 
-    def update_state_after_alloc(self, request: Request, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        """The request was admitted with ``num_external_tokens`` from the tiers: load them into its blocks."""
+    def admitted(
+        self, request: Request, block_hashes: Sequence[BlockHash], start: int, targets: Sequence[BlockTargets]
+    ) -> None:
+        """The request was admitted with the staged blocks ``start`` .. ``start + len(targets) - 1``: load each
+        into its blocks ``targets[i]``."""
         staged = self._staged.pop(request.request_id, None)
-        num_blocks = num_external_tokens // self.block_size
+        num_blocks = len(targets)
         if num_blocks == 0:
             return
-        if staged is None or len(staged.payloads) < num_blocks:
-            raise ValueError(f"request {request.request_id!r}: {num_external_tokens} tier tokens were not looked up")
-        hashes = self.manager.block_hashes(request)
+        if staged is None or staged.start != start or len(staged.payloads) < num_blocks:
+            raise ValueError(f"request {request.request_id!r}: {num_blocks} tier blocks were not looked up")
         by_tier: dict[int, list[tuple[BlockHash, bytes]]] = {}
-        for i in range(num_blocks):
-            position = staged.start + i
-            tier, payload, block_hash = staged.tiers[i], staged.payloads[i], hashes[position]
-            self._plan.loads.append(BlockLoad(block_ids[position], block_hash, payload, tier))
+        for i, target in enumerate(targets):
+            tier, payload, block_hash = staged.tiers[i], staged.payloads[i], block_hashes[start + i]
+            self._plan.loads.append(BlockLoad(target, block_hash, payload, tier))
             self._loaded_this_step.add(block_hash)
             by_tier.setdefault(tier, []).append((block_hash, payload))
         for tier, items in by_tier.items():
@@ -260,18 +259,24 @@ class OffloadConnector(BlockPoolListener, TierEventListener):
         """Drop whatever was read for a request that leaves without being admitted."""
         self._staged.pop(request.request_id, None)
 
-    def build_plan(self) -> OffloadPlan:
-        """This step's transfers for the worker; delivers the tiers' events to the listeners."""
+    def take_plan(self, cached_block_ids: Callable[[BlockHash], BlockTargets | None]) -> OffloadPlan:
+        """This step's transfers for the worker; delivers the tiers' events to the listeners.
+
+        The blocks computed this step are saved from the blocks ``cached_block_ids`` names for their hash
+        (skipped when some group lost it already, or when they were just loaded from a tier).
+        """
         plan, self._plan = self._plan, OffloadPlan()
-        if self._loaded_this_step:
-            plan.save_after = [s for s in plan.save_after if s.block_hash not in self._loaded_this_step]
-            self._loaded_this_step = set()
+        tiers = self._write_through_tiers
+        for block_hash in self._to_save:
+            if block_hash in self._loaded_this_step:
+                continue
+            block_ids = cached_block_ids(block_hash)
+            if block_ids is not None:
+                plan.save_after.append(BlockSave(block_ids, block_hash, tiers))
+        self._to_save = []
+        self._loaded_this_step = set()
         self._deliver_events()
         return plan
-
-    def add_listener(self, listener: TierEventListener) -> None:
-        """Hear the tiers' BlockStored / BlockRemoved, on the scheduler thread, when each step is planned."""
-        self._listeners.append(listener)
 
     def stats(self) -> list[TierStats]:
         return [store.snapshot() for store in self.stores]
@@ -280,10 +285,6 @@ class OffloadConnector(BlockPoolListener, TierEventListener):
         self.writer.close()
         for store in self.stores:
             store.close()
-
-    def _hittable_after(self, request: Request, start: int) -> list[BlockHash]:
-        """The request's block hashes from block ``start`` on that a hit may cover (not the last token's)."""
-        return self.manager.block_hashes(request)[start : hittable_blocks(request.num_tokens, self.block_size)]
 
     def _run(
         self, hashes: Sequence[BlockHash], take: Callable[[KVStore, Sequence[BlockHash]], Sequence[T]]
@@ -308,15 +309,13 @@ class OffloadConnector(BlockPoolListener, TierEventListener):
     # ---- device pool listener: what to save --------------------------------------------------------
 
     def blocks_stored(self, stored: StoredBlocks) -> None:
-        tiers = self._write_through_tiers
-        if tiers:
-            get_cached = self.manager.pool.get_cached_block
-            self._plan.save_after.extend(BlockSave(get_cached(h).block_id, h, tiers) for h in stored.block_hashes)
+        if self._write_through_tiers and stored.group == self._saving_group:
+            self._to_save.extend(stored.block_hashes)
 
-    def block_reused(self, block: Block) -> None:
-        tiers = self._write_back_tiers
-        if tiers and block.block_hash is not None and self.manager.pool.get_cached_block(block.block_hash) is None:
-            self._plan.save_before.append(BlockSave(block.block_id, block.block_hash, tiers))  # the last copy
+    def block_reused(self, block: Block, last_copy: bool) -> None:
+        tiers = self._write_back_tiers  # one group only (checked at construction)
+        if tiers and last_copy:
+            self._plan.save_before.append(BlockSave((block.block_id,), block.block_hash, tiers))
 
     # ---- tier events ---------------------------------------------------------------------------
 

@@ -18,38 +18,78 @@ from prefixcache.offload.record import KVLayout
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
-def read_blocks(kv_caches: KVCaches, block_ids: Sequence[int]) -> list[bytes]:
-    """Each block's K and V of every layer, ``[layers, 2, block_size, kv_heads, head_dim]``, as bytes."""
+def _layer_rows(
+    kv_caches: KVCaches, layer_groups: Sequence[int], targets: Sequence[Sequence[int | None]]
+) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Per layer, (rows of ``targets`` that go to it, their block ids in its group), or None when none do;
+    computed once a group. ``targets[r][g]`` is row ``r``'s block in group ``g`` (None: not in that group)."""
+    device = kv_caches[0][0].device
+    by_group: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
+    for group in set(layer_groups):
+        pairs = [(row, target[group]) for row, target in enumerate(targets) if target[group] is not None]
+        by_group[group] = (
+            (torch.tensor([p[0] for p in pairs], device=device), torch.tensor([p[1] for p in pairs], device=device))
+            if pairs
+            else None
+        )
+    return [by_group[group] for group in layer_groups]
+
+
+def read_blocks(kv_caches: KVCaches, block_ids: Sequence[Sequence[int]], layer_groups: Sequence[int]) -> list[bytes]:
+    """Each block's K and V of every layer, ``[layers, 2, block_size, kv_heads, head_dim]``, as bytes.
+
+    ``block_ids[r]`` names row ``r``'s block in each KV cache group; layer ``i`` is read from the block of its
+    group ``layer_groups[i]``.
+    """
     if not block_ids:
         return []
-    index = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0][0].device)
-    per_layer = [torch.stack((k.index_select(0, index), v.index_select(0, index)), dim=1) for k, v in kv_caches]
+    rows = _layer_rows(kv_caches, layer_groups, block_ids)
+    per_layer = [
+        torch.stack((k.index_select(0, index), v.index_select(0, index)), dim=1)
+        for (k, v), (_, index) in zip(kv_caches, rows, strict=True)
+    ]
     host = torch.stack(per_layer, dim=1).cpu().contiguous()  # [blocks, layers, 2, block_size, heads, dim]
     raw = host.reshape(len(block_ids), -1).view(torch.uint8).numpy()
     return [row.tobytes() for row in raw]
 
 
-def write_blocks(kv_caches: KVCaches, block_ids: Sequence[int], payloads: Sequence[bytes]) -> None:
-    """Put payloads made by :func:`read_blocks` (or read back from a tier) into the blocks ``block_ids``."""
-    if not block_ids:
+def write_blocks(
+    kv_caches: KVCaches,
+    targets: Sequence[Sequence[int | None]],
+    payloads: Sequence[bytes],
+    layer_groups: Sequence[int],
+) -> None:
+    """Put payloads made by :func:`read_blocks` (or read back from a tier) into their blocks: layer ``i`` of
+    payload ``r`` into block ``targets[r][layer_groups[i]]``, unless that is None (the group does not need it)."""
+    if not targets:
         return
     key_cache = kv_caches[0][0]
-    shape = (len(block_ids), len(kv_caches), 2, *key_cache.shape[1:])
+    shape = (len(targets), len(kv_caches), 2, *key_cache.shape[1:])
     data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(key_cache.dtype).view(shape)
     data = data.to(key_cache.device)
-    index = torch.tensor(block_ids, dtype=torch.long, device=key_cache.device)
-    for layer, (k, v) in enumerate(kv_caches):
-        k.index_copy_(0, index, data[:, layer, 0])
-        v.index_copy_(0, index, data[:, layer, 1])
+    for layer, ((k, v), rows) in enumerate(zip(kv_caches, _layer_rows(kv_caches, layer_groups, targets), strict=True)):
+        if rows is None:
+            continue
+        source, index = rows
+        k.index_copy_(0, index, data[source, layer, 0])
+        v.index_copy_(0, index, data[source, layer, 1])
 
 
 class OffloadWorker:
-    def __init__(self, kv_caches: KVCaches, layout: KVLayout, writer: TierWriter) -> None:
+    """Moves blocks between the KV cache tensors and the tiers; ``layer_groups[i]`` is the KV cache group of
+    layer ``i`` (default: one group)."""
+
+    def __init__(
+        self, kv_caches: KVCaches, layout: KVLayout, writer: TierWriter, layer_groups: Sequence[int] | None = None
+    ) -> None:
         key_cache = kv_caches[0][0]
         actual = (len(kv_caches), 2, *key_cache.shape[1:])
         dtype = str(key_cache.dtype).removeprefix("torch.")
         if actual != layout.shape or dtype != layout.dtype:
             raise ValueError(f"KV cache blocks {actual} {dtype} do not match the layout {layout}")
+        self.layer_groups = tuple(layer_groups) if layer_groups is not None else (0,) * len(kv_caches)
+        if len(self.layer_groups) != len(kv_caches):
+            raise ValueError(f"{len(self.layer_groups)} layer groups for {len(kv_caches)} KV cache layers")
         self.kv_caches = kv_caches
         self.writer = writer
 
@@ -58,7 +98,12 @@ class OffloadWorker:
             return
         self._save(plan.save_before)
         if plan.loads:
-            write_blocks(self.kv_caches, [load.block_id for load in plan.loads], [load.payload for load in plan.loads])
+            write_blocks(
+                self.kv_caches,
+                [load.block_ids for load in plan.loads],
+                [load.payload for load in plan.loads],
+                self.layer_groups,
+            )
 
     def after_forward(self, plan: OffloadPlan | None) -> None:
         if plan is not None:
@@ -67,7 +112,7 @@ class OffloadWorker:
     def _save(self, saves: list[BlockSave]) -> None:
         if not saves:
             return
-        payloads = read_blocks(self.kv_caches, [save.block_id for save in saves])
+        payloads = read_blocks(self.kv_caches, [save.block_ids for save in saves], self.layer_groups)
         by_tiers: dict[tuple[int, ...], list[tuple[bytes, bytes]]] = {}
         for save, payload in zip(saves, payloads, strict=True):
             by_tiers.setdefault(save.tiers, []).append((save.block_hash, payload))

@@ -107,7 +107,7 @@ class IndexListener(BlockPoolListener):
     def blocks_stored(self, stored: StoredBlocks) -> None:
         self.index.store(self.backend, [external_block_hash(h) for h in stored.block_hashes])
 
-    def blocks_removed(self, block_hashes: list[BlockHash]) -> None:
+    def blocks_removed(self, block_hashes: list[BlockHash], group: int) -> None:
         self.index.remove(self.backend, [external_block_hash(h) for h in block_hashes])
 
     def cache_cleared(self) -> None:

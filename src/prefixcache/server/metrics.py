@@ -58,6 +58,14 @@ class ServerMetrics:
             "prefix_cache_copied_tokens": counter(
                 "prefix_cache_copied_tokens", "Of the hits, prompt tokens copied from a sub-block prefix match."
             ),
+            "prefix_cache_preempted_queries": counter(
+                "prefix_cache_preempted_queries",
+                "Tokens looked up again by preempted requests when they resume (not in prefix_cache_queries).",
+            ),
+            "prefix_cache_preempted_hits": counter(
+                "prefix_cache_preempted_hits",
+                "Of those, tokens found cached: mostly their own blocks, not sharing (not in prefix_cache_hits).",
+            ),
             "num_preemptions": counter("num_preemptions", "Requests preempted because KV blocks ran out."),
             "kv_events_dropped": counter(
                 "kv_events_dropped", "KV cache event batches dropped because the publisher's queue was full."

@@ -1,0 +1,40 @@
+"""The worker side: blocks between the KV cache tensors and bytes, each layer from (or to) its group's block."""
+
+import torch
+
+from prefixcache.offload.worker import read_blocks, write_blocks
+
+SHAPE = (8, 4, 2, 3)  # blocks, block size, KV heads, head dim
+
+
+def kv_caches(num_layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every value names its layer, K or V, block and slot, so a copy from the wrong block shows."""
+    caches = []
+    for layer in range(num_layers):
+        base = torch.arange(8 * 4 * 2 * 3, dtype=torch.float32).view(SHAPE)
+        caches.append((base + 1000 * layer, base + 1000 * layer + 500))
+    return caches
+
+
+def test_a_payload_reads_each_layer_from_the_block_of_its_group_and_writes_it_back_there():
+    layer_groups = [0, 1, 0]  # layers 0 and 2 in group 0, layer 1 in group 1
+    source = kv_caches(3)
+    [payload] = read_blocks(source, [(2, 5)], layer_groups)
+    target = [(torch.zeros(SHAPE), torch.zeros(SHAPE)) for _ in range(3)]
+    write_blocks(target, [(6, 1)], [payload], layer_groups)
+    for layer, group_block in ((0, (2, 6)), (1, (5, 1)), (2, (2, 6))):
+        read, written = group_block
+        for kv in (0, 1):
+            assert torch.equal(target[layer][kv][written], source[layer][kv][read])
+    assert float(target[1][0][6].abs().sum()) == 0.0  # layer 1 goes to group 1's block only
+
+
+def test_a_group_without_a_block_is_left_alone():
+    layer_groups = [0, 1]
+    source = kv_caches(2)
+    payloads = read_blocks(source, [(3, 4), (5, 6)], layer_groups)
+    target = [(torch.zeros(SHAPE), torch.zeros(SHAPE)) for _ in range(2)]
+    write_blocks(target, [(1, None), (2, 7)], payloads, layer_groups)  # row 0 is outside group 1's window
+    assert torch.equal(target[0][0][1], source[0][0][3]) and torch.equal(target[0][0][2], source[0][0][5])
+    assert torch.equal(target[1][1][7], source[1][1][6])
+    assert all(float(target[1][kv][:7].abs().sum()) == 0.0 for kv in (0, 1))  # nothing else in layer 1
