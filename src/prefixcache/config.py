@@ -2,33 +2,16 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prefixcache.core import HASH_ALGOS
 from prefixcache.core.eviction import EVICTION_POLICIES
 from prefixcache.kv_events.config import KVEventsConfig
+from prefixcache.offload.config import OffloadConfig
+from prefixcache.units import parse_memory
 
-if TYPE_CHECKING:
-    from prefixcache.offload.config import OffloadConfig
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3}
-_UNITS |= {"kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "tb": 1000**4}
-
-
-def parse_memory(value: str | int) -> int:
-    """``"2GiB"``, ``"512MiB"``, ``"1.5GB"`` or a byte count, as bytes."""
-    if isinstance(value, int):
-        size = value
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-        if not match or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"cannot read memory size {value!r}; use e.g. '2GiB', '512MiB' or bytes")
-        size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if size <= 0:
-        raise ValueError(f"memory size must be positive, got {value!r}")
-    return size
+__all__ = ["EngineConfig", "parse_memory"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +77,6 @@ class EngineConfig:
 
     def offload_config(self) -> OffloadConfig:
         """The offload options, parsed (``prefixcache.offload.config.OffloadConfig``); ValueError when unreadable."""
-        from prefixcache.offload.config import OffloadConfig
-
         return OffloadConfig.parse(
             self.kv_offload_cpu, self.kv_offload_disk, self.kv_offload_redis, self.kv_offload_mode
         )
