@@ -13,7 +13,7 @@ def make_llm(tiny_loaded, tiny_llama_dir):
     def make(**kwargs) -> LLM:
         kwargs.setdefault("num_blocks", 256)
         kwargs.setdefault("block_size", 4)
-        llm = LLM(str(tiny_llama_dir), loaded=tiny_loaded, **kwargs)
+        llm = LLM(str(tiny_llama_dir), loaded=tiny_loaded, dtype="float32", **kwargs)
         built.append(llm)
         return llm
 

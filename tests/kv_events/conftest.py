@@ -95,7 +95,7 @@ def make_llm(tiny_loaded, tiny_llama_dir):
         events |= config.pop("events", {})
         config.setdefault("num_blocks", 64)
         config.setdefault("block_size", 4)
-        llm = LLM(str(tiny_llama_dir), loaded=tiny_loaded, kv_events_config=events, **config)
+        llm = LLM(str(tiny_llama_dir), loaded=tiny_loaded, dtype="float32", kv_events_config=events, **config)
         built.append(llm)
         return llm
 

@@ -27,7 +27,14 @@ def generate(llm: LLM, prompt: list[int]):
 
 @pytest.fixture(scope="module")
 def reference(tiny_loaded, tiny_llama_dir) -> list[int]:
-    llm = LLM(str(tiny_llama_dir), loaded=tiny_loaded, enable_prefix_caching=False, num_blocks=64, block_size=BLOCK)
+    llm = LLM(
+        str(tiny_llama_dir),
+        loaded=tiny_loaded,
+        dtype="float32",
+        enable_prefix_caching=False,
+        num_blocks=64,
+        block_size=BLOCK,
+    )
     return generate(llm, FOLLOW_UP).outputs[0].token_ids
 
 
@@ -37,7 +44,7 @@ def make_llm(tiny_loaded, tiny_llama_dir):
 
     def make(**kwargs) -> LLM:
         kwargs.setdefault("num_blocks", 16)
-        llm = LLM(str(tiny_llama_dir), loaded=tiny_loaded, block_size=BLOCK, **kwargs)
+        llm = LLM(str(tiny_llama_dir), loaded=tiny_loaded, dtype="float32", block_size=BLOCK, **kwargs)
         built.append(llm)
         return llm
 
@@ -140,7 +147,12 @@ def test_disk_blocks_of_another_block_size_or_model_never_load(make_llm, tmp_pat
     first.engine.core.offload.close()
 
     other_block_size = LLM(
-        str(tiny_llama_dir), loaded=first.engine.core.loaded, block_size=8, num_blocks=16, kv_offload_disk=disk
+        str(tiny_llama_dir),
+        loaded=first.engine.core.loaded,
+        dtype="float32",
+        block_size=8,
+        num_blocks=16,
+        kv_offload_disk=disk,
     )
     try:
         assert other_block_size.stats().kv_offload[0].num_blocks == 0  # its own namespace is empty
@@ -149,7 +161,7 @@ def test_disk_blocks_of_another_block_size_or_model_never_load(make_llm, tmp_pat
         other_block_size.engine.core.offload.close()
 
     other_dir = write_tiny_checkpoint(tmp_path / "other-model", seed=1)
-    other_model = LLM(str(other_dir), block_size=BLOCK, num_blocks=16, kv_offload_disk=disk)
+    other_model = LLM(str(other_dir), dtype="float32", block_size=BLOCK, num_blocks=16, kv_offload_disk=disk)
     try:
         assert other_model.stats().kv_offload[0].num_blocks == 0
         assert generate(other_model, FOLLOW_UP).num_cached_tokens == 0

@@ -9,7 +9,7 @@ import argparse
 from dataclasses import MISSING, fields
 from typing import Any
 
-from prefixcache.config import EngineConfig
+from prefixcache.config import DTYPES, EngineConfig
 from prefixcache.core import HASH_ALGOS
 from prefixcache.core.eviction import EVICTION_POLICIES
 from prefixcache.kv_events.config import KVEventsConfig
@@ -75,7 +75,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     option("--max-num-batched-tokens", field="max_num_batched_tokens", type=int, help="tokens computed per step")
     option("--max-num-seqs", field="max_num_seqs", type=int, help="requests running at once")
     option("--max-model-len", field="max_model_len", type=int, help="context length (default: the model's)")
-    option("--dtype", field="dtype", choices=["float32", "bfloat16", "float16"], help="weights and KV cache")
+    option(
+        "--dtype",
+        field="dtype",
+        choices=DTYPES,
+        help="weights and KV cache; auto: bfloat16 on a GPU or a CPU with native bfloat16 instructions "
+        "(avx512_bf16, amx_bf16, aarch64 bf16), else float32",
+    )
     option("--device", field="device", help="cpu or cuda")
     option("--seed", field="seed", type=int, help="sampling seed of requests that set none")
     option(
