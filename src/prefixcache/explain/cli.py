@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def register(commands: argparse._SubParsersAction) -> None:
     """Add ``explain`` to the ``prefixcache`` subcommands."""
     parser = commands.add_parser("explain", help="why the prompts of a request log miss the prefix cache",
-                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+                                 description=__doc__)  # fmt: skip
     add_arguments(parser)
     parser.set_defaults(func=lambda args: run(parser, args))
 
