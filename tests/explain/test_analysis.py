@@ -5,7 +5,7 @@ import random
 import pytest
 
 from prefixcache.core import KVCacheManager
-from prefixcache.explain.analysis import ExplainConfig, block_hit_rate, explain
+from prefixcache.explain.analysis import ExplainConfig, block_hit_rate, explain, locate_message
 from prefixcache.explain.log import Prompt
 from tests.core.conftest import admit, make_request
 from tests.explain.conftest import decode_ids, prompts_of
@@ -180,3 +180,50 @@ def test_every_system_prompt_with_a_varying_field_gets_it_moved():
     assert (summary.start, summary.end, summary.kind, summary.prompts_rewritten) == (20, 25, "varying", 16)
     moved = [(HEAD if i % 2 else other_head) + STABLE + QUESTIONS[i % 3] + field(i) for i in range(16)]
     assert summary.fixed_block_hit_rate == pytest.approx(block_hit_rate(prompts_of(moved), 16))
+
+
+def test_the_differing_span_is_shown_marked_in_its_surroundings():
+    prompts = prompts_of([stamped(i) for i in range(3)])
+    result = explain(prompts, ExplainConfig(block_size=16, window_tokens=2), decode_ids)
+    second = result.requests[1].divergence
+    assert second.this_context == "…1018 1019⟦5001 6001 7001⟧2000 2001…"
+    assert second.other_context == "…1018 1019⟦5000 6000 7000⟧2000 2001…"
+    assert result.divergence.this_context == second.this_context  # the summary's example is the second prompt
+
+
+def test_a_span_at_the_start_or_end_has_no_ellipsis_there_and_an_open_one_marks_its_first_tokens():
+    prompts = prompts_of([[1, 2, 3, 4, 5, 6], [1, 2, 9, 9, 9, 9]])
+    divergence = explain(prompts, ExplainConfig(block_size=4, window_tokens=3), decode_ids).requests[1].divergence
+    assert divergence.kind == "differs"
+    assert divergence.this_context == "1 2⟦9 9 9⟧…" and divergence.other_context == "1 2⟦3 4 5⟧…"
+
+
+def test_a_chat_divergence_names_the_message_it_is_in(tokenizer):
+    from prefixcache.engine.input_processor import chat_token_ids
+
+    def chat(time: str, question: str) -> tuple[dict[str, str], ...]:
+        system = f"You are a helpful assistant. Current time: {time}. Answer briefly and truthfully."
+        return ({"role": "system", "content": system}, {"role": "user", "content": question})
+
+    conversations = [chat("14:05", "Why cache prefixes?"), chat("14:35", "Why cache prefixes?"),
+                     chat("14:35", "The quick brown fox?")]  # fmt: skip
+    prompts = [
+        Prompt(line, chat_token_ids(tokenizer, list(messages)), messages=messages)
+        for line, messages in enumerate(conversations, start=1)
+    ]
+    decode = tokenizer.decode
+    result = explain(prompts, ExplainConfig(block_size=4, window_tokens=6), decode)
+    in_system, in_question = result.requests[1].divergence, result.requests[2].divergence
+    assert (in_system.message_index, in_system.message_role) == (0, "system")
+    assert in_system.this_context.endswith(": 14:⟦3⟧5. Answer briefly…")
+    assert in_system.other_context.endswith(": 14:⟦0⟧5. Answer briefly…")
+    assert (in_question.message_index, in_question.message_role) == (1, "user")
+    assert "⟦The" in in_question.this_context
+
+
+def test_locating_a_span_prefers_the_longest_context_and_knows_template_text():
+    messages = [{"role": "system", "content": "time 10:05 now"}, {"role": "user", "content": "at 10:05 please"}]
+    assert locate_message(messages, "at ", "10:05") == 1  # "10:05" alone is in both; its context decides
+    assert locate_message(messages, "<|system|>time ", "10:05") == 0  # the window begins in template markup
+    assert locate_message(messages, "<|end|>", "<|user|>") is None  # the template's own text
+    assert locate_message(None, "a", "b") is None

@@ -12,7 +12,9 @@ cached (generated tokens are not in the log). For every request:
   replayed through it; what an infinite cache would have reused beyond that was evicted;
 * where it parts from that earlier prompt, the text on both sides, and whether the prompts agree
   again after a short span (a varying field such as a time stamp or a request id), after one side's
-  extra tokens (a section added or reordered), or not at all nearby (their own content).
+  extra tokens (a section added or reordered), or not at all nearby (their own content); the text
+  around the differing span, marked ``…before ⟦span⟧ after…`` so a prompt author can find it, and for
+  a chat, which message it is in.
 
 Missed prompt tokens get one reason each: ``new`` (no earlier request of the namespace had them),
 ``different_salt`` (an earlier request with another salt or LoRA had the next block),
@@ -87,7 +89,9 @@ class Divergence:
     """Where a prompt parts from the earlier prompt it shares most with (token ``index`` differs).
 
     For ``varying`` and ``inserted`` the differing tokens are ``[index, span_end)`` in this prompt and
-    ``[index, other_span_end)`` in the other; after them the two agree again.
+    ``[index, other_span_end)`` in the other; after them the two agree again. ``this_context`` and
+    ``other_context`` show that span in its surroundings (``…text before ⟦span⟧ text after…``; for
+    ``differs``, the first tokens that differ); ``message_index`` is the chat message (from 0) holding it.
     """
 
     index: int
@@ -97,6 +101,10 @@ class Divergence:
     other_text: str
     span_end: int | None = None
     other_span_end: int | None = None
+    this_context: str = ""
+    other_context: str = ""
+    message_index: int | None = None
+    message_role: str | None = None
 
 
 @dataclass(slots=True)
@@ -139,6 +147,11 @@ class DivergenceSummary:
     shared_text: str
     this_text: str
     other_text: str
+    this_context: str
+    other_context: str
+    message_index: int | None
+    message_role: str | None
+    num_messages: int | None
     fix: str
     varying_span: tuple[int, int] | None = None  # in the example prompt
     varying_text: str | None = None
@@ -196,7 +209,7 @@ def explain(
             live_cached=None if live_cached is None else live_cached[i],
         )
         if match is not None and shared < min(num_tokens, len(prompts[match].token_ids)):
-            explanation.divergence = _divergence(prompt.token_ids, prompts[match].token_ids, shared, config, decode)
+            explanation.divergence = _divergence(prompt, prompts[match].token_ids, shared, config, decode)
         requests.append(explanation)
     total = sum(r.prompt_tokens for r in requests)
     return Explanation(
@@ -301,23 +314,65 @@ def _resync(a: Sequence[int], b: Sequence[int], start: int) -> tuple[int, int] |
     return None
 
 
-def _divergence(tokens: list[int], other: list[int], index: int, config: ExplainConfig, decode: Decode) -> Divergence:
+def _divergence(prompt: Prompt, other: list[int], index: int, config: ExplainConfig, decode: Decode) -> Divergence:
+    tokens = prompt.token_ids
     window = config.window_tokens
     offsets = _resync(tokens, other, index)
     kind = "differs" if offsets is None else "varying" if min(offsets) > 0 else "inserted"
+    span_end = None if offsets is None else index + offsets[0]
+    other_span_end = None if offsets is None else index + offsets[1]
+    before = decode(tokens[max(0, index - window) : index])
+    span = decode(tokens[index : span_end if span_end is not None else index + window])
+    message_index = locate_message(prompt.messages, before, span)
     return Divergence(
         index=index,
         kind=kind,
-        shared_text=_clip(decode(tokens[max(0, index - window) : index]), from_end=True),
+        shared_text=_clip(before, from_end=True),
         this_text=_clip(decode(tokens[index : index + window])),
         other_text=_clip(decode(other[index : index + window])),
-        span_end=None if offsets is None else index + offsets[0],
-        other_span_end=None if offsets is None else index + offsets[1],
+        span_end=span_end,
+        other_span_end=other_span_end,
+        this_context=_context(tokens, index, span_end, window, decode),
+        other_context=_context(other, index, other_span_end, window, decode),
+        message_index=message_index,
+        message_role=None if message_index is None else prompt.messages[message_index].get("role"),
     )
 
 
+def _context(tokens: Sequence[int], start: int, end: int | None, window: int, decode: Decode) -> str:
+    """``…before ⟦tokens[start:end]⟧ after…`` with ``window`` tokens each side; without an ``end`` (the prompts do
+    not agree again) the first ``window`` tokens from ``start`` are marked."""
+    stop = end if end is not None else min(len(tokens), start + window)
+    after_stop = min(len(tokens), stop + window) if end is not None else stop
+    text = "…" if start > window else ""
+    text += _escape(decode(tokens[max(0, start - window) : start]))
+    text += f"⟦{_escape(decode(tokens[start:stop]))}⟧{_escape(decode(tokens[stop:after_stop]))}"
+    return text + ("…" if after_stop < len(tokens) else "")
+
+
+def locate_message(messages: Sequence[dict[str, str]] | None, before: str, span: str) -> int | None:
+    """The message whose content holds ``span`` right after the end of ``before`` (as much of it as a message
+    holds: the start of the window may be template markup); None for a prompt without messages, or a span in the
+    template's own text."""
+    if not messages:
+        return None
+    contents = [m.get("content") or "" for m in messages]
+    for cut in range(len(before) + 1):  # the longest stretch of text before the span first
+        needle = before[cut:] + span
+        if not needle:
+            break
+        for i, content in enumerate(contents):
+            if needle in content:
+                return i
+    return None
+
+
+def _escape(text: str) -> str:
+    return text.replace("\r", "\\r").replace("\n", "\\n").replace("\t", "\\t")
+
+
 def _clip(text: str, from_end: bool = False) -> str:
-    text = text.replace("\r", "\\r").replace("\n", "\\n").replace("\t", "\\t")
+    text = _escape(text)
     if len(text) <= TEXT_CHARS:
         return text
     return "…" + text[-TEXT_CHARS:] if from_end else text[:TEXT_CHARS] + "…"
@@ -355,6 +410,11 @@ def _summarize_divergences(
         shared_text=example.divergence.shared_text,
         this_text=example.divergence.this_text,
         other_text=example.divergence.other_text,
+        this_context=example.divergence.this_context,
+        other_context=example.divergence.other_context,
+        message_index=example.divergence.message_index,
+        message_role=example.divergence.message_role,
+        num_messages=None if prompts[example.index].messages is None else len(prompts[example.index].messages),
         fix=_FIXES[kind],
     )
     if fix is not None:

@@ -6,7 +6,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from prefixcache.explain.analysis import KINDS, REASON_LABELS, REASONS, Explanation, RequestExplanation
+from prefixcache.explain.analysis import (
+    KINDS,
+    REASON_LABELS,
+    REASONS,
+    DivergenceSummary,
+    Explanation,
+    RequestExplanation,
+)
 from prefixcache.explain.log import LineError
 
 LABEL_WIDTH = 34
@@ -58,9 +65,9 @@ def _divergence_lines(explanation: Explanation) -> list[str]:
     lines = [
         f"  {summary.count / summary.total:.0%} of divergences ({summary.count} of {summary.total}) start at {span}:"
         f" {KINDS[summary.kind]}",
-        f"    shared       `{summary.shared_text}`",
-        f"    line {summary.example_line:<7} `{summary.this_text}`",
-        f"    line {summary.other_line:<7} `{summary.other_text}`",
+        f"    {_where(summary)}",
+        f"    line {summary.example_line:<7} `{summary.this_context}`",
+        f"    line {summary.other_line:<7} `{summary.other_context}`",
         f"  fix: {summary.fix}",
     ]
     if summary.fixed_block_hit_rate is not None:
@@ -72,6 +79,18 @@ def _divergence_lines(explanation: Explanation) -> list[str]:
             f"(now {explanation.block_hit_rate:.3f})"
         )
     return lines
+
+
+def _where(summary: DivergenceSummary) -> str:
+    """Which part of the prompt the example parts in: a chat message, the chat template's own text, or the prompt."""
+    if summary.num_messages is None:
+        return f"in the prompt of line {summary.example_line} (⟦…⟧ marks what differs):"
+    if summary.message_index is None:
+        return f"in the chat template's text around the messages of line {summary.example_line} (⟦…⟧ marks it):"
+    return (
+        f"in message {summary.message_index + 1} of {summary.num_messages} ({summary.message_role}) of line "
+        f"{summary.example_line} (⟦…⟧ marks what differs):"
+    )
 
 
 def _request_rows(explanation: Explanation, max_rows: int) -> list[str]:
