@@ -16,11 +16,17 @@ cached (generated tokens are not in the log). For every request:
   around the differing span, marked ``…before ⟦span⟧ after…`` so a prompt author can find it, and for
   a chat, which message it is in.
 
-Missed prompt tokens get one reason each: ``new`` (no earlier request of the namespace had them),
-``different_salt`` (an earlier request with another salt or LoRA had the next block),
-``shorter_than_block`` (the prompt does not fill one block beyond its last token),
-``partial_block`` (the tail after the last whole block a lookup may return, as
-:mod:`prefixcache.core.miss` defines it), and ``evicted`` (with a capacity).
+Missed prompt tokens get one reason each, a refinement of one of the engine's own reasons
+(:mod:`prefixcache.core.miss`, which ``/metrics`` and ``/v1/cache/lookup`` report), so the totals by core
+reason are what the engine would count replaying the log:
+
+* ``new`` splits into ``never_seen`` (no earlier request had the next block) and ``different_salt``
+  (an earlier request with another salt or LoRA had it);
+* ``evicted`` (with a capacity: the first missing block was cached before and evicted) splits into
+  ``evicted`` (what an infinite cache would have reused) and ``after_evicted`` (the hittable tokens after
+  those, never seen: a larger cache serves the evicted part only);
+* ``partial_block`` splits into ``shorter_than_block`` (the prompt does not fill one block beyond its last
+  token) and ``tail`` (after the last whole block a lookup may return).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import numpy as np
 
 from prefixcache.bench.trace import HeldCache, ReplayConfig
 from prefixcache.core import EVICTION_POLICIES, HASH_ALGOS, KVCacheManager, Request
-from prefixcache.core.miss import hittable_tokens
+from prefixcache.core.miss import MISS_REASONS, hittable_tokens
 from prefixcache.explain.log import Decode, Prompt
 
 # Two prompts "agree again" when SYNC_TOKENS tokens match; a varying field is at most MAX_SPAN_TOKENS long.
@@ -46,14 +52,31 @@ MAX_RESYNC_PROMPTS = 200
 CLUSTER_TOKENS = 16
 TEXT_CHARS = 40
 
-REASONS = ("new", "different_salt", "shorter_than_block", "partial_block", "evicted")
-REASON_LABELS = {
-    "new": "new (never seen)",
-    "different_salt": "different salt or LoRA",
-    "shorter_than_block": "shorter than one block",
-    "partial_block": "partial block (tail, last token)",
-    "evicted": "evicted (capacity)",
+# Each of explain's reasons and the core reason it refines, in the order the report lists them.
+REFINES = {
+    "never_seen": "new",
+    "different_salt": "new",
+    "evicted": "evicted",  # the same name: what an infinite cache would have reused
+    "after_evicted": "evicted",
+    "shorter_than_block": "partial_block",
+    "tail": "partial_block",
 }
+REASONS = tuple(REFINES)
+CORE_REASON_LABELS = {
+    "new": "new: a larger cache would not help",
+    "evicted": "evicted: a larger cache would help",
+    "partial_block": "partial_block: smaller blocks help",
+    "skipped": "skipped: the cache is not read",
+}
+REASON_LABELS = {
+    "never_seen": "never seen",
+    "different_salt": "different salt or LoRA",
+    "evicted": "an infinite cache would reuse",
+    "after_evicted": "never seen, after evicted blocks",
+    "shorter_than_block": "shorter than one block",
+    "tail": "tail after the last whole block",
+}
+assert set(REFINES.values()) <= set(MISS_REASONS) == set(CORE_REASON_LABELS)
 KINDS = {
     "varying": "a short span differs, then the prompts agree again",
     "inserted": "one prompt has extra tokens (a section added, dropped or reordered), then they agree again",
@@ -126,11 +149,12 @@ class RequestExplanation:
     @property
     def reason(self) -> str:
         """The reason of the first missed token (every prompt misses at least its last token)."""
-        return next(r for r in _BY_POSITION if self.missed[r])
+        return next(r for r in REASONS if self.missed[r])  # REASONS lie in this order in a prompt
 
-
-# Missed tokens lie in this order in a prompt: evicted, then new or salted, then the tail.
-_BY_POSITION = ("evicted", "new", "different_salt", "shorter_than_block", "partial_block")
+    @property
+    def core_reason(self) -> str:
+        """The engine's reason of the first missed token (``first_miss_reason`` of ``/v1/cache/lookup``)."""
+        return REFINES[self.reason]
 
 
 @dataclass(slots=True)
@@ -170,6 +194,14 @@ class Explanation:
     divergence: DivergenceSummary | None
     capacity_hit_rate: float | None = None
     live_hit_rate: float | None = None
+
+    @property
+    def missed_by_core_reason(self) -> dict[str, int]:
+        """``missed`` summed by the engine's reasons: what its ``missed_tokens`` counters would show."""
+        totals = dict.fromkeys(MISS_REASONS, 0)
+        for reason, count in self.missed.items():
+            totals[REFINES[reason]] += count
+        return totals
 
     @property
     def alignment_loss(self) -> float:
@@ -270,14 +302,17 @@ def _longest_shared_prefixes(
 def _missed(
     num_tokens: int, block_size: int, block_hit: int, shared_anywhere: int, capacity_hit: int | None
 ) -> dict[str, int]:
+    """The request's missed tokens by reason (see the module docstring), split as the engine splits them: the
+    hittable tokens after the reused prefix by the first missing block, then the partial block."""
     missed = dict.fromkeys(REASONS, 0)
     hittable_end = hittable_tokens(num_tokens, block_size)
-    if block_hit < hittable_end:
-        other_namespace_has_next_block = shared_anywhere >= block_hit + block_size
-        missed["different_salt" if other_namespace_has_next_block else "new"] = hittable_end - block_hit
-    missed["shorter_than_block" if hittable_end == 0 else "partial_block"] = num_tokens - max(block_hit, hittable_end)
-    if capacity_hit is not None:
+    if capacity_hit is not None and capacity_hit < block_hit:  # the first missing block was cached, then evicted
         missed["evicted"] = block_hit - capacity_hit
+        missed["after_evicted"] = hittable_end - block_hit
+    elif block_hit < hittable_end:
+        other_namespace_has_next_block = shared_anywhere >= block_hit + block_size
+        missed["different_salt" if other_namespace_has_next_block else "never_seen"] = hittable_end - block_hit
+    missed["shorter_than_block" if hittable_end == 0 else "tail"] = num_tokens - max(block_hit, hittable_end)
     return missed
 
 
