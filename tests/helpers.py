@@ -36,10 +36,17 @@ def build_tokenizer():
     return wrapped
 
 
-def write_tiny_checkpoint(path: Path, architecture: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Save a tiny LlamaForCausalLM or Qwen2ForCausalLM with random weights and the tokenizer above."""
+def write_tiny_checkpoint(
+    path: Path, architecture: str = "llama", seed: int = 0, randomize_norms: bool = False, **overrides
+) -> Path:
+    """Save a tiny random-weight checkpoint with the tokenizer above; ``architecture`` is a transformers
+    model type (llama, mistral, qwen2, qwen3, gemma3_text) and ``overrides`` are its config fields.
+
+    ``randomize_norms`` draws norm weights and biases at random too (transformers sets them to constants), so
+    that every parameter visibly moves the logits and a mistake in any of them shows.
+    """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = build_tokenizer()
     common = dict(
@@ -55,11 +62,15 @@ def write_tiny_checkpoint(path: Path, architecture: str = "llama", seed: int = 0
         tie_word_embeddings=False,
     )
     common.update(overrides)
-    config_cls, model_cls = (
-        (Qwen2Config, Qwen2ForCausalLM) if architecture == "qwen2" else (LlamaConfig, LlamaForCausalLM)
-    )
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**common))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(architecture, **common))
+    if randomize_norms:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.copy_(1 + 0.2 * torch.randn_like(param))
+                elif name.endswith("bias"):
+                    param.copy_(0.2 * torch.randn_like(param))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -9,16 +9,22 @@ from typing import Any
 import pytest
 import torch
 
-from prefixcache.model import AttentionMetadata, LlamaForCausalLM
+from prefixcache.model import AttentionMetadata, DecoderForCausalLM
+from tests.helpers import write_tiny_checkpoint
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-VOCAB_SIZE = 320
+VOCAB_SIZE = 512
+# Every tiny checkpoint's settings before its own overrides (see tests/helpers.py: write_tiny_checkpoint).
+TINY_SETTINGS: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE,
+    "num_hidden_layers": 3,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "initializer_range": 0.1,
+}
+GEMMA3_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
 
-# name -> (HF architecture, config overrides). Weights are random but larger than HF's init, and norm weights
-# and biases are randomized too, so that every parameter visibly affects the logits.
+# name -> (transformers model type, config overrides). Weights are random but larger than HF's init, and norm
+# weights and biases are randomized too, so that every parameter visibly affects the logits.
 TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
     "llama_bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
@@ -38,64 +44,43 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "linear_rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     "mistral_window": ("mistral", {"sliding_window": 8, "head_dim": 16}),
+    # Two full layers, then two with a window of 32 tokens; head_dim is not hidden_size / heads.
+    "qwen3_window": (
+        "qwen3",
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 24,
+            "use_sliding_window": True,
+            "sliding_window": 32,
+            "max_window_layers": 2,
+            "tie_word_embeddings": True,
+        },
+    ),
+    # Two sliding layers (window 32) per full layer, linear RoPE scaling on the full layers only, a
+    # query_pre_attn_scalar that is not head_dim, and logit soft-capping.
+    "gemma3": (
+        "gemma3_text",
+        {
+            "num_hidden_layers": 6,
+            "head_dim": 16,
+            "layer_types": GEMMA3_LAYER_TYPES,
+            "sliding_window": 32,
+            "query_pre_attn_scalar": 24,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+            "final_logit_softcapping": 5.0,
+            "tie_word_embeddings": True,
+        },
+    ),
 }
 
 
-def build_tokenizer() -> Any:
-    """A byte-level BPE tokenizer without merges (any text round-trips) with ChatML specials and template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {ch: i for i, ch in enumerate(alphabet)}
-    for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
-        vocab[special] = len(vocab)
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
-    )
-    wrapped.chat_template = CHAT_TEMPLATE
-    return wrapped
-
-
 def write_checkpoint(path: Path, kind: str, seed: int = 0) -> Path:
-    """Save the tiny model ``kind`` (see TINY_MODELS) with random weights and the tokenizer."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    """Save the tiny model ``kind`` (see TINY_MODELS)."""
     model_type, overrides = TINY_MODELS[kind]
-    tokenizer = build_tokenizer()
-    settings: dict[str, Any] = {
-        "vocab_size": VOCAB_SIZE,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-5,
-        "initializer_range": 0.1,
-        "eos_token_id": tokenizer.eos_token_id,
-        "bos_token_id": None,
-        "tie_word_embeddings": False,
-        **overrides,
-    }
-    config = AutoConfig.for_model(model_type, **settings)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1 + 0.2 * torch.randn_like(param))
-            elif name.endswith("bias"):
-                param.copy_(0.2 * torch.randn_like(param))
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return write_tiny_checkpoint(path, model_type, seed, randomize_norms=True, **(TINY_SETTINGS | overrides))
 
 
 @pytest.fixture(scope="session")
@@ -119,7 +104,7 @@ def hf_models(checkpoint_dirs: dict[str, Path]) -> dict[str, Any]:
 class PagedRunner:
     """A minimal engine: hands out blocks in shuffled order, keeps block tables and runs batched steps."""
 
-    def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int = 96, seed: int = 0) -> None:
+    def __init__(self, model: DecoderForCausalLM, block_size: int, num_blocks: int = 96, seed: int = 0) -> None:
         self.model = model
         self.block_size = block_size
         dtype = model.model.embed_tokens.weight.dtype

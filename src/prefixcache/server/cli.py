@@ -13,9 +13,9 @@ from pathlib import Path
 
 from prefixcache.config import parse_memory
 from prefixcache.engine.args import add_engine_args, engine_kwargs
+from prefixcache.server.settings import DEFAULT_MAX_REQUEST_BYTES, LOG_STATS_INTERVAL_S, ServerSettings
 
 API_KEY_ENV = "PREFIXCACHE_API_KEY"
-DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # a 128k-token prompt is under 1 MiB, as text or as JSON token ids
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -90,7 +90,7 @@ def serve(args: argparse.Namespace) -> None:
 
     from prefixcache.config import EngineConfig
     from prefixcache.model.loader import load_tokenizer, resolve_model
-    from prefixcache.server.app import LOG_STATS_INTERVAL_S, ServerSettings, build_app
+    from prefixcache.server.app import build_app
     from prefixcache.server.async_llm import AsyncLLM
     from prefixcache.server.metrics import ServerMetrics
     from prefixcache.server.shutdown import DrainingServer

@@ -1,15 +1,18 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) running on a paged KV cache.
+"""One configurable decoder for every supported architecture (Llama, Mistral, Qwen2, Qwen3, Gemma 3) on a
+paged KV cache.
 
+The architectures differ only in settings of :class:`~prefixcache.model.config.ModelConfig`: biases, q/k
+norms, Gemma's norm layout and embedding scale, the MLP activation, per-layer sliding windows and RoPE bases.
 The math mirrors HF transformers' implementation op for op (RMSNorm in float32, RoPE cos/sin computed in
 float32 then cast, SDPA with the same scale) so that logits match it. Q/K/V and gate/up projections are fused
-into one matmul each; :meth:`LlamaForCausalLM.load_weights` maps HF's separate weights onto them.
+into one matmul each; :meth:`DecoderForCausalLM.load_weights` maps HF's separate weights onto them.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import torch
@@ -17,151 +20,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
+from prefixcache.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-_ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The architecture hyper-parameters the model needs, independent of the transformers version.
-
-    Sliding-window attention (Mistral, Qwen2 with ``use_sliding_window``) is supported by masking: all K/V
-    stays in the cache, a layer with window W lets a query at position p see keys at positions > p - W.
-    """
-
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    rope_scaling: dict[str, Any] | None = None
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    is_causal: bool = True
-    eos_token_ids: tuple[int, ...] = ()
-    architecture: str = "LlamaForCausalLM"
-    # Llama's ``attention_bias`` also puts a bias on o_proj; Qwen2 has one on q/k/v only.
-    o_proj_bias: bool = False
-    mlp_bias: bool = False
-    sliding_window: int | None = None
-    # Per layer "full_attention" or "sliding_attention"; empty means every layer uses ``sliding_window``.
-    layer_types: tuple[str, ...] = ()
-
-    def layer_window(self, layer: int) -> int | None:
-        """The sliding window of a layer, or None for full attention."""
-        if self.sliding_window is None or (self.layer_types and self.layer_types[layer] != "sliding_attention"):
-            return None
-        return self.sliding_window
-
-    def kv_bytes_per_token(self, itemsize: int) -> int:
-        """Bytes one token's K and V take across all layers, to size a cache before any model is loaded."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
-
-    @classmethod
-    def from_hf_config(cls, hf_config: Any) -> ModelConfig:
-        """Read a transformers config (v4 or v5 field names); ValueError for anything unsupported."""
-        architectures = getattr(hf_config, "architectures", None) or []
-        model_type = getattr(hf_config, "model_type", None)
-        arch = architectures[0] if architectures else _ARCH_BY_MODEL_TYPE.get(model_type or "")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch or model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        act = getattr(hf_config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r} (only 'silu' / SwiGLU is implemented)")
-
-        num_heads = hf_config.num_attention_heads
-        num_layers = hf_config.num_hidden_layers
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        rope_theta, rope_scaling = _rope_params(hf_config)
-
-        attention_bias = o_proj_bias = mlp_bias = False
-        if arch == "LlamaForCausalLM":
-            attention_bias = o_proj_bias = bool(getattr(hf_config, "attention_bias", False))
-            mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
-        elif arch == "Qwen2ForCausalLM":
-            attention_bias = True
-
-        sliding_window, layer_types = _sliding_window(hf_config, arch, num_layers)
-        eos = getattr(hf_config, "eos_token_id", None)
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
-        return cls(
-            vocab_size=hf_config.vocab_size,
-            hidden_size=hf_config.hidden_size,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
-            intermediate_size=hf_config.intermediate_size,
-            rms_norm_eps=float(hf_config.rms_norm_eps),
-            rope_theta=rope_theta,
-            max_position_embeddings=hf_config.max_position_embeddings,
-            rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            attention_bias=attention_bias,
-            is_causal=True,
-            eos_token_ids=eos_ids,
-            architecture=arch,
-            o_proj_bias=o_proj_bias,
-            mlp_bias=mlp_bias,
-            sliding_window=sliding_window,
-            layer_types=layer_types,
-        )
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+}
 
 
-def _rope_params(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling dict or None) from v5 ``rope_parameters`` or v4 ``rope_theta``/``rope_scaling``."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
-    if params and all(isinstance(v, dict) for v in params.values()):
-        raise ValueError("per-layer-type RoPE parameters are not supported")
-    theta = params.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported RoPE scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
-    if factor not in (None, 1.0):
-        raise ValueError(f"partial rotary embeddings (partial_rotary_factor={factor}) are not supported")
-    if rope_type == "default":
-        return float(theta), None
-    params.pop("type", None)
-    params["rope_type"] = rope_type
-    if rope_type == "llama3":
-        params.setdefault("original_max_position_embeddings", hf_config.max_position_embeddings)
-    return float(theta), params
-
-
-def _sliding_window(hf_config: Any, arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
-    """Window size and per-layer types, following how HF's Mistral and Qwen2 apply ``sliding_window``."""
-    if arch == "LlamaForCausalLM" or not getattr(hf_config, "use_sliding_window", True):
-        return None, ()
-    window = getattr(hf_config, "sliding_window", None)
-    if window is None or window >= hf_config.max_position_embeddings:
-        return None, ()
-    if arch == "MistralForCausalLM":
-        return int(window), ()
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is None:
-        first = getattr(hf_config, "max_window_layers", 0)
-        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-    if "sliding_attention" not in layer_types:
-        return None, ()
-    return int(window), tuple(layer_types)
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """RoPE inverse frequencies (float32, CPU), computed exactly as transformers does."""
-    dim = config.head_dim
-    base = config.rope_theta
+    dim = head_dim
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
-    scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
     factor = scaling["factor"]
@@ -181,17 +51,23 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, weight applied after casting back (as HF does)."""
+    """RMSNorm computed in float32, as HF does.
 
-    def __init__(self, size: int, eps: float) -> None:
+    Llama's scales by ``weight`` after casting back; Gemma's (``unit_offset``) by ``1 + weight`` before.
+    """
+
+    def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.zeros(size) if unit_offset else torch.ones(size))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
 
 
@@ -201,21 +77,28 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class LlamaAttention(nn.Module):
-    """GQA self-attention with one fused QKV matmul; K/V go to the paged cache (see paged_attention)."""
+class DecoderAttention(nn.Module):
+    """GQA self-attention with one fused QKV matmul; K/V go to the paged cache (see paged_attention).
+
+    With ``qk_norm`` each head's query and key are RMS-normed before RoPE (Qwen3, Gemma 3).
+    """
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
         self.sliding_window = config.layer_window(layer)
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_unit_offset)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_unit_offset)
 
     def forward(
         self,
@@ -231,35 +114,48 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, self.sliding_window, workspace)
         return self.o_proj(out)
 
 
-class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with tanh GELU; gate and up fused into one matmul."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
+        self.act = _ACTIVATIONS[config.hidden_act]
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
-class LlamaDecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    With ``sandwich_norm`` (Gemma) the attention and MLP outputs are normed too before each residual add; HF
+    names those four norms input, post_attention, pre_feedforward and post_feedforward, while Llama's
+    ``post_attention_layernorm`` is the norm before the MLP.
+    """
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        eps, offset = config.rms_norm_eps, config.norm_unit_offset
+        self.self_attn = DecoderAttention(config, layer)
+        self.mlp = GatedMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, offset)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, offset)
+        self.sandwich_norm = config.sandwich_norm
+        if self.sandwich_norm:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
 
     def forward(
         self,
@@ -270,18 +166,22 @@ class LlamaDecoderLayer(nn.Module):
         metadata: AttentionMetadata,
         workspace: GatherWorkspace,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata, workspace)
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata, workspace)
+        if self.sandwich_norm:
+            x = x + self.post_attention_layernorm(attn)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
     """The decoder stack, named like HF's ``model.*`` so checkpoint names map directly."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
 
 
 # HF checkpoint names of the weights stored inside fused parameters: (fused name, shard index).
@@ -295,7 +195,7 @@ _STACKED = {
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-class LlamaForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
     """Decoder whose attention reads and writes a paged KV cache (see :mod:`prefixcache.model.attention`).
 
     Parameter names follow HF's except for the fused ``qkv_proj`` and ``gate_up_proj``.
@@ -308,14 +208,19 @@ class LlamaForCausalLM(nn.Module):
         if not config.is_causal:
             raise ValueError("only causal decoders are implemented")
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = DecoderModel(config)
         self.lm_head = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        # RoPE tables: one per distinct (base, scaling) among the layers (Gemma 3 has two), and each layer's.
         # Plain attributes, not buffers: built on CPU even under a meta-device context, and not part of the
         # state dict; copied to each device the model runs on when first needed.
-        self._inv_freq_cpu = rope_inv_freq(config)
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        ropes = [config.layer_rope(i) for i in range(config.num_layers)]
+        distinct = {repr(rope): rope for rope in ropes}  # scaling dicts are not hashable
+        keys = list(distinct)
+        self._layer_rope = [keys.index(repr(rope)) for rope in ropes]
+        self._inv_freq_cpu = [rope_inv_freq(config.head_dim, theta, scaling) for theta, scaling in distinct.values()]
+        self._inv_freq: dict[torch.device, list[torch.Tensor]] = {}
         self._workspace = GatherWorkspace()
 
     @torch.inference_mode()
@@ -334,25 +239,37 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"expected {self.config.num_layers} KV cache layers, got {len(kv_caches)}")
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self._rope(positions, x.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        if self.config.embed_scale is not None:
+            # Rounded to the model dtype first, as HF's Gemma does (sqrt(3072) becomes 55.5 in bfloat16).
+            x = x * torch.tensor(self.config.embed_scale, dtype=torch.float32).to(x.dtype)
+        ropes = self._rope(positions, x.dtype)
+        for layer, kv_cache, rope in zip(self.model.layers, kv_caches, self._layer_rope, strict=True):
+            cos, sin = ropes[rope]
             x = layer(x, cos, sin, kv_cache, attn_metadata, self._workspace)
         return self.model.norm(x)
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[T, 1, head_dim]`` computed in float32 from positions, then cast (HF's order of ops)."""
-        inv_freq = self._inv_freq.get(positions.device)
-        if inv_freq is None:
-            inv_freq = self._inv_freq[positions.device] = self._inv_freq_cpu.to(positions.device)
-        freqs = positions[:, None].float() * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """cos/sin ``[T, 1, head_dim]`` of each RoPE table, computed in float32 from positions, then cast (HF's
+        order of ops)."""
+        inv_freqs = self._inv_freq.get(positions.device)
+        if inv_freqs is None:
+            inv_freqs = self._inv_freq[positions.device] = [f.to(positions.device) for f in self._inv_freq_cpu]
+        out = []
+        for inv_freq in inv_freqs:
+            freqs = positions[:, None].float() * inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+            out.append((emb.cos().to(dtype), emb.sin().to(dtype)))
+        return out
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` in float32 for the given hidden states (typically each request's last)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def allocate_kv_cache(
         self,

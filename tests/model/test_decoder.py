@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from prefixcache.model import AttentionMetadata, LlamaForCausalLM, load_model
+from prefixcache.model import AttentionMetadata, DecoderForCausalLM, load_model
 from prefixcache.model import attention as attention_mod
 from prefixcache.model.attention import _partition
 from tests.model.conftest import TINY_MODELS, VOCAB_SIZE, PagedRunner
@@ -33,7 +33,7 @@ def assert_matches(ours: torch.Tensor, hf_model: Any, tokens: list[int], start: 
 
 
 @pytest.fixture(scope="module")
-def models(checkpoint_dirs: dict[str, Path]) -> dict[str, LlamaForCausalLM]:
+def models(checkpoint_dirs: dict[str, Path]) -> dict[str, DecoderForCausalLM]:
     return {kind: load_model(path).model for kind, path in checkpoint_dirs.items()}
 
 
@@ -44,7 +44,7 @@ def test_prompt_in_one_step(kind: str, models, hf_models) -> None:
     assert_matches(out["a"], hf_models[kind], tokens, 0)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2_tied", "mistral_window", "llama3_rope"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2_tied", "mistral_window", "llama3_rope", "qwen3_window", "gemma3"])
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_prompt_in_chunks(kind: str, block_size: int, models, hf_models) -> None:
     tokens = random_tokens(45, seed=2)
@@ -56,7 +56,7 @@ def test_prompt_in_chunks(kind: str, block_size: int, models, hf_models) -> None
     assert_matches(torch.cat(pieces), hf_models[kind], tokens, 0)
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral_window"])
+@pytest.mark.parametrize("kind", ["llama", "mistral_window", "gemma3"])
 def test_long_step_after_cached_context(kind: str, models, hf_models) -> None:
     """More new tokens than one query chunk (attended in several chunks) on top of earlier context."""
     tokens = random_tokens(1330, seed=6)
@@ -66,7 +66,7 @@ def test_long_step_after_cached_context(kind: str, models, hf_models) -> None:
     assert_matches(torch.cat([first, rest]), hf_models[kind], tokens, 0)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2_tied", "mistral_window"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2_tied", "mistral_window", "qwen3_window", "gemma3"])
 def test_prefix_written_by_another_request(kind: str, models, hf_models) -> None:
     block_size = 4
     prefix = random_tokens(16, seed=3)
@@ -83,7 +83,7 @@ def test_prefix_written_by_another_request(kind: str, models, hf_models) -> None
     assert_matches(out["b"], hf_models[kind], b_tokens, len(b_tokens) - 1)
 
 
-def run_mixed_batch(model: LlamaForCausalLM, hf_model: Any) -> None:
+def run_mixed_batch(model: DecoderForCausalLM, hf_model: Any) -> None:
     """Two prefill chunks, two decodes, and a request reading blocks another one writes in the same step."""
     block_size = 4
     runner = PagedRunner(model, block_size)
@@ -108,7 +108,7 @@ def run_mixed_batch(model: LlamaForCausalLM, hf_model: Any) -> None:
         assert_matches(out[rid], hf_model, seq, len(seq) - len(new_tokens))
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2_tied", "mistral_window", "llama_bias"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2_tied", "mistral_window", "llama_bias", "qwen3_window", "gemma3"])
 def test_mixed_batch(kind: str, models, hf_models) -> None:
     run_mixed_batch(models[kind], hf_models[kind])
 
@@ -133,22 +133,24 @@ def test_decode_batch_of_varied_lengths(models, hf_models) -> None:
         assert_matches(out[rid], hf_model, seqs[rid][: n + 4], n + 3)
 
 
-def test_bfloat16_close_to_transformers(checkpoint_dirs, hf_models) -> None:
-    """bfloat16 can't match bit for bit; it must be as close to HF's bfloat16 and float32 as those are."""
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_bfloat16_close_to_transformers(kind: str, checkpoint_dirs, hf_models) -> None:
+    """bfloat16 can't match bit for bit: it must be close to HF's bfloat16, and about as far from float32 as
+    HF's bfloat16 is (Gemma's sandwich norms and soft-capping lose more to bfloat16 than Llama does)."""
     from transformers import AutoModelForCausalLM
 
-    path = checkpoint_dirs["llama"]
+    path = checkpoint_dirs[kind]
     model = load_model(path, dtype="bfloat16").model
     hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, local_files_only=True)
     tokens = random_tokens(30, seed=40)
     runner = PagedRunner(model, block_size=4)
     ours = torch.cat([runner.step([("a", tokens[:20])])["a"], runner.step([("a", tokens[20:])])["a"]])
-    expected_fp32 = hf_logits(hf_models["llama"], tokens)
+    expected_fp32 = hf_logits(hf_models[kind], tokens)
     expected_bf16 = hf_logits(hf_bf16, tokens)
     assert ours.dtype == torch.float32
     bound = 0.03 * expected_fp32.abs().max()
     assert (ours - expected_bf16).abs().max() < bound
-    assert (ours - expected_fp32).abs().max() < bound
+    assert (ours - expected_fp32).abs().max() < max(bound, 1.25 * (expected_bf16 - expected_fp32).abs().max())
 
 
 def test_metadata_build() -> None:

@@ -1,0 +1,78 @@
+"""The prefix cache itself: what it holds for a prompt now, how it is keyed (for routers), and its reset."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from prefixcache.engine.input_processor import PromptInput
+from prefixcache.server.errors import APIError
+from prefixcache.server.middleware import tenant_of
+from prefixcache.server.protocol import ChatLookupRequest, lookup_request
+from prefixcache.server.routes.state import Engine, Settings, apply_chat_template, model_name
+from prefixcache.server.tenants import SALT_BY_API_KEY, engine_salt
+
+router = APIRouter()
+reset_router = APIRouter()  # mounted only with --enable-reset-prefix-cache
+
+
+@router.post("/v1/cache/lookup")
+async def cache_lookup(request: Request, raw: dict[str, Any], engine: Engine, settings: Settings) -> dict[str, Any]:
+    """How much of a prompt the prefix cache and its offload tiers hold now for this tenant, the body being
+    the one the completions or the chat endpoint takes; runs no model and changes nothing."""
+    try:
+        body = lookup_request(raw)
+    except ValidationError as exc:  # reported like any other body the endpoints refuse
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+    model_name(settings, body.model)
+    if isinstance(body, ChatLookupRequest):
+        prompt: PromptInput = await apply_chat_template(engine, body.messages)
+    else:
+        prompt = body.prompts[0]
+    try:
+        token_ids, found = await engine.lookup(prompt, engine_salt(tenant_of(request.scope), body.cache_salt))
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+    answer = asdict(found)
+    if body.return_token_ids:
+        answer["prompt_token_ids"] = token_ids
+        answer["prompt_token_texts"] = await engine.token_texts(token_ids)
+    return answer
+
+
+@router.get("/v1/cache/config")
+async def cache_config(engine: Engine, settings: Settings) -> dict[str, Any]:
+    """How this server keys its prefix cache and where it publishes KV events: what a router needs.
+
+    ``tenant_salt`` is ``"api_key"`` when each API key is a tenant (the engine's salt is ``engine_salt`` of
+    the key's ``tenant_salt`` and the body's ``cache_salt``), null when only ``cache_salt`` salts."""
+    info = engine.info
+    keyed = bool(settings.api_keys) and not settings.share_cache_across_keys
+    events = engine.config.kv_events_config
+    publishing = events is not None and events.enable_kv_cache_events and events.publisher == "zmq"
+    return {
+        "model": settings.served_model_names[0],
+        "max_model_len": info.max_model_len,
+        "block_size": info.block_size,
+        "hash_algo": info.hash_algo,
+        "hash_seed": info.hash_seed,
+        "enable_prefix_caching": info.enable_prefix_caching,
+        "tenant_salt": SALT_BY_API_KEY if keyed else None,
+        "kv_events": (
+            {"endpoint": events.endpoint, "replay_endpoint": events.replay_endpoint, "topic": events.topic}
+            if publishing
+            else None
+        ),
+    }
+
+
+@reset_router.post("/reset_prefix_cache")
+async def reset_prefix_cache(engine: Engine) -> dict[str, bool]:
+    """Drops every tenant's cached prefixes; refused (success false) while any block is in use."""
+    return {"success": await engine.reset_prefix_cache()}

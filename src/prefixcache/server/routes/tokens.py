@@ -1,0 +1,33 @@
+"""vLLM's /tokenize and /detokenize: the model's tokenizer as the engine uses it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from prefixcache.server.errors import APIError
+from prefixcache.server.protocol import DetokenizeRequest, TokenizeRequest
+from prefixcache.server.routes.state import Engine, Settings, apply_chat_template, model_name
+
+router = APIRouter()
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, engine: Engine, settings: Settings) -> dict[str, Any]:
+    """vLLM's shape; a prompt is tokenized as the completions endpoint does (no special tokens added)."""
+    model_name(settings, body.model)
+    if body.messages is not None:
+        tokens = await apply_chat_template(engine, body.messages, body.add_generation_prompt)
+    else:
+        tokens = await engine.tokenize(body.prompt, body.add_special_tokens)
+    return {"count": len(tokens), "max_model_len": engine.info.max_model_len, "tokens": tokens}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, engine: Engine, settings: Settings) -> dict[str, str]:
+    model_name(settings, body.model)
+    vocab_size = engine.info.vocab_size
+    if any(not 0 <= t < vocab_size for t in body.tokens):
+        raise APIError(400, f"tokens must be in [0, {vocab_size})", param="tokens")
+    return {"prompt": await engine.detokenize(body.tokens)}
