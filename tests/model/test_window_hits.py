@@ -31,7 +31,7 @@ def loaded(checkpoint_dirs: dict[str, Path]) -> dict[str, LoadedModel]:
 
 
 def make_llm(model: LoadedModel, **kwargs: Any) -> LLM:
-    return LLM(str(model.model_dir), loaded=model, block_size=BLOCK_SIZE, num_blocks=32, **kwargs)
+    return LLM(str(model.model_dir), loaded=model, dtype="float32", block_size=BLOCK_SIZE, num_blocks=32, **kwargs)
 
 
 def prompt_sharing(num_tokens: int) -> list[int]:
