@@ -24,10 +24,12 @@ SERVER_ARGS = ["--block-size", "4", "--num-blocks", "512", "--max-model-len", "2
 
 
 class ServerProcess(Process):
-    """``prefixcache serve MODEL_DIR ARGS`` on a free loopback port."""
+    """``prefixcache serve MODEL_DIR ARGS`` on a free loopback port, in float32 unless ARGS name a dtype (tests
+    compare outputs exactly, with transformers or across engines; ``--dtype auto`` is bfloat16 on some CPUs)."""
 
     def __init__(self, model_dir: Path, args: list[str], log_path: Path) -> None:
-        super().__init__(["serve", str(model_dir), *args], log_path)
+        dtype = [] if "--dtype" in args else ["--dtype", "float32"]
+        super().__init__(["serve", str(model_dir), *dtype, *args], log_path)
 
     def wait_ready(self, timeout: float = 90.0) -> None:
         super().wait_ready(timeout)
