@@ -51,7 +51,18 @@ if want route; then
   # one torch thread per engine: two engines share the two cores. float32: a CPU without bfloat16 instructions
   # (no avx512_bf16 or AMX) computes bfloat16 at a quarter of float32's speed, and this stage measures routing
   OMP_NUM_THREADS=1 $pc bench route live --engines 2 --tenants 8 --system-len 1024 --request-rate 0.25 --dtype float32 \
-    --json "$out/route-live.json" --plot "$out/route-live.png"
+    --compare-peers --json "$out/route-live.json" --plot "$out/route-live.png"
+  stage "route: the fleet workload, two replicas of every router, a mid-run reset and a host tier"
+  OMP_NUM_THREADS=1 $pc bench route live --workload fleet --engines 2 --tenants 16 --system-len 1024 --turns 3 \
+    --phases 4 --num-requests 96 --request-rate 0.25 --backend-offload-cpu 64MiB --dtype float32 --compare-peers \
+    --json "$out/route-fleet.json" --plot "$out/route-fleet.png"
+  stage "route: the same fleet workload through one replica of our router (the replicas' reference)"
+  OMP_NUM_THREADS=1 $pc bench route live --workload fleet --replicas 1 --policy prefix --engines 2 --tenants 16 \
+    --system-len 1024 --turns 3 --phases 4 --num-requests 96 --request-rate 0.25 --backend-offload-cpu 64MiB \
+    --dtype float32 --json "$out/route-fleet-one.json"
+  stage "route: two vLLM CPU servers with KV events behind each router, 8 tenants"
+  $pc bench route live --backend-kind vllm --vllm-serve "$peers/serve.sh" --engines 2 --tenants 8 --system-len 1024 \
+    --request-rate 0.25 --dtype float32 --compare-peers --json "$out/route-vllm.json" --plot "$out/route-vllm.png"
 fi
 
 if want offline; then

@@ -78,6 +78,8 @@ class EngineConfig:
     kept across restarts) and ``kv_offload_redis`` (``"redis://HOST:PORT[/DB][?capacity=SIZE]"``, shared by
     engines). ``kv_offload_mode`` decides how the host tier is filled: ``write_back`` (on eviction from the
     device) or ``write_through`` (as blocks are computed); disk and Redis are always written through.
+    ``kv_offload_secret_file`` (else ``$PREFIXCACHE_KV_OFFLOAD_SECRET``) holds a deployment secret that
+    authenticates disk and Redis records (HMAC-SHA256); every engine sharing a store needs the same one.
     """
 
     model: str | None = None
@@ -100,6 +102,7 @@ class EngineConfig:
     kv_offload_disk: str | None = None
     kv_offload_redis: str | None = None
     kv_offload_mode: str = "write_back"
+    kv_offload_secret_file: str | None = None
     dtype_reason: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -133,5 +136,9 @@ class EngineConfig:
     def offload_config(self) -> OffloadConfig:
         """The offload options, parsed (``prefixcache.offload.config.OffloadConfig``); ValueError when unreadable."""
         return OffloadConfig.parse(
-            self.kv_offload_cpu, self.kv_offload_disk, self.kv_offload_redis, self.kv_offload_mode
+            self.kv_offload_cpu,
+            self.kv_offload_disk,
+            self.kv_offload_redis,
+            self.kv_offload_mode,
+            self.kv_offload_secret_file,
         )

@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 
 from prefixcache.bench.route import SINGLE, main, simulate, simulate_single
-from prefixcache.bench.route_live import LiveWorkload
+from prefixcache.bench.route_live import LiveWorkload, ideal_hit_rate
 from prefixcache.bench.trace import ReplayConfig, TraceRequest, load_trace
 from prefixcache.router.policy import make_policy
 from tests.bench.test_trace import conversations, write_jsonl
+from tests.helpers import build_tokenizer
 
 TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
 B = 512
@@ -67,11 +68,28 @@ def test_the_command_prints_and_writes_every_policy(tmp_path, capsys):
 
 
 def test_the_live_workloads_ideal_counts_blocks_an_earlier_request_filled():
-    workload = LiveWorkload.make(seed=0, vocab_size=500, tenants=2, system_len=32, user_len=4, num_requests=10)
-    assert len(workload.prompts) == 10 and all(len(p) == 36 for p in workload.prompts)
-    # each tenant's first request hits nothing, every later one its 32 system tokens (2 blocks of 16)
-    repeats = len(workload.tenants) - len(set(workload.tenants))
-    assert workload.ideal_hit_rate(16) == pytest.approx(repeats * 32 / (10 * 36))
+    tokenizer = build_tokenizer()
+    workload = LiveWorkload.make(seed=0, tokenizer=tokenizer, tenants=2, system_len=32, user_len=4, num_requests=10)
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in workload.prompts]
+    systems = {}
+    for tenant, prompt in zip(workload.tenants, workload.prompts, strict=True):
+        systems.setdefault(tenant, prompt)
+    assert len(ids) == 10 and all(len(p) >= 36 for p in ids)
+    # each tenant's first request hits nothing, every later one the whole blocks of its system prompt
+    system_blocks = {t: len(tokenizer.encode(s, add_special_tokens=False)) // 16 for t, s in systems.items()}
+    expected = sum(system_blocks[t] * 16 for k, t in enumerate(workload.tenants) if t in workload.tenants[:k])
+    assert ideal_hit_rate(ids, 16) == pytest.approx(expected / sum(map(len, ids)))
+
+
+def test_a_fleet_conversation_grows_and_popularity_moves_by_phase():
+    tokenizer = build_tokenizer()
+    fleet = LiveWorkload.fleet(0, tokenizer, 8, 32, 4, 600, 1.0, turns=3, phases=2, answer_len=4, think=0.5)
+    assert fleet.num_requests == 600 and all(len(c.turns) == 3 for c in fleet.conversations)
+    for c in fleet.conversations:
+        assert c.turns[0] < c.turns[1] < c.turns[2] and c.turns[2].startswith(c.turns[1])
+    halves = [fleet.conversations[:100], fleet.conversations[100:]]
+    hottest = [max(range(8), key=[x.tenant for x in half].count) for half in halves]
+    assert hottest == [0, 4]  # the Zipf order rotated by half the tenants at the second phase
 
 
 def test_prefix_stays_within_five_percent_of_one_big_engine_on_the_mooncake_trace():

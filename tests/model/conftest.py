@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from prefixcache.model import AttentionMetadata, DecoderForCausalLM
+from prefixcache.model import AttentionMetadata, DecoderForCausalLM, KVCacheGroup
 from tests.helpers import write_tiny_checkpoint
 
 VOCAB_SIZE = 512
@@ -102,37 +103,73 @@ def hf_models(checkpoint_dirs: dict[str, Path]) -> dict[str, Any]:
 
 
 class PagedRunner:
-    """A minimal engine: hands out blocks in shuffled order, keeps block tables and runs batched steps."""
+    """A minimal engine: hands out blocks in shuffled order, keeps block tables and runs batched steps.
 
-    def __init__(self, model: DecoderForCausalLM, block_size: int, num_blocks: int = 96, seed: int = 0) -> None:
+    ``groups`` are the KV cache groups (default: the mask-only single group); each request has one table per
+    group. With ``free_out_of_window`` a sliding group does what the hybrid cache manager does: before each
+    step a request's blocks wholly before its window become the null block in its table, and a block no table
+    holds any more goes back to the free list for any group to reuse. The null block holds NaN here, so a
+    layer gathering any block left of its window would poison the logits.
+    """
+
+    NULL_BLOCK = 1  # not 0: block tables are padded with 0, and padding may be gathered (masked)
+
+    def __init__(
+        self,
+        model: DecoderForCausalLM,
+        block_size: int,
+        num_blocks: int = 96,
+        seed: int = 0,
+        groups: Sequence[KVCacheGroup] | None = None,
+        free_out_of_window: bool = False,
+    ) -> None:
         self.model = model
         self.block_size = block_size
+        self.groups = tuple(groups or model.config.kv_cache_groups(hybrid=False))
+        self.free_out_of_window = free_out_of_window
         dtype = model.model.embed_tokens.weight.dtype
-        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, dtype, "cpu")
-        self.free = list(range(num_blocks))
+        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, dtype, "cpu", self.groups)
+        self.free = [b for b in range(num_blocks) if b != self.NULL_BLOCK]
         random.Random(seed).shuffle(self.free)
-        self.tables: dict[str, list[int]] = {}
+        if free_out_of_window:
+            for key_cache, value_cache in self.kv_caches:
+                key_cache[self.NULL_BLOCK] = value_cache[self.NULL_BLOCK] = float("nan")
+        self.tables: dict[str, list[list[int]]] = {}
         self.computed: dict[str, int] = {}
+        self.num_freed = 0
+        self.last_metadata: list[AttentionMetadata] = []
+
+    def reserve(self, rid: str, num_blocks: int) -> None:
+        """Give ``rid`` its first blocks now (in every group), before any step writes them."""
+        self.tables[rid] = [[self.free.pop() for _ in range(num_blocks)] for _ in self.groups]
 
     def share_prefix(self, src: str, dst: str, num_blocks: int) -> None:
         """Start ``dst`` with the first blocks of ``src`` (as prefix caching would); they count as computed."""
-        self.tables[dst] = self.tables[src][:num_blocks]
+        self.tables[dst] = [table[:num_blocks] for table in self.tables[src]]
         self.computed[dst] = num_blocks * self.block_size
 
     def step(self, batch: list[tuple[str, list[int]]]) -> dict[str, torch.Tensor]:
         """Run one step with the given new tokens per request; returns each request's logits [new, vocab]."""
-        tables, computed, new, ids = [], [], [], []
+        computed, new, ids = [], [], []
         for rid, tokens in batch:
-            table = self.tables.setdefault(rid, [])
+            tables = self.tables.setdefault(rid, [[] for _ in self.groups])
             done = self.computed.setdefault(rid, 0)
-            while len(table) * self.block_size < done + len(tokens):
-                table.append(self.free.pop())
-            tables.append(table)
+            for table in tables:
+                while len(table) * self.block_size < done + len(tokens):
+                    table.append(self.free.pop())
             computed.append(done)
             new.append(len(tokens))
             ids.extend(tokens)
-        meta = AttentionMetadata.build(tables, computed, new, self.block_size, "cpu")
-        hidden = self.model(torch.tensor(ids), meta.positions, self.kv_caches, meta)
+        if self.free_out_of_window:
+            self._free_blocks_left_of_the_windows()
+        self.last_metadata = [
+            AttentionMetadata.build(
+                [self.tables[rid][g] for rid, _ in batch], computed, new, self.block_size, "cpu", group.sliding_window
+            )
+            for g, group in enumerate(self.groups)
+        ]
+        meta = self.last_metadata[0]
+        hidden = self.model(torch.tensor(ids), meta.positions, self.kv_caches, self.last_metadata)
         logits = self.model.compute_logits(hidden)
         out = {}
         for r, (rid, tokens) in enumerate(batch):
@@ -140,3 +177,16 @@ class PagedRunner:
             out[rid] = logits[start : start + len(tokens)]
             self.computed[rid] += len(tokens)
         return out
+
+    def _free_blocks_left_of_the_windows(self) -> None:
+        for g, group in enumerate(self.groups):
+            if group.sliding_window is None:
+                continue
+            for rid, tables in self.tables.items():
+                first_visible = self.computed.get(rid, 0) - group.sliding_window + 1
+                for i in range(max(first_visible, 0) // self.block_size):
+                    tables[g][i] = self.NULL_BLOCK
+        in_use = {block for tables in self.tables.values() for table in tables for block in table}
+        left = set(range(len(self.kv_caches[0][0]))) - set(self.free) - in_use - {self.NULL_BLOCK}
+        self.free.extend(sorted(left))
+        self.num_freed += len(left)

@@ -83,17 +83,17 @@ def test_prefix_written_by_another_request(kind: str, models, hf_models) -> None
     assert_matches(out["b"], hf_models[kind], b_tokens, len(b_tokens) - 1)
 
 
-def run_mixed_batch(model: DecoderForCausalLM, hf_model: Any) -> None:
+def run_mixed_batch(model: DecoderForCausalLM, hf_model: Any, **runner_options: Any) -> None:
     """Two prefill chunks, two decodes, and a request reading blocks another one writes in the same step."""
     block_size = 4
-    runner = PagedRunner(model, block_size)
+    runner = PagedRunner(model, block_size, **runner_options)
     seqs = {rid: random_tokens(n, seed=10 + i) for i, (rid, n) in enumerate([("p", 15), ("d1", 13), ("d2", 21)])}
     runner.step([("p", seqs["p"][:8]), ("d1", seqs["d1"][:12])])
     runner.step([("d2", seqs["d2"][:20])])
 
     seqs["x"] = random_tokens(12, seed=20)
     seqs["y"] = [*seqs["x"][:8], *random_tokens(7, seed=21)]
-    runner.tables["x"] = [runner.free.pop() for _ in range(3)]
+    runner.reserve("x", 3)
     runner.share_prefix("x", "y", num_blocks=2)  # y's first 8 tokens are being written by x in this step
     batch = [
         ("x", seqs["x"]),
@@ -181,7 +181,7 @@ def test_metadata_rejects_bad_input(tables, computed, new, match: str) -> None:
 def test_partition_keeps_padding_small() -> None:
     computed = np.array([1000, 0, 990, 5000, 20], dtype=np.int64)
     new = np.array([1, 2000, 1, 1, 1], dtype=np.int64)
-    groups = [g.tolist() for g in _partition(computed, new)]
+    groups = [g.tolist() for g in _partition(computed, new, np.zeros_like(computed))]
     assert sorted(groups) == [[0, 2, 4], [1], [3]]
 
 

@@ -307,52 +307,6 @@ def test_default_model_needs_its_package(monkeypatch: pytest.MonkeyPatch) -> Non
         load_model()
 
 
-@pytest.fixture
-def fake_gguf(tmp_path: Path, checkpoint_dirs, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """A stand-in .gguf whose "conversion" copies the tiny Llama checkpoint; counts conversions."""
-    monkeypatch.setenv("PREFIXCACHE_CACHE_DIR", str(tmp_path / "cache"))
-    gguf = tmp_path / "src" / "tiny-model.gguf"
-    gguf.parent.mkdir()
-    gguf.write_bytes(b"GGUF v1")
-    calls: list[Path] = []
-
-    def fake_write(source: Path, out: Path) -> None:
-        calls.append(source)
-        if source.read_bytes() == b"crash":
-            (out / "config.json").write_text("{}")
-            raise RuntimeError("conversion crashed")
-        for file in checkpoint_dirs["llama"].iterdir():
-            shutil.copy(file, out / file.name)
-
-    monkeypatch.setattr(loader_mod, "_write_hf_checkpoint", fake_write)
-    return {"gguf": gguf, "calls": calls, "models": tmp_path / "cache" / "models"}
-
-
-def test_gguf_is_converted_once_into_the_cache(fake_gguf) -> None:
-    first = load_model(fake_gguf["gguf"])
-    assert first.name == "tiny-model"
-    assert first.model_dir == fake_gguf["models"] / "tiny-model"
-    assert (first.model_dir / "config.json").is_file()
-    second = load_model(fake_gguf["gguf"])
-    assert second.model_dir == first.model_dir
-    assert len(fake_gguf["calls"]) == 1
-
-
-def test_changed_gguf_is_reconverted(fake_gguf) -> None:
-    load_model(fake_gguf["gguf"])
-    fake_gguf["gguf"].write_bytes(b"GGUF v2, longer")
-    load_model(fake_gguf["gguf"])
-    assert len(fake_gguf["calls"]) == 2
-    assert [p.name for p in fake_gguf["models"].iterdir()] == ["tiny-model"]
-
-
-def test_crashed_conversion_leaves_nothing_behind(fake_gguf) -> None:
-    fake_gguf["gguf"].write_bytes(b"crash")
-    with pytest.raises(RuntimeError, match="crashed"):
-        load_model(fake_gguf["gguf"])
-    assert list(fake_gguf["models"].iterdir()) == []
-
-
 def write_gguf(checkpoint: Path, out: Path) -> Path:
     """Write a float32 GGUF of a tiny Qwen3 or Gemma 3 checkpoint the way llama.cpp lays one out (its tensor
     names, Gemma's norms stored as 1 + weight, a byte-level BPE vocabulary)."""

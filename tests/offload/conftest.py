@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+from pathlib import Path
 
 import pytest
 
-from prefixcache.bench.live import RedisServer
+from prefixcache.bench.live import RedisServer, free_port
 from prefixcache.core import BlockHash
 from prefixcache.offload import KVLayout
+from prefixcache.offload.record import RecordKey
 from prefixcache.offload.store import KVStore
+
+SECRET = b"0123456789abcdef-deployment-secret"
 
 
 def make_layout(**overrides) -> KVLayout:
@@ -25,6 +30,19 @@ def make_layout(**overrides) -> KVLayout:
     )
     fields.update(overrides)
     return KVLayout(**fields)
+
+
+def keyed_layout(**overrides) -> KVLayout:
+    """The tiny layout with records authenticated under SECRET."""
+    return make_layout(record_key=RecordKey(SECRET), **overrides)
+
+
+def forger(layout: KVLayout, secret: bytes | None) -> KVLayout:
+    """``layout`` as written by someone who can write to its store and read its namespace (a directory or key
+    name shows it) but lacks its secret: records under ``secret`` instead, or only checksummed with None."""
+    forged = dataclasses.replace(layout, record_key=None if secret is None else RecordKey(secret))
+    object.__setattr__(forged, "namespace", layout.namespace)
+    return forged
 
 
 def block_hash(i: int) -> BlockHash:
@@ -57,14 +75,84 @@ def layout() -> KVLayout:
     return make_layout()
 
 
-@pytest.fixture
-def redis_server(tmp_path):
+def start_redis(directory: Path, **options):
     try:
-        server = RedisServer(tmp_path)
+        server = RedisServer(directory, **options)
     except FileNotFoundError as exc:  # a required test component (.ci/run installs it): fail, never skip
         pytest.fail(f"{exc}; install it with `apt-get install -y redis-server`")
     server.start()
+    return server
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = start_redis(tmp_path)
     try:
         yield server
+    finally:
+        server.stop()
+
+
+# The ACL the README's Security section gives the tier's own Redis user: its keys and the commands it runs.
+REDIS_ACL_COMMANDS = [
+    *("ping", "get", "set", "exists", "del", "type", "strlen", "incr", "incrby", "decrby"),
+    *("zadd", "zrem", "zrange", "zcard", "hget", "hset", "hdel", "eval", "evalsha", "script|load"),
+]
+
+
+@dataclasses.dataclass
+class SecuredRedis:
+    """A redis-server with ``requirepass``, an ACL user limited to the tier's keys and commands, and a TLS port
+    that requires client certificates, all made by a throwaway CA."""
+
+    server: RedisServer
+    password: str
+    user: str
+    user_password: str
+    tls_port: int
+    ca: Path
+    client_cert: Path
+    client_key: Path
+
+    def url(self, credentials: str = "", tls: bool = False, query: str = "") -> str:
+        scheme, port = ("rediss", self.tls_port) if tls else ("redis", self.server.port)
+        return f"{scheme}://{credentials}{'@' if credentials else ''}127.0.0.1:{port}/0{'?' if query else ''}{query}"
+
+    @property
+    def tls_files(self) -> str:
+        return f"ssl_ca_certs={self.ca}&ssl_certfile={self.client_cert}&ssl_keyfile={self.client_key}"
+
+
+@pytest.fixture
+def secured_redis(tmp_path):
+    import trustme
+
+    ca = trustme.CA()
+    server_cert, client_cert = ca.issue_cert("127.0.0.1", "localhost"), ca.issue_cert("prefixcache-engine")
+    files = {name: tmp_path / f"{name}.pem" for name in ("ca", "server", "server-key", "client", "client-key")}
+    ca.cert_pem.write_to_path(files["ca"])
+    server_cert.cert_chain_pems[0].write_to_path(files["server"])
+    server_cert.private_key_pem.write_to_path(files["server-key"])
+    client_cert.cert_chain_pems[0].write_to_path(files["client"])
+    client_cert.private_key_pem.write_to_path(files["client-key"])
+    tls_port = free_port()
+    user, user_password = "prefixcache", "user-password-4d1f"
+    acl = ["--user", user, "on", f">{user_password}", "resetchannels", "~prefixcache:*", "-@all"]
+    acl += [f"+{command}" for command in REDIS_ACL_COMMANDS]
+    tls = ["--tls-port", str(tls_port), "--tls-cert-file", str(files["server"])]
+    tls += ["--tls-key-file", str(files["server-key"]), "--tls-ca-cert-file", str(files["ca"])]
+    tls += ["--tls-auth-clients", "yes"]
+    server = start_redis(tmp_path, extra_args=acl + tls, password="default-password-9c2e")
+    try:
+        yield SecuredRedis(
+            server,
+            "default-password-9c2e",
+            user,
+            user_password,
+            tls_port,
+            files["ca"],
+            files["client"],
+            files["client-key"],
+        )
     finally:
         server.stop()

@@ -3,15 +3,22 @@ partly from a tier and partly computed gives the same greedy tokens as with no c
 serves after a restart, Redis across engines, and a tier that is down only costs hits."""
 
 import random
+import shutil
+from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from prefixcache.core import Request
 from prefixcache.engine import LLM, SamplingParams
 from prefixcache.model import load_model
-from prefixcache.offload.worker import model_fingerprint, read_blocks
+from prefixcache.offload.config import REDIS_PASSWORD_ENV
+from prefixcache.offload.record import encode_record, model_fingerprint
+from prefixcache.offload.worker import read_blocks
 from tests.engine.conftest import assert_no_leaks
 from tests.helpers import write_tiny_checkpoint
+from tests.offload.conftest import SECRET, forger
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 BLOCK = 4
@@ -19,6 +26,10 @@ rng = random.Random(0)
 PROMPT = [rng.randrange(3, 500) for _ in range(40)]  # 10 blocks
 FOLLOW_UP = PROMPT + [rng.randrange(3, 500) for _ in range(8)]
 FILLERS = [[rng.randrange(3, 500) for _ in range(24)] for _ in range(2)]
+# The one token whose embedding row a fine-tune changes; an odd row of an 8192 x 64 embedding, which a
+# fingerprint sampling every 128th value (4,096 of them) never reads.
+TUNED_TOKEN = 301
+TUNED_PROMPT = [TUNED_TOKEN, *FOLLOW_UP[1:]]
 
 
 def generate(llm: LLM, prompt: list[int]):
@@ -42,9 +53,9 @@ def reference(tiny_loaded, tiny_llama_dir) -> list[int]:
 def make_llm(tiny_loaded, tiny_llama_dir):
     built: list[LLM] = []
 
-    def make(**kwargs) -> LLM:
+    def make(loaded=tiny_loaded, **kwargs) -> LLM:
         kwargs.setdefault("num_blocks", 16)
-        llm = LLM(str(tiny_llama_dir), loaded=tiny_loaded, dtype="float32", block_size=BLOCK, **kwargs)
+        llm = LLM(str(loaded.model_dir), loaded=loaded, dtype="float32", block_size=BLOCK, **kwargs)
         built.append(llm)
         return llm
 
@@ -140,6 +151,15 @@ def test_disk_tier_serves_after_a_restart(make_llm, reference, tmp_path):
     assert out.num_cached_tokens == 40 and tier_tokens(restarted) == {"DISK": 40}
 
 
+def test_a_second_engine_on_the_same_disk_directory_is_refused(make_llm, tmp_path):
+    disk = f"{tmp_path}/kv:1MiB"
+    first = make_llm(kv_offload_disk=disk)
+    with pytest.raises(ValueError, match="in use by another engine"):
+        make_llm(kv_offload_disk=disk)
+    first.engine.core.offload.close()
+    assert make_llm(kv_offload_disk=disk).stats().kv_offload[0].available
+
+
 def test_disk_blocks_of_another_block_size_or_model_never_load(make_llm, tmp_path, tiny_llama_dir):
     disk = f"{tmp_path}/kv:1MiB"
     first = make_llm(kv_offload_disk=disk)
@@ -169,12 +189,80 @@ def test_disk_blocks_of_another_block_size_or_model_never_load(make_llm, tmp_pat
         other_model.engine.core.offload.close()
 
 
-def test_model_fingerprint_tells_checkpoints_apart(tiny_loaded, tiny_llama_dir, tmp_path):
+def one_row_fine_tune(base: Path, out: Path, row: int) -> Path:
+    """A copy of the checkpoint ``base`` whose embedding differs in ``row`` only (a repurposed token)."""
+    shutil.copytree(base, out)
+    weights = load_file(out / "model.safetensors")
+    embedding = weights["model.embed_tokens.weight"]
+    embedding[row] = torch.randn(embedding.shape[1], generator=torch.Generator().manual_seed(1)) * embedding.std()
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def base_and_fine_tune(tmp_path_factory):
+    """A tiny model with a large vocabulary, and its fine-tune that changed the embedding of TUNED_TOKEN."""
+    root = tmp_path_factory.mktemp("fine-tune")
+    base = write_tiny_checkpoint(root / "base", vocab_size=8192)
+    tuned = one_row_fine_tune(base, root / "tuned", TUNED_TOKEN)
+    return load_model(str(base), dtype="float32"), load_model(str(tuned), dtype="float32")
+
+
+def test_model_fingerprint_covers_every_weight(tiny_loaded, tiny_llama_dir, tmp_path, base_and_fine_tune):
     same = load_model(str(tiny_llama_dir), dtype="float32", device="cpu")
     other = load_model(str(write_tiny_checkpoint(tmp_path / "other", seed=1)), dtype="float32", device="cpu")
-    fingerprint = model_fingerprint(tiny_loaded.model, tiny_loaded.config)
-    assert model_fingerprint(same.model, same.config) == fingerprint
-    assert model_fingerprint(other.model, other.config) != fingerprint
+    base, tuned = base_and_fine_tune
+    fingerprint = model_fingerprint(tiny_loaded.config, tiny_loaded.weights_digest)
+    assert model_fingerprint(same.config, same.weights_digest) == fingerprint
+    assert model_fingerprint(other.config, other.weights_digest) != fingerprint
+    assert base.config == tuned.config
+    assert model_fingerprint(base.config, base.weights_digest) != model_fingerprint(tuned.config, tuned.weights_digest)
+
+
+@pytest.mark.parametrize("tier", ["disk", "redis"])
+def test_a_fine_tune_one_embedding_row_apart_never_loads_its_base_models_blocks(
+    tier, make_llm, base_and_fine_tune, tmp_path, request
+):
+    base, tuned = base_and_fine_tune
+    kwargs = (
+        {"kv_offload_disk": f"{tmp_path}/kv:1MiB"}
+        if tier == "disk"
+        else {"kv_offload_redis": request.getfixturevalue("redis_server").url}
+    )
+    expected = generate(make_llm(tuned, enable_prefix_caching=False), TUNED_PROMPT).outputs[0].token_ids
+    base_llm = make_llm(base, **kwargs)
+    base_output = generate(base_llm, TUNED_PROMPT)
+    settle(base_llm)
+    assert base_output.outputs[0].token_ids != expected  # the base's K/V would give the fine-tune wrong tokens
+    base_llm.engine.core.offload.close()
+
+    tuned_llm = make_llm(tuned, **kwargs)
+    assert tuned_llm.lookup({"prompt_token_ids": TUNED_PROMPT}).cached_tokens == 0
+    out = generate(tuned_llm, TUNED_PROMPT)
+    assert out.num_cached_tokens == 0 and tier_tokens(tuned_llm) == {tier.upper(): 0}
+    assert out.outputs[0].token_ids == expected
+
+
+def test_with_a_secret_forged_disk_records_never_load(make_llm, reference, tmp_path):
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(SECRET + b"\n")
+    disk = f"{tmp_path}/kv:1MiB"
+    first = make_llm(kv_offload_disk=disk, kv_offload_secret_file=str(secret_file))
+    generate(first, PROMPT)
+    first.engine.core.offload.close()
+    (store,) = first.engine.core.offload.stores
+    hashes = first.engine.core.manager.block_hashes(Request("probe", PROMPT))
+    zeros = bytes(store.layout.block_bytes)  # K/V that would change every output token
+    for block_hash in hashes:
+        assert store.path_of(block_hash).exists()
+        store.path_of(block_hash).write_bytes(encode_record(forger(store.layout, None), block_hash, zeros))
+
+    restarted = make_llm(kv_offload_disk=disk, kv_offload_secret_file=str(secret_file))
+    out = generate(restarted, FOLLOW_UP)
+    assert out.outputs[0].token_ids == reference
+    assert out.num_cached_tokens == 0
+    (disk_stats,) = restarted.stats().kv_offload
+    assert disk_stats.bad_records == 1 and disk_stats.hit_tokens == 0  # the first block ends the lookup
 
 
 def test_redis_shares_blocks_between_two_engines(make_llm, reference, redis_server):
@@ -185,6 +273,17 @@ def test_redis_shares_blocks_between_two_engines(make_llm, reference, redis_serv
     out = generate(second, FOLLOW_UP)
     assert out.outputs[0].token_ids == reference
     assert prompt_kv(second) == prompt_kv(first)
+    assert out.num_cached_tokens == 40 and tier_tokens(second) == {"REDIS": 40}
+
+
+def test_redis_over_tls_with_an_acl_user_shares_blocks(make_llm, reference, secured_redis, monkeypatch):
+    monkeypatch.setenv(REDIS_PASSWORD_ENV, secured_redis.user_password)  # kept out of the command line
+    url = secured_redis.url(secured_redis.user, tls=True, query=secured_redis.tls_files)
+    first, second = make_llm(kv_offload_redis=url), make_llm(kv_offload_redis=url)
+    generate(first, PROMPT)
+    settle(first)
+    out = generate(second, FOLLOW_UP)
+    assert out.outputs[0].token_ids == reference
     assert out.num_cached_tokens == 40 and tier_tokens(second) == {"REDIS": 40}
 
 

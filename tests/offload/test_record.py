@@ -1,9 +1,10 @@
-"""Records: a block reads back only for the exact layout and hash it was written for, intact."""
+"""Records: a block reads back only for the exact layout and hash it was written for, intact, and with a
+deployment secret only if it was written with that secret."""
 
 import pytest
 
-from prefixcache.offload.record import BadRecord, RecordError, decode_record, encode_record
-from tests.offload.conftest import block_hash, make_layout, payload
+from prefixcache.offload.record import BadRecord, RecordError, RecordKey, decode_record, encode_record
+from tests.offload.conftest import SECRET, block_hash, forger, keyed_layout, make_layout, payload
 
 
 def test_round_trip_gives_the_exact_payload(layout):
@@ -70,3 +71,47 @@ def test_layout_validates_its_fields():
     with pytest.raises(ValueError, match="positive"):
         make_layout(block_size=0)
     assert make_layout().block_bytes == 2 * 2 * 4 * 2 * 4 * 4
+
+
+def test_keyed_round_trip_gives_the_exact_payload():
+    layout = keyed_layout()
+    data = payload(layout, 7)
+    assert decode_record(layout, block_hash(7), encode_record(layout, block_hash(7), data)) == data
+
+
+@pytest.mark.parametrize("forger_secret", [None, b"a guessed secret of some length"], ids=["checksummed", "other-key"])
+def test_a_forged_record_is_refused_with_a_secret(forger_secret):
+    layout = keyed_layout()
+    forged = encode_record(forger(layout, forger_secret), block_hash(1), payload(layout, 2))
+    bad = decode_record(layout, block_hash(1), forged)
+    assert isinstance(bad, BadRecord) and bad.reason is RecordError.FORGED
+
+
+def test_without_a_secret_a_well_formed_record_is_trusted(layout):
+    """What the tiers trust without a secret: anyone who writes a well-formed record (as the README says)."""
+    forged = encode_record(forger(layout, None), block_hash(1), payload(layout, 2))
+    assert decode_record(layout, block_hash(1), forged) == payload(layout, 2)
+
+
+@pytest.mark.parametrize("position", [-1, -100])
+def test_an_altered_keyed_record_is_refused(position):
+    layout = keyed_layout()
+    record = bytearray(encode_record(layout, block_hash(1), payload(layout, 1)))
+    record[position] ^= 0x01
+    assert decode_record(layout, block_hash(1), bytes(record)).reason is RecordError.FORGED
+
+
+def test_the_secret_is_part_of_the_namespace_and_never_shown(layout):
+    keyed, other = keyed_layout(), make_layout(record_key=RecordKey(b"another secret, 16+ bytes"))
+    assert len({layout.namespace, keyed.namespace, other.namespace}) == 3
+    assert keyed.namespace == keyed_layout().namespace
+    assert SECRET.decode() not in repr(keyed) + str(keyed.describe())
+    assert keyed.describe()["record_mac"] == f"hmac-sha256 key {keyed.record_key.key_id}"
+    # a record from a keyed store read without the secret, in the same namespace: never trusted
+    record = encode_record(keyed, block_hash(1), payload(keyed, 1))
+    assert decode_record(forger(keyed, None), block_hash(1), record).reason is RecordError.FOREIGN
+
+
+def test_a_short_secret_is_refused():
+    with pytest.raises(ValueError, match="at least 16"):
+        RecordKey(b"short")

@@ -4,7 +4,8 @@ import pytest
 
 from prefixcache.router.app import RouterSettings, build_app
 from prefixcache.router.backends import HealthSettings
-from tests.router.fakes import FakeBackend, FakePublisher, ThreadedServer, cache_config
+from prefixcache.router.policy import DEFAULT_AFFINITY_BALANCE
+from tests.router.fakes import BLOCK_SIZE, FakeBackend, FakePublisher, FakeVllm, ThreadedServer, cache_config
 
 
 @pytest.fixture
@@ -38,11 +39,30 @@ def backend(stoppables):
 
 
 @pytest.fixture
+def vllm(stoppables):
+    def make(name: str, **options) -> FakeVllm:
+        fake = FakeVllm(name, **options)
+        stoppables.append(fake)
+        return fake
+
+    return make
+
+
+@pytest.fixture
 def router(stoppables):
-    """A started router app in a thread; health checks rare unless asked, so tests drive them."""
+    """A started router app in a thread; health checks rare unless asked, so tests drive them.
+    ``affinity_balance=0`` turns affinity off: backends predicted alike then take turns."""
 
     def make(
-        backends, policy="prefix", tokenizer=None, interval=3600.0, prefix_weight=64.0, backend_api_key=None
+        backends,
+        policy="prefix",
+        tokenizer=None,
+        interval=3600.0,
+        prefix_weight=64.0,
+        backend_api_key=None,
+        affinity_balance=DEFAULT_AFFINITY_BALANCE,
+        event_sources=(),
+        kv_event_block_size=BLOCK_SIZE,
     ) -> ThreadedServer:
         settings = RouterSettings(
             backends=tuple(b.url for b in backends),
@@ -50,6 +70,9 @@ def router(stoppables):
             prefix_weight=prefix_weight,
             health=HealthSettings(interval=interval, timeout=2.0, failures_to_down=1, replay_timeout=2.0),
             backend_api_key=backend_api_key,
+            affinity_balance=affinity_balance,
+            event_sources=tuple(event_sources),
+            kv_event_block_size=kv_event_block_size,
         )
         server = ThreadedServer(build_app(settings, tokenizer))
         stoppables.append(server)

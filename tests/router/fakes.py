@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import threading
 import time
 from typing import Any
@@ -197,9 +198,13 @@ CLEARED = {"type": "AllBlocksCleared"}
 
 
 class FakePublisher:
-    """A PUB socket and a replay ROUTER served by a thread; ``publish(..., lose=True)`` buffers without sending."""
+    """A PUB socket and a replay ROUTER served by a thread; ``publish(..., lose=True)`` buffers without sending.
 
-    def __init__(self, topic: str = "kv") -> None:
+    ``replay_topic``: replies carry the topic before the sequence number, as vLLM 0.32 sends them.
+    ``replay_prefix``: raw replies sent before the buffered ones (a publisher answering garbage).
+    """
+
+    def __init__(self, topic: str = "kv", replay_topic: bool = False) -> None:
         self.context = zmq.Context()
         self.pub = self.context.socket(zmq.PUB)
         self.pub.linger = 0
@@ -212,6 +217,8 @@ class FakePublisher:
         self.replay_endpoint = self.replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self.buffer: list[tuple[int, bytes]] = []
         self.replay_requests: list[int] = []
+        self.replay_topic = replay_topic
+        self.replay_prefix: list[list[bytes]] = []
         self.next_seq = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -234,6 +241,10 @@ class FakePublisher:
                 self.pub.send_multipart([self.topic.encode(), seq.to_bytes(8, "big"), payload])
         return seq
 
+    def send_raw(self, frames: list[bytes]) -> None:
+        """A message as given, frames and all (garbage a router must survive)."""
+        self.pub.send_multipart(frames)
+
     def restart(self) -> None:
         """As a restarted engine: sequence from 0 again, an empty replay buffer."""
         with self._lock:
@@ -254,8 +265,172 @@ class FakePublisher:
             identity, _, start = self.replay.recv_multipart()
             start_seq = int.from_bytes(start, "big")
             self.replay_requests.append(start_seq)
+            topic = [self.topic.encode()] if self.replay_topic else []
             with self._lock:
+                for frames in self.replay_prefix:
+                    self.replay.send_multipart([identity, *frames])
                 for seq, payload in self.buffer:
                     if seq >= start_seq:
-                        self.replay.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
-                self.replay.send_multipart([identity, b"", (-1).to_bytes(8, "big", signed=True), b""])
+                        self.replay.send_multipart([identity, b"", *topic, seq.to_bytes(8, "big"), payload])
+                end = [b""] if self.replay_topic else []
+                self.replay.send_multipart([identity, b"", *end, (-1).to_bytes(8, "big", signed=True), b""])
+
+
+class FakeVllm:
+    """A vLLM-like backend: no ``/v1/cache/config`` (404), KV events whose block hashes are random 64-bit ids
+    that have nothing to do with any hash of the content, and usage reporting the cached tokens it holds.
+
+    Its cache maps each block's prefix (every token up to the block's end) to its id and the media holding it;
+    a lookup, like vLLM's, counts the leading hittable blocks held anywhere. ``capacity`` bounds the GPU
+    blocks, evicting the least recently used (each eviction published). With ``auto_store`` a served prompt's
+    blocks are stored after the request, as an engine caches what it computed. Events go out one batch per call.
+    """
+
+    def __init__(
+        self, name: str, block_size: int = BLOCK_SIZE, capacity: int | None = None, auto_store: bool = False
+    ) -> None:
+        self.name = name
+        self.block_size = block_size
+        self.capacity = capacity
+        self.auto_store = auto_store
+        self.rng = random.Random(name)
+        self.publisher = FakePublisher(topic="", replay_topic=True)
+        self.blocks: dict[tuple[int, ...], tuple[int, set[str]]] = {}
+        self.ids: dict[tuple[int, ...], int] = {}  # one id per block content for the process's life, as vLLM's
+        self.last_used: dict[tuple[int, ...], int] = {}
+        self.clock = 0
+        self.received: list[dict[str, Any]] = []
+        self.proceed = threading.Event()
+        self.proceed.set()
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=200)
+
+        async def generate(request: Request) -> Response:
+            body = json.loads(await request.body())
+            self.received.append(body)
+            await asyncio.to_thread(self.proceed.wait, 30)
+            prompt = body["prompt"]
+            cached = self.held_tokens(prompt)
+            if self.auto_store:
+                self.store(prompt)
+            usage = {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": 1,
+                "prompt_tokens_details": {"cached_tokens": cached},
+            }
+            return JSONResponse({"id": "x", "choices": [], "usage": usage})
+
+        app.post("/v1/completions")(generate)
+        self.server = ThreadedServer(app)
+        self.url = self.server.url
+
+    def source(self):
+        """Where the router connects, as ``--kv-event-source`` / ``--kv-event-replay-source`` would say."""
+        from prefixcache.router.subscriber import EventSource
+
+        return self.url, EventSource(self.publisher.endpoint, self.publisher.replay_endpoint)
+
+    def wait_subscribed(self, router) -> None:
+        """Until the router applies a live event: a SUB socket only hears what is sent after it joined, so a
+        test whose last event went out before that would wait for nothing. The probe removes a block nobody
+        holds, which changes nothing."""
+        before = metric(router, "events_received_total", self)
+        wait_until(
+            lambda: (
+                self.publisher.publish([removed([0])]) >= 0 and metric(router, "events_received_total", self) > before
+            ),
+            what=f"{self.name} subscribed",
+        )
+
+    def held_tokens(self, prompt: list[int]) -> int:
+        held = 0
+        for k in range((len(prompt) - 1) // self.block_size):
+            if self._prefix(prompt, k) not in self.blocks:
+                break
+            held += 1
+        return held * self.block_size
+
+    def store(
+        self, prompt: list[int], medium: str = "GPU", with_tokens: bool = True, lora_name=None, extra_keys=None
+    ) -> None:
+        """Cache the prompt's full blocks on ``medium``: one BlockStored per run of blocks new there."""
+        events, run = [], []
+        for k in range(len(prompt) // self.block_size):
+            prefix = self._prefix(prompt, k)
+            self.clock += 1
+            self.last_used[prefix] = self.clock
+            if prefix not in self.ids:
+                self.ids[prefix] = self.rng.getrandbits(64)
+            block_id, media = self.blocks.get(prefix, (self.ids[prefix], set()))
+            if medium in media:
+                if run:
+                    events.append(self._stored(prompt, run, medium, with_tokens, lora_name, extra_keys))
+                run = []
+                continue
+            media.add(medium)
+            self.blocks[prefix] = (block_id, media)
+            run.append(k)
+        if run:
+            events.append(self._stored(prompt, run, medium, with_tokens, lora_name, extra_keys))
+        events += self._evict()
+        if events:
+            self.publisher.publish(events)
+
+    def remove(self, prompt: list[int], from_block: int, medium: str = "GPU") -> None:
+        ids = [self._drop(self._prefix(prompt, k), medium) for k in range(from_block, len(prompt) // self.block_size)]
+        self.publisher.publish([removed([i for i in ids if i is not None], medium)])
+
+    def clear(self) -> None:
+        """A prefix cache reset: the GPU copies go, an offload tier's stay."""
+        for prefix in list(self.blocks):
+            self._drop(prefix, "GPU")
+        self.publisher.publish([CLEARED])
+
+    def restart(self) -> None:
+        """A new process: nothing cached, new ids from now on, the sequence from 0 and an empty replay buffer."""
+        self.blocks.clear()
+        self.ids.clear()
+        self.publisher.restart()
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.publisher.stop()
+
+    def _prefix(self, prompt: list[int], k: int) -> tuple[int, ...]:
+        return tuple(prompt[: (k + 1) * self.block_size])
+
+    def _stored(self, prompt, run, medium, with_tokens, lora_name, extra_keys) -> dict[str, Any]:
+        first = run[0]
+        parent = self.blocks[self._prefix(prompt, first - 1)][0] if first else None
+        tokens = prompt[first * self.block_size : (run[-1] + 1) * self.block_size]
+        return {
+            "type": "BlockStored",
+            "block_hashes": [self.blocks[self._prefix(prompt, k)][0] for k in run],
+            "parent_block_hash": parent if with_tokens else None,
+            "token_ids": tokens if with_tokens else [],
+            "block_size": self.block_size if with_tokens else 0,
+            "lora_id": None,
+            "medium": medium,
+            "lora_name": lora_name,
+            "extra_keys": extra_keys,
+            "group_idx": 0,
+        }
+
+    def _drop(self, prefix: tuple[int, ...], medium: str) -> int | None:
+        entry = self.blocks.get(prefix)
+        if entry is None or medium not in entry[1]:
+            return None
+        entry[1].discard(medium)
+        if not entry[1]:
+            del self.blocks[prefix]
+        return entry[0]
+
+    def _evict(self) -> list[dict[str, Any]]:
+        on_gpu = [p for p, (_, media) in self.blocks.items() if "GPU" in media]
+        if self.capacity is None or len(on_gpu) <= self.capacity:
+            return []
+        victims = sorted(on_gpu, key=self.last_used.__getitem__)[: len(on_gpu) - self.capacity]
+        return [removed([self._drop(p, "GPU") for p in victims])]

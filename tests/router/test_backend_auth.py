@@ -38,7 +38,7 @@ def keyed(name, backend, events=None, api_key=ROUTER_KEY):
 def test_each_tenant_is_hashed_with_its_keys_salt(backend, publisher, router):
     pub_a, pub_b = publisher(), publisher()
     a, b = keyed("a", backend, pub_a), keyed("b", backend, pub_b)
-    r = router([a, b], backend_api_key=ROUTER_KEY)
+    r = router([a, b], backend_api_key=ROUTER_KEY, affinity_balance=0)
     # a holds the prompt for tenant key-1, b for tenant key-2 with its own cache_salt "s" on top
     pub_a.publish([stored(event_hashes(PROMPT[:16], cache_salt=tenant_salt("key-1")))])
     pub_b.publish([stored(event_hashes(PROMPT[:16], cache_salt=engine_salt(tenant_salt("key-2"), "s")))])
@@ -61,7 +61,7 @@ def test_each_tenant_is_hashed_with_its_keys_salt(backend, publisher, router):
 def test_a_backend_that_refuses_the_routers_key_stays_out_with_the_401_in_the_log(backend, router, caplog):
     caplog.set_level(logging.INFO, logger="prefixcache.router")
     a, b = keyed("a", backend), keyed("b", backend, api_key="another-key")
-    r = router([a, b], backend_api_key=ROUTER_KEY, interval=0.05)
+    r = router([a, b], backend_api_key=ROUTER_KEY, interval=0.05, affinity_balance=0)
     wait_until(lambda: b.config_requests >= 4, what="b asked again at later health checks")
     errors = [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR]
     lines = [line for line in errors if b.url in line]

@@ -43,7 +43,7 @@ def test_a_burst_follows_the_request_in_flight_before_its_events_arrive(backend,
     """The backend computing a prompt is where the same prefix goes next, not where no events say it is."""
     pub_a, pub_b = publisher(), publisher()
     a, b = backend("a", pub_a), backend("b", pub_b)
-    r = router([a, b])
+    r = router([a, b], affinity_balance=0)
     a.proceed.clear()
     b.proceed.clear()
     with ThreadPoolExecutor(4) as clients:
@@ -64,7 +64,7 @@ def test_a_burst_follows_the_request_in_flight_before_its_events_arrive(backend,
 def test_salts_isolate_in_the_index(backend, publisher, router):
     pub_a, pub_b = publisher(), publisher()
     a, b = backend("a", pub_a), backend("b", pub_b)
-    r = router([a, b])
+    r = router([a, b], affinity_balance=0)
     pub_a.publish([stored(event_hashes(PROMPT[:16]))])
     pub_b.publish([stored(event_hashes(PROMPT[:16], cache_salt="tenant-1"))])
     wait_until(lambda: index_blocks(r, a) == 4 and index_blocks(r, b) == 4, what="both backends' blocks")

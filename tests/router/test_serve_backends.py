@@ -77,7 +77,7 @@ def test_the_server_tells_how_it_keys_its_cache(servers, tiny_llama_dir):
 
 def test_the_router_tokenizes_like_the_server(servers, tokenizer):
     config = parse_cache_config(httpx.get(f"{servers[0].url}/v1/cache/config").content)
-    hasher = PromptHasher(tokenizer, config)
+    hasher = PromptHasher.for_engine(tokenizer, config)
     text = "The quick brown fox jumps over the lazy dog."
     for path, body, chat in (
         ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1}, True),

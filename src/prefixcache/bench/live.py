@@ -57,6 +57,11 @@ class Process:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def ready_url(self, log: str) -> str | None:
+        """The URL it serves on, once its log says so (uvicorn's startup line)."""
+        match = _READY.search(log)
+        return match.group(1) if match else None
+
     def wait_ready(self, timeout: float) -> None:
         """Block until /health answers 200; SystemExit with the end of the log if it exits or takes too long."""
         deadline = time.monotonic() + timeout
@@ -64,14 +69,18 @@ class Process:
             log = self.log()
             if self.process.poll() is not None:
                 raise SystemExit(f"{self.log_path.name} exited with {self.process.returncode}:\n{log[-3000:]}")
-            match = _READY.search(log)
-            if match:
-                self.url = match.group(1)
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+            url = self.ready_url(log)
+            if url:
+                self.url = url
+                with contextlib.suppress(httpx.TransportError, ValueError):
+                    if self.serving():
                         return
             time.sleep(0.1)
         raise SystemExit(f"{self.log_path.name} not ready after {timeout:.0f}s:\n{self.log()[-3000:]}")
+
+    def serving(self) -> bool:
+        """Whether it takes requests now (``/health`` answers 200)."""
+        return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
 
     def stop(self) -> None:
         """Terminate (the server shuts down its engine core and flushes its tiers), kill if that hangs; reap."""
@@ -82,6 +91,43 @@ class Process:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(timeout=15)
+
+
+class ExternalProcess(Process):
+    """Another program (a vLLM server, a peer router) on a port picked for it: it cannot report a port 0.
+    ``workers``: a router that registers its backends after it starts answering (sglang-router) is ready once
+    its ``/workers`` lists that many healthy ones."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        port: int,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        workers: int | None = None,
+    ) -> None:
+        self.log_path = log_path
+        self.workers = workers
+        self.url = f"http://127.0.0.1:{port}"
+        with log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                list(command),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
+            )
+
+    def ready_url(self, log: str) -> str | None:
+        return self.url
+
+    def serving(self) -> bool:
+        if not super().serving():
+            return False
+        if self.workers is None:
+            return True
+        listed = httpx.get(f"{self.url}/workers", timeout=2).json()
+        workers = listed.get("workers", []) if isinstance(listed, dict) else listed
+        return sum(1 for w in workers if isinstance(w, dict) and w.get("is_healthy")) >= self.workers
 
 
 @contextlib.contextmanager
@@ -122,11 +168,15 @@ class RedisServer:
     """One ``redis-server`` on a free loopback port, keeping nothing on disk; ``stop`` kills it (as a crash
     would) and ``start`` brings it back on the same port. FileNotFoundError where redis-server is not installed."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, extra_args: Sequence[str] = (), password: str | None = None) -> None:
+        """``extra_args`` are more ``redis-server`` options (an ACL ``--user``, a ``--tls-port``...); with
+        ``password`` it is started with ``--requirepass`` and the readiness check authenticates."""
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise FileNotFoundError("redis-server not found on PATH")
         self.directory = directory
+        self.extra_args = [*extra_args, *(["--requirepass", password] if password is not None else [])]
+        self.password = password
         self.port = free_port()
         self.process: subprocess.Popen | None = None
 
@@ -159,6 +209,7 @@ class RedisServer:
                     "no",
                     "--protected-mode",
                     "no",
+                    *self.extra_args,
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -172,7 +223,7 @@ class RedisServer:
     def _wait_ready(self, timeout: float = 20.0) -> bool:
         import redis
 
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        client = redis.Redis(port=self.port, password=self.password, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline:

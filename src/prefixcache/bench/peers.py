@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from prefixcache.model.loader import cache_root
+from prefixcache.model.cache import cache_dir
 
 MARKER = "installed.json"
 # What pip prints last says why it failed; more is noise in an error message.
@@ -67,7 +67,7 @@ def peer_tool(name: str) -> PeerTool:
 
 def peers_root() -> Path:
     """``<cache dir>/peers``, next to the converted models."""
-    return cache_root().parent / "peers"
+    return cache_dir() / "peers"
 
 
 def tool_dir(tool: PeerTool, root: Path | None = None) -> Path:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -39,7 +40,14 @@ from prefixcache.config import DTYPES
 from prefixcache.core import KVCacheManager, hittable_blocks
 from prefixcache.engine.args import config_default
 from prefixcache.router.index import IndexListener, PrefixIndex
-from prefixcache.router.policy import DEFAULT_PREFIX_WEIGHT, POLICIES, Candidate, RoutingPolicy, make_policy
+from prefixcache.router.policy import (
+    DEFAULT_AFFINITY_BALANCE,
+    DEFAULT_PREFIX_WEIGHT,
+    POLICIES,
+    Candidate,
+    RoutingPolicy,
+    make_policy,
+)
 from prefixcache.router.wire import external_block_hash
 
 SINGLE = "single"
@@ -255,24 +263,49 @@ def _add_sim_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_live_arguments(parser: argparse.ArgumentParser) -> None:
+    from prefixcache.bench.route_live import BACKEND_KINDS, VLLM_SERVE_ENV, WORKLOADS
+
     parser.add_argument("--model", help="HF checkpoint dir or .gguf for every engine (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--engines", type=positive_int, default=2)
+    parser.add_argument("--backend-kind", choices=BACKEND_KINDS, default="prefixcache", help="what the backends run")
+    parser.add_argument(
+        "--vllm-serve",
+        default=os.environ.get(VLLM_SERVE_ENV),
+        metavar="SCRIPT",
+        help=f"starts vLLM's OpenAI server as SCRIPT MODEL_DIR PORT DTYPE [vLLM flags] (default ${VLLM_SERVE_ENV})",
+    )
+    parser.add_argument(
+        "--compare-peers",
+        action="store_true",
+        help="also run vllm-router (kv_aware, cache_aware) and sglang-router (cache_aware), installed on first use "
+        "into venvs under the cache dir",
+    )
+    parser.add_argument("--workload", choices=WORKLOADS, default="tenants")
+    parser.add_argument("--replicas", type=positive_int, help="processes per router, requests dealt in turn "
+                        "(default: 2 for the fleet workload, else 1)")  # fmt: skip
     parser.add_argument("--tenants", type=positive_int, default=8)
     parser.add_argument("--system-len", type=positive_int, default=1024, help="tokens of each tenant's system prompt")
-    parser.add_argument("--user-len", type=positive_int, default=32, help="own tokens of each request")
+    parser.add_argument("--user-len", type=positive_int, default=32, help="own tokens of each request or turn")
     parser.add_argument("--output-len", type=positive_int, default=8)
+    parser.add_argument("--turns", type=positive_int, help="turns per conversation (fleet; default 3)")
+    parser.add_argument("--phases", type=positive_int, default=4, help="popularity phases (fleet)")
+    parser.add_argument("--think-time", type=float, default=1.0, help="seconds between a conversation's turns")
+    parser.add_argument("--backend-offload-cpu", metavar="SIZE", help="a host tier on each prefixcache backend")
     parser.add_argument("--num-requests", type=positive_int, default=64)
     parser.add_argument("--request-rate", type=float, default=1.0, help="requests/s, Poisson")
-    parser.add_argument("--block-size", type=positive_int, default=16)
-    parser.add_argument("--num-blocks", type=positive_int, help="KV blocks per engine (default: share + 2 tenants)")
-    parser.add_argument("--dtype", default=config_default("dtype"), choices=DTYPES, help="as prefixcache serve --dtype")
+    parser.add_argument("--block-size", type=positive_int, help="default 16 (vLLM backends: 32)")
+    parser.add_argument("--num-blocks", type=positive_int, help="KV blocks per engine (default: share + 1 tenant)")
+    parser.add_argument(
+        "--dtype", default=config_default("dtype"), choices=DTYPES, help="as prefixcache serve --dtype (both kinds)"
+    )
     parser.add_argument("--policy", type=_policy_list, default=list(POLICIES), help="comma-separated policies")
     parser.add_argument("--prefix-weight", type=float, default=DEFAULT_PREFIX_WEIGHT, help="the prefix cost weight")
+    parser.add_argument("--affinity-balance", type=float, default=DEFAULT_AFFINITY_BALANCE, help="ours' affinity bound")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a process to come up")
     parser.add_argument("--json", type=Path, help="write the results as JSON here")
-    parser.add_argument("--plot", type=Path, help="write a PNG of hit rate and TTFT per policy here")
+    parser.add_argument("--plot", type=Path, help="write a PNG of hit rate and TTFT per router here")
 
 
 def _run_live(args: argparse.Namespace) -> list[dict]:

@@ -73,7 +73,7 @@ def make_prompts(
 
 
 async def send_request(
-    client: httpx.AsyncClient, target: Target, prompt: list[int], output_len: int, output_ids: bool = False
+    client: httpx.AsyncClient, target: Target, prompt: list[int] | str, output_len: int, output_ids: bool = False
 ) -> RequestResult:
     """Stream one completion; a token is a chunk with choices, the usage chunk gives the server's counts.
 
@@ -90,7 +90,7 @@ async def send_request(
     }
     if output_ids:
         payload |= {"logprobs": 0, "return_tokens_as_token_ids": True}
-    result = RequestResult(prompt_tokens=len(prompt))
+    result = RequestResult(prompt_tokens=len(prompt) if isinstance(prompt, list) else 0)  # usage has the real count
     start = last = time.perf_counter()
     try:
         async with client.stream(

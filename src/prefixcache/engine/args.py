@@ -113,6 +113,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         choices=OFFLOAD_MODES,
         help="fill the host tier on eviction from the device (write_back) or as blocks are computed",
     )
+    offload.add_argument(
+        "--kv-offload-secret-file",
+        default=None,
+        metavar="PATH",
+        help="deployment secret that authenticates disk and Redis records (HMAC-SHA256; "
+        "else $PREFIXCACHE_KV_OFFLOAD_SECRET; without one, records are only checksummed)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

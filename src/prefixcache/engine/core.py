@@ -68,7 +68,7 @@ class EngineCore:
         )
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, dtype, config.device, config.seed)
-        self.offload = attach_offload(self, config, self.scheduler, self.runner)
+        self.offload = attach_offload(self, config, self.scheduler, self.runner, self.loaded.weights_digest)
         self.kv_events = KVEventSink.create(config.kv_events_config, self.manager.pool)
         if self.kv_events is not None and self.offload is not None:
             self.offload.add_listener(self.kv_events.collector)

@@ -7,15 +7,16 @@ The forward pass is the batch's: if it raises, the step fails. What follows it i
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from prefixcache.core.sub_block import CopyOp
 from prefixcache.engine.sampler import Sampler
 from prefixcache.engine.scheduler import ScheduledChunk, SchedulerOutput
-from prefixcache.model import AttentionMetadata, DecoderForCausalLM
+from prefixcache.model import AttentionMetadata, DecoderForCausalLM, KVCacheGroup
 
 if TYPE_CHECKING:
     from prefixcache.offload.worker import OffloadWorker
@@ -36,17 +37,26 @@ class ModelRunnerOutput:
 class ModelRunner:
     """Owns the paged KV cache tensors and the sampler; knows nothing of scheduling or caching policy.
 
-    ``offload`` (set when KV offload tiers are on) moves blocks between the cache tensors and the tiers
-    around the forward pass.
+    ``kv_cache_groups`` (default: the mask-only single group) lay out the cache; each chunk brings one block
+    table per group. ``offload`` (set when KV offload tiers are on) moves blocks between the cache tensors and
+    the tiers around the forward pass.
     """
 
     def __init__(
-        self, model: DecoderForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: str, seed: int
+        self,
+        model: DecoderForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: str,
+        seed: int,
+        kv_cache_groups: Sequence[KVCacheGroup] | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
-        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, dtype, self.device)
+        self.kv_cache_groups = tuple(kv_cache_groups or model.config.kv_cache_groups(hybrid=False))
+        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, dtype, self.device, self.kv_cache_groups)
         self.sampler = Sampler(seed, self.device)
         self.offload: OffloadWorker | None = None
 
@@ -59,18 +69,20 @@ class ModelRunner:
         token_ids: list[int] = []
         for chunk in chunks:
             token_ids.extend(chunk.request.all_token_ids[chunk.start : chunk.start + chunk.num_new_tokens])
-        metadata = AttentionMetadata.build(
-            [c.block_ids for c in chunks],
-            [c.start for c in chunks],
-            [c.num_new_tokens for c in chunks],
-            self.block_size,
-            self.device,
-        )
+        tables = [group_tables(c.block_ids, len(self.kv_cache_groups)) for c in chunks]
+        starts, num_new = [c.start for c in chunks], [c.num_new_tokens for c in chunks]
+        group_metadata = [
+            AttentionMetadata.build(
+                [t[g] for t in tables], starts, num_new, self.block_size, self.device, group.sliding_window
+            )
+            for g, group in enumerate(self.kv_cache_groups)
+        ]
+        metadata = group_metadata[0]  # the groups' token layout is the same: positions, rows of each request
         hidden = self.model(
             torch.tensor(token_ids, dtype=torch.long, device=self.device),
             metadata.positions,
             self.kv_caches,
-            metadata,
+            group_metadata,
         )
         if self.offload is not None:
             self.offload.after_forward(step.offload)
@@ -125,3 +137,15 @@ class ModelRunner:
 
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
+
+
+def group_tables(block_ids: Sequence[int] | Sequence[Sequence[int]], num_groups: int) -> Sequence[Sequence[int]]:
+    """A chunk's block table per KV cache group: ``block_ids`` is one table per group, or (from a scheduler that
+    knows one group) the single group's table."""
+    if block_ids and not isinstance(block_ids[0], int):
+        tables = cast("Sequence[Sequence[int]]", block_ids)
+    else:
+        tables = [cast("Sequence[int]", block_ids)]
+    if len(tables) != num_groups:
+        raise ValueError(f"a chunk has {len(tables)} block tables for {num_groups} KV cache groups")
+    return tables

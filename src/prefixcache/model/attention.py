@@ -9,6 +9,10 @@ Requests are batched into a few :class:`AttentionGroup` s, each run as one padde
 ``scaled_dot_product_attention`` call (long query runs after cached context are split into chunks first).
 Grouping, padding indices and the masks are computed once per step in :meth:`AttentionMetadata.build` (masks
 lazily, on first use) and shared by all layers.
+
+Metadata built for a sliding window W (a KV cache group of sliding-window layers) gathers each query chunk's
+keys from the block holding its first visible key (position q - W + 1) on: the blocks before it are never read,
+so a cache may have freed them and put a null block in their place in the table.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ _QUERY_CHUNK = 512
 class AttentionGroup:
     """Segments (whole requests or query chunks of one, see :func:`_segments`) attended in one SDPA call.
 
-    Queries are laid out as ``[num_reqs, max_q]`` (one row of the layout per segment) and keys as the first
-    ``num_blocks`` blocks of each segment's request gathered into ``[num_reqs, num_blocks * block_size]``;
-    the mask hides padding and future keys.
+    Queries are laid out as ``[num_reqs, max_q]`` (one row of the layout per segment) and keys as
+    ``num_blocks`` blocks of each segment's request gathered into ``[num_reqs, num_blocks * block_size]``,
+    from its first block, or with a window from the block of its first visible key (``kv_start``); the mask
+    hides padding, future keys and keys left of the window.
     """
 
     num_reqs: int
@@ -53,6 +58,11 @@ class AttentionGroup:
     # One request with no earlier tokens: its keys are exactly the new tokens, so no gather and a plain
     # causal mask (lets SDPA use its fastest kernels).
     fresh: bool
+    # [num_reqs] position of each segment's first gathered key (a block start), or None when all are 0.
+    kv_start: torch.Tensor | None
+    # The longest distance from a gathered key to a query of its segment: a window longer than this hides
+    # nothing, so its mask is the plain causal one.
+    max_reach: int
     _masks: dict[tuple[int | None, torch.dtype], torch.Tensor | None] = field(default_factory=dict)
 
     def mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -61,12 +71,16 @@ class AttentionGroup:
         Additive rather than boolean because SDPA's CPU kernels would convert a boolean mask in every layer
         (measurably slower for decode batches); built once per step and dtype, shared by the layers.
         """
+        if sliding_window is not None and sliding_window > self.max_reach:
+            sliding_window = None
         key = (sliding_window, dtype)
         if key not in self._masks:
             if self.fresh and sliding_window is None:
                 self._masks[key] = None
             else:
                 k_pos = torch.arange(self.kv_len, device=self.q_pos.device)
+                if self.kv_start is not None:
+                    k_pos = k_pos + self.kv_start[:, None, None]
                 q_pos = self.q_pos[:, :, None]
                 allowed = k_pos <= q_pos
                 if sliding_window is not None:
@@ -95,6 +109,8 @@ class AttentionMetadata:
     groups: tuple[AttentionGroup, ...]
     num_tokens: int
     block_size: int
+    # The window the gathers start at (see the module docstring); None: every key from position 0.
+    sliding_window: int | None = None
 
     @classmethod
     def build(
@@ -104,12 +120,15 @@ class AttentionMetadata:
         num_new: Sequence[int],
         block_size: int,
         device: torch.device | str,
+        sliding_window: int | None = None,
     ) -> AttentionMetadata:
         """Build the metadata of a step from plain lists.
 
         For request r, tokens ``num_computed[r] .. num_computed[r] + num_new[r] - 1`` are new this step;
         its block table must cover all ``num_computed[r] + num_new[r]`` tokens (longer tables are fine).
-        The new tokens of the batch are the requests' tokens concatenated in request order.
+        The new tokens of the batch are the requests' tokens concatenated in request order. With
+        ``sliding_window`` only the layers of that window may use the metadata, and the table entries of blocks
+        wholly before ``num_computed[r] - sliding_window + 1`` are never read.
         """
         num_reqs = len(block_tables)
         if num_reqs == 0 or len(num_computed) != num_reqs or len(num_new) != num_reqs:
@@ -119,6 +138,8 @@ class AttentionMetadata:
             )
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         computed = np.asarray(num_computed, dtype=np.int64)
         new = np.asarray(num_new, dtype=np.int64)
         if (new < 1).any() or (computed < 0).any():
@@ -145,11 +166,15 @@ class AttentionMetadata:
         def to_dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
-        seg_req, seg_computed, seg_new = _segments(computed, new)
+        seg_req, seg_computed, seg_new = _segments(computed, new, split_fresh=sliding_window is not None)
         seg_start = query_start[seg_req] + seg_computed - computed[seg_req]
+        if sliding_window is None:
+            seg_kv_start = np.zeros_like(seg_computed)
+        else:
+            seg_kv_start = np.maximum(seg_computed - sliding_window + 1, 0) // block_size * block_size
         groups = tuple(
-            _build_group(seg, seg_req, seg_computed, seg_new, seg_start, tables, block_size, to_dev)
-            for seg in _partition(seg_computed, seg_new)
+            _build_group(seg, seg_req, seg_computed, seg_new, seg_kv_start, seg_start, tables, block_size, to_dev)
+            for seg in _partition(seg_computed, seg_new, seg_kv_start)
         )
         return cls(
             slot_mapping=to_dev(slots),
@@ -161,43 +186,45 @@ class AttentionMetadata:
             groups=groups,
             num_tokens=num_tokens,
             block_size=block_size,
+            sliding_window=sliding_window,
         )
 
 
-def _segments(computed: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _segments(computed: np.ndarray, new: np.ndarray, split_fresh: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Split the new tokens of requests with earlier context into query chunks of at most _QUERY_CHUNK.
 
     A masked SDPA call computes the whole [queries x keys] rectangle. A chunk only reaches keys up to its own
     last position, so chunks skip most of the causal upper triangle (about 20% less attention work for 2k
-    new tokens after a 2k prefix). A fresh prompt is not split: its unmasked causal call skips it already.
+    new tokens after a 2k prefix). A fresh prompt is not split: its unmasked causal call skips it already,
+    unless ``split_fresh`` (a sliding window: each chunk then reads only the keys of its window).
     Returns, per segment: request index, tokens before the segment, tokens in the segment.
     """
-    pieces = np.where(computed > 0, -(-new // _QUERY_CHUNK), 1)
+    pieces = np.where((computed > 0) | split_fresh, -(-new // _QUERY_CHUNK), 1)
     seg_req = np.repeat(np.arange(len(new)), pieces)
     offset = (np.arange(len(seg_req)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * _QUERY_CHUNK
     seg_new = np.where(pieces[seg_req] == 1, new[seg_req], np.minimum(new[seg_req] - offset, _QUERY_CHUNK))
     return seg_req, computed[seg_req] + offset, seg_new
 
 
-def _partition(computed: np.ndarray, new: np.ndarray) -> list[np.ndarray]:
+def _partition(computed: np.ndarray, new: np.ndarray, kv_start: np.ndarray) -> list[np.ndarray]:
     """Split segments (see :func:`_segments`) into groups whose padded attention wastes little work.
 
-    Greedy over segments sorted by (new tokens, length) descending: a segment joins the current group when
+    Greedy over segments sorted by (new tokens, keys read) descending: a segment joins the current group when
     the padded cost grows by no more than running it alone plus a fixed per-call cost. So decodes of similar
     length share one call, while a long prefill chunk never gets padded to by short ones (and vice versa),
     which keeps the padded K/V gather and mask close to the useful size.
     """
-    seq_lens = computed + new
+    spans = computed + new - kv_start
 
     def alone(r: int) -> int:
-        q, k = int(new[r]), int(seq_lens[r])
+        q, k = int(new[r]), int(spans[r])
         return q * k // 2 if computed[r] == 0 else q * k
 
     groups: list[list[int]] = []
     members: list[int] = []
     max_q = max_k = cost = 0
-    for r in np.lexsort((-seq_lens, -new)).tolist():
-        q, k = int(new[r]), int(seq_lens[r])
+    for r in np.lexsort((-spans, -new)).tolist():
+        q, k = int(new[r]), int(spans[r])
         if members:
             merged_q, merged_k = max(max_q, q), max(max_k, k)
             merged = (len(members) + 1) * merged_q * merged_k
@@ -216,6 +243,7 @@ def _build_group(
     seg_req: np.ndarray,
     seg_computed: np.ndarray,
     seg_new: np.ndarray,
+    seg_kv_start: np.ndarray,
     seg_start: np.ndarray,
     tables: np.ndarray,
     block_size: int,
@@ -226,10 +254,19 @@ def _build_group(
     q_lens = seg_new[seg]
     computed = seg_computed[seg]
     seq_lens = computed + q_lens
+    kv_start = seg_kv_start[seg]
+    first_block = kv_start // block_size
     max_q = int(q_lens.max())
     fresh = num_reqs == 1 and computed[0] == 0
-    num_blocks = int(-(-seq_lens.max() // block_size))
+    num_blocks = int((-(-seq_lens // block_size) - first_block).max())
     kv_len = max_q if fresh else num_blocks * block_size
+    rows = seg_req[seg]
+    if first_block.any():
+        # Columns past a table's end are padding (hidden by the causal mask); clip them into the table.
+        cols = np.minimum(first_block[:, None] + np.arange(num_blocks), tables.shape[1] - 1)
+        block_tables = tables[rows[:, None], cols]
+    else:
+        block_tables = tables[rows, :num_blocks]
     q_pos = np.minimum(computed[:, None] + np.arange(max_q)[None, :], seq_lens[:, None] - 1)
 
     padded = bool((q_lens != max_q).any())
@@ -246,12 +283,14 @@ def _build_group(
         num_reqs=num_reqs,
         max_q=max_q,
         kv_len=kv_len,
-        block_tables=to_dev(tables[seg_req[seg], :num_blocks]),
+        block_tables=to_dev(block_tables),
         q_pos=to_dev(q_pos),
         token_slice=token_slice,
         token_index=token_index,
         pad_index=pad_index,
         fresh=fresh,
+        kv_start=to_dev(kv_start) if first_block.any() else None,
+        max_reach=int((seq_lens - 1 - kv_start).max()),
     )
 
 

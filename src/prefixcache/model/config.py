@@ -32,6 +32,29 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 _GEMMA3_SLIDING_WINDOW_PATTERN = 6
 
 
+# Groups of sliding-window and full layers get the most layers of one kind as their size when the kinds are
+# this close in number (fewer padding slots), else the fewest (vLLM's rule).
+_GROUP_SIZE_BY_MAX_BELOW = 1.5
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that share one attention spec and one block table per request (see ``kv_cache_groups``).
+
+    Layer ``layers[j]`` keeps its K/V in slot j of the cache; a block id handed to the group addresses that
+    block in the group's slots, so groups of the same pool share storage by slot.
+    """
+
+    sliding_window: int | None
+    layers: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.layers or list(self.layers) != sorted(set(self.layers)) or self.layers[0] < 0:
+            raise ValueError(f"a KV cache group needs distinct layers in increasing order, got {self.layers}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The architecture hyper-parameters the model needs, independent of the transformers version.
@@ -129,6 +152,30 @@ class ModelConfig:
         if self.sliding_rope_theta is not None and self.layer_types[layer] == "sliding_attention":
             return self.sliding_rope_theta, self.sliding_rope_scaling
         return self.rope_theta, self.rope_scaling
+
+    def kv_cache_groups(self, hybrid: bool = True) -> tuple[KVCacheGroup, ...]:
+        """The layers' KV cache groups, in order of their first layer.
+
+        Without ``hybrid`` (or with one attention spec) one group of every layer: the mask-only layout, whose
+        group is full attention to the cache even where layers slide (they mask their window). With it, the
+        layers of each window (None: full attention) are cut into groups of equal size, so that all groups' pages
+        are alike; the last group of a kind may have fewer layers (its spare slots stay unused). Gemma 3's five
+        sliding layers per full one give groups of one layer; 2 full + 2 sliding layers two groups of two.
+        """
+        all_layers = tuple(range(self.num_layers))
+        if not hybrid:
+            return (KVCacheGroup(None, all_layers),)
+        by_window: dict[int | None, list[int]] = {}
+        for layer in all_layers:
+            by_window.setdefault(self.layer_window(layer), []).append(layer)
+        counts = [len(layers) for layers in by_window.values()]
+        size = max(counts) if max(counts) < _GROUP_SIZE_BY_MAX_BELOW * min(counts) else min(counts)
+        groups = [
+            KVCacheGroup(window, tuple(layers[i : i + size]))
+            for window, layers in by_window.items()
+            for i in range(0, len(layers), size)
+        ]
+        return tuple(sorted(groups, key=lambda group: group.layers[0]))
 
     @property
     def attention_scale(self) -> float:

@@ -11,7 +11,7 @@ into one matmul each; :meth:`DecoderForCausalLM.load_weights` maps HF's separate
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
 
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
-from prefixcache.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from prefixcache.model.config import SUPPORTED_ARCHITECTURES, KVCacheGroup, ModelConfig
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -222,6 +222,14 @@ class DecoderForCausalLM(nn.Module):
         self._inv_freq_cpu = [rope_inv_freq(config.head_dim, theta, scaling) for theta, scaling in distinct.values()]
         self._inv_freq: dict[torch.device, list[torch.Tensor]] = {}
         self._workspace = GatherWorkspace()
+        # Per KV cache layout, keyed by its number of groups (mask-only: 1; hybrid: len(kv_cache_groups()), the
+        # same layout when the model has one attention spec): each layer's group, and each group's windows.
+        self._layouts: dict[int, tuple[tuple[int, ...], tuple[frozenset[int | None], ...]]] = {}
+        for hybrid in (False, True):
+            groups = config.kv_cache_groups(hybrid)
+            group_of = {layer: g for g, group in enumerate(groups) for layer in group.layers}
+            windows = tuple(frozenset(config.layer_window(layer) for layer in group.layers) for group in groups)
+            self._layouts[len(groups)] = (tuple(group_of[i] for i in range(config.num_layers)), windows)
 
     @torch.inference_mode()
     def forward(
@@ -229,23 +237,38 @@ class DecoderForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attn_metadata: AttentionMetadata,
+        attn_metadata: Sequence[AttentionMetadata],
     ) -> torch.Tensor:
         """Run the step's new tokens ``[T]`` at ``positions`` ``[T]``; returns final-normed hidden ``[T, H]``.
 
-        The new tokens' K/V are written into ``kv_caches`` (one (K, V) pair per layer) at
-        ``attn_metadata.slot_mapping`` before attention reads them.
+        ``attn_metadata`` has one entry per KV cache group of the layout ``kv_caches`` was allocated for
+        (``config.kv_cache_groups(hybrid)``, in that order); each layer attends with its group's. The new
+        tokens' K/V are written into ``kv_caches`` (one (K, V) pair per layer) at the group's ``slot_mapping``
+        before attention reads them.
         """
         if len(kv_caches) != self.config.num_layers:
             raise ValueError(f"expected {self.config.num_layers} KV cache layers, got {len(kv_caches)}")
+        layout = self._layouts.get(len(attn_metadata))
+        if layout is None:
+            raise ValueError(
+                f"expected one attention metadata per KV cache group ({' or '.join(map(str, self._layouts))} of them), "
+                f"got {len(attn_metadata)}"
+            )
+        group_of, windows = layout
+        for group, metadata in enumerate(attn_metadata):
+            if metadata.sliding_window is not None and windows[group] != {metadata.sliding_window}:
+                raise ValueError(
+                    f"KV cache group {group} has layers of windows {sorted(windows[group], key=str)}; its "
+                    f"attention metadata gathers a window of {metadata.sliding_window}"
+                )
         x = self.model.embed_tokens(input_ids)
         if self.config.embed_scale is not None:
             # Rounded to the model dtype first, as HF's Gemma does (sqrt(3072) becomes 55.5 in bfloat16).
             x = x * torch.tensor(self.config.embed_scale, dtype=torch.float32).to(x.dtype)
         ropes = self._rope(positions, x.dtype)
-        for layer, kv_cache, rope in zip(self.model.layers, kv_caches, self._layer_rope, strict=True):
+        for layer, kv_cache, rope, group in zip(self.model.layers, kv_caches, self._layer_rope, group_of, strict=True):
             cos, sin = ropes[rope]
-            x = layer(x, cos, sin, kv_cache, attn_metadata, self._workspace)
+            x = layer(x, cos, sin, kv_cache, attn_metadata[group], self._workspace)
         return self.model.norm(x)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -277,24 +300,51 @@ class DecoderForCausalLM(nn.Module):
         block_size: int,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        groups: Sequence[KVCacheGroup] | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Zeroed per-layer (K, V), each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
-        Zeroed rather than empty: masked-out slots still enter the attention matmuls, and uninitialised
-        memory could hold NaN/inf that would poison the result (0 * NaN = NaN).
+        ``groups`` (default: one group of every layer, the mask-only layout) lay the layers out in slots: layer
+        ``groups[g].layers[j]`` gets slot j's tensors, shared with the layers at slot j of the other groups (a
+        block id belongs to one group at a time). Zeroed rather than empty: masked-out slots and the null
+        block still enter the attention matmuls, and uninitialised memory could hold NaN/inf that would
+        poison the result (0 * NaN = NaN).
         """
         param = self.model.embed_tokens.weight
         dtype = dtype or param.dtype
         device = device or param.device
+        groups = self._check_groups(groups)
         shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
-        return [
+        slots = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(self.config.num_layers)
+            for _ in range(max(len(group.layers) for group in groups))
         ]
+        caches: list[tuple[torch.Tensor, torch.Tensor]] = [slots[0]] * self.config.num_layers
+        for group in groups:
+            for slot, layer in enumerate(group.layers):
+                caches[layer] = slots[slot]
+        return caches
 
-    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype | None = None) -> int:
-        """Bytes one block takes across all layers (K and V), to size the cache from a memory budget."""
-        return block_size * self.config.kv_bytes_per_token((dtype or self.model.embed_tokens.weight.dtype).itemsize)
+    def kv_bytes_per_block(
+        self, block_size: int, dtype: torch.dtype | None = None, groups: Sequence[KVCacheGroup] | None = None
+    ) -> int:
+        """Bytes one block of the pool takes (K and V of each slot), to size the cache from a memory budget.
+
+        A block serves one group, so it spans the largest group's layers; with the default single group, all.
+        """
+        groups = self._check_groups(groups)
+        itemsize = (dtype or self.model.embed_tokens.weight.dtype).itemsize
+        slots = max(len(group.layers) for group in groups)
+        return block_size * slots * 2 * self.config.num_kv_heads * self.config.head_dim * itemsize
+
+    def _check_groups(self, groups: Sequence[KVCacheGroup] | None) -> Sequence[KVCacheGroup]:
+        """The groups (default: the mask-only single group); ValueError unless they hold every layer once."""
+        if groups is None:
+            return self.config.kv_cache_groups(hybrid=False)
+        layers = sorted(layer for group in groups for layer in group.layers)
+        if layers != list(range(self.config.num_layers)):
+            raise ValueError(f"KV cache groups must hold each of the {self.config.num_layers} layers once: {groups}")
+        return groups
 
     @torch.no_grad()
     def load_weights(

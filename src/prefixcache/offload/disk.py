@@ -6,6 +6,13 @@ record is written there and renamed into place, so a reader never sees half a fi
 a temporary file, removed at the next start). Other namespaces in the same root (other models, dtypes or
 block sizes) are left alone and do not count against this store's capacity.
 
+A namespace directory belongs to one store at a time: ``<namespace>/lock`` is held with ``flock`` while the
+store is open (the kernel drops it when the process dies), and a second store, in this process or another,
+is refused with an error naming the holder's pid. Two engines on one directory would each keep the
+capacity for its own index only, and delete each other's writes in flight. Records hold prompts in
+recoverable form, so the tier's folders are created 0700 and its files 0600 whatever the umask, and a
+namespace directory found wider (made by an older version) is narrowed to 0700 when opened.
+
 At start the namespace directory is scanned: its records, oldest modification first, are the LRU order; a
 hit touches the file, so the order survives a restart. A record is verified when it is read; one that is
 truncated, corrupt or foreign is deleted and counts as a miss. Running out of space, or a directory that
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -32,6 +40,9 @@ from prefixcache.offload.store import KVStore, held_run
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".kv"
+LOCK_FILE = "lock"
+DIR_MODE = 0o700
+FILE_MODE = 0o600
 # Errors that mean the directory cannot take writes at all: retrying block after block would only fail again.
 DISABLING_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 
@@ -47,13 +58,24 @@ class DiskStore(KVStore):
         self._tmp = self.directory / "tmp"
         self._index: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> file size, least recent first
         self._last_use_ns = 0
+        self._lock_file: int | None = None
         try:
             self._open()
         except OSError as exc:
             self._disable(exc)
 
+    def close(self) -> None:
+        """Stop using the directory and release it for the next store."""
+        super().close()
+        if self._lock_file is not None:
+            os.close(self._lock_file)
+            self._lock_file = None
+
     def _open(self) -> None:
-        self._tmp.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        for folder in (self.directory, self._tmp):
+            _owner_only_dir(folder)
+        self._take_directory()
         for leftover in self._tmp.iterdir():
             leftover.unlink(missing_ok=True)
         description = self.directory / "layout.json"
@@ -83,6 +105,25 @@ class DiskStore(KVStore):
         )
         if evicted:
             logger.info("DISK tier: evicted %d blocks beyond the capacity", len(evicted))
+
+    def _take_directory(self) -> None:
+        """Hold the namespace directory's lock; ValueError when another store holds it (a misconfiguration)."""
+        fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise ValueError(
+                f"kv_offload_disk: {self.directory} is in use by another engine (pid {holder}); give each engine "
+                "its own directory (one directory's capacity is kept by the one engine that holds it)"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_file = fd
 
     def path_of(self, block_hash: BlockHash) -> Path:
         name = block_hash.hex()
@@ -143,7 +184,7 @@ class DiskStore(KVStore):
                 continue
             path = self.path_of(block_hash)
             try:
-                path.parent.mkdir(exist_ok=True)
+                path.parent.mkdir(mode=DIR_MODE, exist_ok=True)
                 self._write_atomically(path, record)
                 self._mark_used(path)
             except OSError as exc:
@@ -161,7 +202,7 @@ class DiskStore(KVStore):
         """Write to a temporary file in the same filesystem, then rename: readers see all of it or nothing."""
         tmp = self._tmp / f"{uuid.uuid4().hex}.tmp"
         try:
-            with open(tmp, "wb") as f:
+            with open(tmp, "wb", opener=_owner_only_file) as f:
                 f.write(data)
             os.replace(tmp, path)
         except BaseException:
@@ -223,6 +264,18 @@ class DiskStore(KVStore):
                 self.directory,
                 exc,
             )
+
+
+def _owner_only_dir(path: Path) -> None:
+    """Create ``path`` 0700, or narrow it to 0700 if it exists wider (a mode the umask cannot widen)."""
+    path.mkdir(mode=DIR_MODE, exist_ok=True)
+    if path.stat().st_mode & 0o777 != DIR_MODE:
+        path.chmod(DIR_MODE)
+
+
+def _owner_only_file(path: str, flags: int) -> int:
+    """``open``'s opener: a new file is 0600 whatever the umask."""
+    return os.open(path, flags, FILE_MODE)
 
 
 def _hash_from_name(name: str) -> BlockHash | None:

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 from prefixcache.offload.connector import OffloadConnector, TierWriter
 from prefixcache.offload.disk import DiskStore
 from prefixcache.offload.host import HostMemoryStore
-from prefixcache.offload.record import KVLayout
+from prefixcache.offload.record import KVLayout, model_fingerprint
 from prefixcache.offload.store import KVStore
-from prefixcache.offload.worker import OffloadWorker, model_fingerprint
+from prefixcache.offload.worker import OffloadWorker
 
 if TYPE_CHECKING:
     from prefixcache.config import EngineConfig
@@ -22,9 +22,11 @@ logger = logging.getLogger(__name__)
 
 
 def attach_offload(
-    owner: object, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner
+    owner: object, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, weights_digest: str
 ) -> OffloadConnector | None:
     """Build the tiers ``config`` asks for and connect them to ``scheduler`` and ``runner``; None without tiers.
+
+    ``weights_digest`` (``LoadedModel.weights_digest``) identifies the model's weights in the tiers' namespace.
 
     The tiers are closed (queued writes finished, connections dropped) when ``owner`` is garbage-collected
     or the interpreter exits, or earlier by ``connector.close()``.
@@ -39,7 +41,7 @@ def attach_offload(
     model = runner.model
     model_config = model.config
     layout = KVLayout(
-        model_fingerprint=model_fingerprint(model, model_config),
+        model_fingerprint=model_fingerprint(model_config, weights_digest),
         dtype=config.dtype,
         block_size=manager.block_size,
         num_layers=model_config.num_layers,
@@ -47,6 +49,7 @@ def attach_offload(
         head_dim=model_config.head_dim,
         hash_algo=manager.hash_algo,
         root_hash=manager.root_hash,
+        record_key=offload.record_key,
     )
     stores: list[KVStore] = []
     if offload.cpu_bytes is not None:
@@ -56,18 +59,22 @@ def attach_offload(
     if offload.redis_url is not None:
         from prefixcache.offload.redis_store import RedisStore
 
-        stores.append(RedisStore(layout, offload.redis_url, _at_least_one_block(offload.redis_bytes, layout, "redis")))
+        capacity = _at_least_one_block(offload.redis_bytes, layout, "redis")
+        stores.append(RedisStore(layout, offload.redis_url, capacity, password=offload.redis_password))
     writer = TierWriter(stores)
     connector = OffloadConnector(manager, stores, offload.mode, writer)
     scheduler.connector = connector
     runner.offload = OffloadWorker(runner.kv_caches, layout, writer)
     weakref.finalize(owner, connector.close)
     logger.info(
-        "KV offload: %s, host tier %s; blocks of %.2f MiB, namespace %s",
+        "KV offload: %s, host tier %s; blocks of %.2f MiB, namespace %s; %s",
         ", ".join(f"{s.medium} {s.capacity_bytes / 2**30:.2f} GiB" for s in stores),
         offload.mode.replace("_", "-"),
         layout.block_bytes / 2**20,
         layout.namespace.hex(),
+        "records checksummed, not authenticated (no --kv-offload-secret-file)"
+        if offload.record_key is None
+        else f"records authenticated with HMAC-SHA256, key {offload.record_key.key_id}",
     )
     return connector
 

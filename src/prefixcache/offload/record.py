@@ -7,14 +7,19 @@ exactly when they would have computed the same K/V, and a record names its names
 a checksummed header: a file copied from another model, a truncated write or a flipped bit reads as a
 miss, never as wrong K/V.
 
-Record: ``MAGIC | version u8 | namespace 16 B | hash length u8 | block hash | payload length u64 |
-xxh3-128 of everything before it and of the payload 16 B | payload``.
+Record: ``MAGIC | version u8 | namespace 16 B | hash length u8 | block hash | payload length u64 | check |
+payload``, where the check covers everything before it and the payload. Version 1, without a deployment
+secret: the check is an xxh3-128 checksum (16 B), which catches accidents but not a forger, since anyone
+can compute it. Version 2, with a :class:`RecordKey`: the check is an HMAC-SHA256 under the secret (32 B),
+so only holders of the secret write records that read back; the key's public id is part of the
+namespace, so engines with different secrets (or none) never share, nor delete each other's, records.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
+import hmac
 import json
 import struct
 from dataclasses import dataclass, field, fields
@@ -24,20 +29,51 @@ import xxhash
 from prefixcache.core.hashing import BlockHash
 
 MAGIC = b"PCKV"
-VERSION = 1
+CHECKSUM_VERSION = 1
+MAC_VERSION = 2
 NAMESPACE_BYTES = 16
+MIN_SECRET_BYTES = 16
 _HEAD = struct.Struct("<4sB16sB")
 _LENGTH = struct.Struct("<Q")
-_CHECKSUM_BYTES = 16
+_CHECK_BYTES = {CHECKSUM_VERSION: 16, MAC_VERSION: 32}
 KV_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True, slots=True)
-class KVLayout:
-    """Everything that makes one block's K/V valid, and its shape ``[layers, 2, block_size, kv_heads, head_dim]``.
+class RecordKey:
+    """A deployment secret that authenticates the records of shared tiers (disk, Redis) with HMAC-SHA256.
 
-    ``model_fingerprint`` identifies the weights (the engine derives it from the model config and a sample
-    of every parameter); ``root_hash`` is the parent of every chain's first block, so it stands for the
+    Every engine that shares a store must be given the same secret; the secret never leaves the process
+    (only :attr:`key_id`, an HMAC of a fixed text under it, is written, into the layout description).
+    """
+
+    secret: bytes = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.secret) < MIN_SECRET_BYTES:
+            raise ValueError(
+                f"the KV offload secret has {len(self.secret)} bytes, at least {MIN_SECRET_BYTES} are needed "
+                "(e.g. the output of `openssl rand -hex 32`)"
+            )
+
+    @property
+    def key_id(self) -> str:
+        return hmac.new(self.secret, b"prefixcache kv offload key id", hashlib.sha256).hexdigest()[:16]
+
+    def mac(self, *parts: bytes | memoryview) -> bytes:
+        digest = hmac.new(self.secret, digestmod=hashlib.sha256)
+        for part in parts:
+            digest.update(part)
+        return digest.digest()
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Everything that makes one block's K/V valid, and its shape ``[layers, 2, block_size, kv_heads, head_dim]``;
+    with ``record_key``, also who may write its records (see the module docstring).
+
+    ``model_fingerprint`` identifies the model (:func:`model_fingerprint`: its config and a digest of every
+    byte of its weights); ``root_hash`` is the parent of every chain's first block, so it stands for the
     hash algorithm and seed.
     """
 
@@ -49,6 +85,7 @@ class KVLayout:
     head_dim: int
     hash_algo: str
     root_hash: bytes
+    record_key: RecordKey | None = field(default=None, repr=False)
     namespace: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -71,11 +108,23 @@ class KVLayout:
         layers, kv, tokens, heads, dim = self.shape
         return layers * kv * tokens * heads * dim * KV_DTYPES[self.dtype]
 
+    @property
+    def record_version(self) -> int:
+        return CHECKSUM_VERSION if self.record_key is None else MAC_VERSION
+
     def describe(self) -> dict:
         """The layout as JSON-able values (what the namespace digests; stored next to the blocks for people)."""
-        described = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        described = {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name != "record_key"}
         described["root_hash"] = self.root_hash.hex()
+        if self.record_key is not None:
+            described["record_mac"] = f"hmac-sha256 key {self.record_key.key_id}"
         return described
+
+
+def model_fingerprint(model_config: object, weights_digest: str) -> str:
+    """Identifies a model for :class:`KVLayout`: its parsed architecture and the digest of all its weight files
+    (``LoadedModel.weights_digest``), so a fine-tune that changes one embedding row gets another namespace."""
+    return hashlib.sha256(f"{model_config!r}\n{weights_digest}".encode()).hexdigest()
 
 
 class RecordError(enum.Enum):
@@ -84,6 +133,7 @@ class RecordError(enum.Enum):
     TRUNCATED = "truncated"
     CORRUPT = "corrupt"
     FOREIGN = "foreign"
+    FORGED = "forged"  # not written with the deployment secret
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,41 +143,54 @@ class BadRecord:
 
 
 def encode_record(layout: KVLayout, block_hash: BlockHash, payload: bytes) -> bytes:
-    """The stored form of one block: header naming namespace and hash, checksum, payload."""
+    """The stored form of one block: header naming namespace and hash, checksum or MAC, payload."""
     if len(payload) != layout.block_bytes:
         raise ValueError(f"payload has {len(payload)} bytes, the layout needs {layout.block_bytes}")
-    header = _HEAD.pack(MAGIC, VERSION, layout.namespace, len(block_hash)) + block_hash + _LENGTH.pack(len(payload))
-    digest = xxhash.xxh3_128()
-    digest.update(header)
-    digest.update(payload)
-    return b"".join((header, digest.digest(), payload))
+    version = layout.record_version
+    header = _HEAD.pack(MAGIC, version, layout.namespace, len(block_hash)) + block_hash + _LENGTH.pack(len(payload))
+    return b"".join((header, _check(layout, header, payload), payload))
 
 
 def decode_record(layout: KVLayout, block_hash: BlockHash, record: bytes | memoryview) -> bytes | BadRecord:
-    """The payload of ``record`` if it is intact and holds ``block_hash`` for ``layout``, else why not."""
+    """The payload of ``record`` if it is intact (and, with a record key, written with it) and holds
+    ``block_hash`` for ``layout``, else why not."""
     view = memoryview(record)
     if len(view) < _HEAD.size:
         return BadRecord(RecordError.TRUNCATED, f"{len(view)} bytes, shorter than a header")
     magic, version, namespace, hash_length = _HEAD.unpack_from(view)
-    if magic != MAGIC or version != VERSION:
-        return BadRecord(RecordError.FOREIGN, f"not a version {VERSION} prefixcache block record")
+    if magic != MAGIC or version not in _CHECK_BYTES:
+        return BadRecord(RecordError.FOREIGN, "not a prefixcache block record of a known version")
     if namespace != layout.namespace:
-        return BadRecord(RecordError.FOREIGN, "written for another model, dtype, block size or hash chain")
+        return BadRecord(RecordError.FOREIGN, "written for another model, dtype, block size, hash chain or secret")
+    if version != layout.record_version:
+        if layout.record_key is not None:
+            return BadRecord(RecordError.FORGED, "not authenticated with the deployment secret")
+        return BadRecord(RecordError.FOREIGN, "authenticated with a secret this engine was not given")
     offset = _HEAD.size + hash_length
     header_end = offset + _LENGTH.size
-    if len(view) < header_end + _CHECKSUM_BYTES:
+    check_end = header_end + _CHECK_BYTES[version]
+    if len(view) < check_end:
         return BadRecord(RecordError.TRUNCATED, f"{len(view)} bytes, shorter than a header")
     if view[_HEAD.size : offset] != block_hash:
         return BadRecord(RecordError.FOREIGN, "holds another block hash")
     (length,) = _LENGTH.unpack_from(view, offset)
-    payload = view[header_end + _CHECKSUM_BYTES :]
+    payload = view[check_end:]
     if length != layout.block_bytes:
         return BadRecord(RecordError.CORRUPT, f"payload length {length}, the layout needs {layout.block_bytes}")
     if len(payload) != length:
         return BadRecord(RecordError.TRUNCATED, f"{len(payload)} of {length} payload bytes")
-    digest = xxhash.xxh3_128()
-    digest.update(view[:header_end])
-    digest.update(payload)
-    if digest.digest() != view[header_end : header_end + _CHECKSUM_BYTES]:
+    if not hmac.compare_digest(_check(layout, view[:header_end], payload), view[header_end:check_end]):
+        if layout.record_key is not None:
+            return BadRecord(RecordError.FORGED, "MAC mismatch: altered, or written without the deployment secret")
         return BadRecord(RecordError.CORRUPT, "checksum mismatch")
     return payload.tobytes()
+
+
+def _check(layout: KVLayout, header: bytes | memoryview, payload: bytes | memoryview) -> bytes:
+    """The check a record of ``layout`` carries: the MAC under its key, else the xxh3-128 checksum."""
+    if layout.record_key is not None:
+        return layout.record_key.mac(header, payload)
+    digest = xxhash.xxh3_128()
+    digest.update(header)
+    digest.update(payload)
+    return digest.digest()

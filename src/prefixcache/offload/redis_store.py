@@ -2,15 +2,24 @@
 
 Keys, for a layout's namespace ``NS`` (hex): ``prefixcache:NS:kv:<block hash hex>`` hold records (header,
 checksum, payload, as on disk); ``prefixcache:NS:lru`` is a sorted set of block keys by last use,
-``prefixcache:NS:bytes`` the bytes they take and ``prefixcache:NS:clock`` a counter every use increments, so
-engines on several hosts keep one LRU order without agreeing on time. Lua scripts make each lookup (read
+``prefixcache:NS:sizes`` a hash of the bytes written for each, ``prefixcache:NS:bytes`` their sum and
+``prefixcache:NS:clock`` a counter every use increments, so engines on several hosts keep one LRU order
+without agreeing on time. Lua scripts make each lookup (read
 the longest run of present blocks and touch them, or only count them) and each write (store, then evict
 the least recently used beyond the capacity) one atomic round trip. Engines with another layout use other
 keys.
 
 Redis down, at start or mid-run, marks the tier unavailable: lookups miss and writes are dropped at once,
 and a reconnection is tried after a backoff that doubles up to ``retry_max_s``; when Redis answers again
-the tier is used again. A record that fails its check is deleted and counts as a miss.
+the tier is used again.
+
+The URL says how to connect: ``redis://USER:PASSWORD@...`` authenticates (an ACL user, or the
+``requirepass`` password with an empty user), ``rediss://`` speaks TLS with redis-py's ``ssl_*`` options
+(``ssl_ca_certs``, ``ssl_certfile``...); logs show the URL without its passwords.
+
+A record that fails its check is deleted and counts as a miss, and so does a block key that holds no record
+(an empty string, or a list or hash written there by something else): it is deleted when read and replaced
+when written, so no prefix stays uncached for good.
 """
 
 from __future__ import annotations
@@ -26,19 +35,39 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from prefixcache.core.hashing import BlockHash
-from prefixcache.offload.record import BadRecord, KVLayout, decode_record, encode_record
+from prefixcache.offload.config import redacted_url
+from prefixcache.offload.record import BadRecord, KVLayout, RecordError, decode_record, encode_record
 from prefixcache.offload.store import KVStore
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+NOT_A_RECORD = BadRecord(RecordError.CORRUPT, "the key holds no record (an empty value, or another type than a string)")
 
-# KEYS: lru, clock, block keys in order. Returns the values of the longest run of present keys, touched.
+# Deletes one block key, whatever it holds, and gives back the bytes stored for it (the sizes hash records
+# what each store wrote, so a value altered or replaced by another type cannot skew the byte count).
+# Returns the bytes used afterwards.
+_DROP = """
+local function drop(lru, bytes, sizes, key)
+  local size = tonumber(redis.call('HGET', sizes, key) or '0')
+  redis.call('DEL', key)
+  redis.call('ZREM', lru, key)
+  redis.call('HDEL', sizes, key)
+  return redis.call('DECRBY', bytes, size)
+end
+"""
+
+# KEYS: lru, clock, block keys in order. Returns the values of the longest run of present keys, touched; a
+# key that holds another type than a string ends the run with false (nil to the client: not a record).
 _LOAD = """
 local out = {}
 for i = 3, #KEYS do
-  local value = redis.call('GET', KEYS[i])
-  if not value then break end
-  out[#out + 1] = value
+  local kind = redis.call('TYPE', KEYS[i]).ok
+  if kind == 'none' then break end
+  if kind ~= 'string' then
+    out[#out + 1] = false
+    break
+  end
+  out[#out + 1] = redis.call('GET', KEYS[i])
   redis.call('ZADD', KEYS[1], 'XX', redis.call('INCR', KEYS[2]), KEYS[i])
 end
 return out
@@ -52,18 +81,28 @@ end
 return #KEYS
 """
 
-# KEYS: lru, bytes, clock, block keys; ARGV: capacity, one value a block key. Stores the keys not present
-# (a value larger than the capacity is skipped), then evicts the least recently used beyond the capacity.
-# Returns {stored keys, evicted keys, bytes used, blocks held}.
-_STORE = """
+# KEYS: lru, bytes, clock, sizes, block keys; ARGV: capacity, one value a block key. Stores the keys not
+# present (a value larger than the capacity is skipped); a key that holds no record (an empty string or
+# another type) is dropped and stored again. Then evicts the least recently used beyond the capacity.
+# Returns {stored keys, evicted keys, bytes used, blocks held, keys that held no record}.
+_STORE = (
+    _DROP
+    + """
 local capacity = tonumber(ARGV[1])
 local total = tonumber(redis.call('GET', KEYS[2]) or '0')
-local stored, evicted = {}, {}
-for i = 4, #KEYS do
-  local value = ARGV[i - 2]
-  if string.len(value) <= capacity and redis.call('EXISTS', KEYS[i]) == 0 then
+local stored, evicted, replaced = {}, {}, {}
+for i = 5, #KEYS do
+  local value = ARGV[i - 3]
+  local kind = redis.call('TYPE', KEYS[i]).ok
+  if kind ~= 'none' and (kind ~= 'string' or redis.call('STRLEN', KEYS[i]) == 0) then
+    total = drop(KEYS[1], KEYS[2], KEYS[4], KEYS[i])
+    replaced[#replaced + 1] = KEYS[i]
+    kind = 'none'
+  end
+  if kind == 'none' and string.len(value) <= capacity then
     redis.call('SET', KEYS[i], value)
     redis.call('ZADD', KEYS[1], redis.call('INCR', KEYS[3]), KEYS[i])
+    redis.call('HSET', KEYS[4], KEYS[i], string.len(value))
     total = redis.call('INCRBY', KEYS[2], string.len(value))
     stored[#stored + 1] = KEYS[i]
   end
@@ -75,29 +114,28 @@ while total > capacity do
     total = 0
     break
   end
-  local size = redis.call('STRLEN', oldest[1])
-  redis.call('DEL', oldest[1])
-  redis.call('ZREM', KEYS[1], oldest[1])
-  total = redis.call('DECRBY', KEYS[2], size)
+  total = drop(KEYS[1], KEYS[2], KEYS[4], oldest[1])
   evicted[#evicted + 1] = oldest[1]
 end
-return {stored, evicted, total, redis.call('ZCARD', KEYS[1])}
+return {stored, evicted, total, redis.call('ZCARD', KEYS[1]), replaced}
 """
+)
 
-# KEYS: lru, bytes, block keys. Deletes the blocks and gives their bytes back; returns the keys deleted.
-_REMOVE = """
+# KEYS: lru, bytes, sizes, block keys. Deletes the blocks, whatever they hold, and gives their bytes back;
+# returns the keys deleted.
+_REMOVE = (
+    _DROP
+    + """
 local removed = {}
-for i = 3, #KEYS do
-  local size = redis.call('STRLEN', KEYS[i])
-  if size > 0 then
-    redis.call('DEL', KEYS[i])
-    redis.call('DECRBY', KEYS[2], size)
+for i = 4, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then
     removed[#removed + 1] = KEYS[i]
   end
-  redis.call('ZREM', KEYS[1], KEYS[i])
+  drop(KEYS[1], KEYS[2], KEYS[3], KEYS[i])
 end
 return removed
 """
+)
 
 
 class RedisStore(KVStore):
@@ -110,19 +148,25 @@ class RedisStore(KVStore):
         url: str,
         capacity_bytes: int,
         *,
+        password: str | None = None,
         timeout_s: float = 2.0,
         retry_initial_s: float = 0.5,
         retry_max_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(layout, capacity_bytes)
-        self.url = url
-        self._client = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+        self.url = redacted_url(url)  # what logs show
+        self._client = redis.Redis.from_url(  # a password in the URL wins over ``password``
+            url,
+            password=password,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
         )
         prefix = f"prefixcache:{layout.namespace.hex()}:"
         self._block_prefix = f"{prefix}kv:"
         self._lru, self._bytes, self._clock_key = f"{prefix}lru", f"{prefix}bytes", f"{prefix}clock"
+        self._sizes = f"{prefix}sizes"
         self._layout_key = f"{prefix}layout"
         self._load_script = self._client.register_script(_LOAD)
         self._held_script = self._client.register_script(_HELD)
@@ -196,7 +240,7 @@ class RedisStore(KVStore):
         records = self._call(lambda: self._load_script(keys=keys))
         out: list[bytes] = []
         for block_hash, record in zip(hashes, records or (), strict=False):
-            payload = decode_record(self.layout, block_hash, record)
+            payload = NOT_A_RECORD if record is None else decode_record(self.layout, block_hash, record)
             if isinstance(payload, BadRecord):
                 self._count_bad(block_hash, payload, self.key_of(block_hash))
                 self.discard([block_hash])
@@ -209,19 +253,21 @@ class RedisStore(KVStore):
         return int(self._call(lambda: self._held_script(keys=keys)) or 0)
 
     def _discard(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
-        keys = [self._lru, self._bytes, *(self.key_of(h) for h in hashes)]
+        keys = [self._lru, self._bytes, self._sizes, *(self.key_of(h) for h in hashes)]
         removed = self._call(lambda: self._remove_script(keys=keys))
         return [self._hash_of(k) for k in removed or ()]
 
     def _store(self, items: Sequence[tuple[BlockHash, bytes]]) -> tuple[list[BlockHash], list[BlockHash]]:
-        keys = [self._lru, self._bytes, self._clock_key, *(self.key_of(h) for h, _ in items)]
+        keys = [self._lru, self._bytes, self._clock_key, self._sizes, *(self.key_of(h) for h, _ in items)]
         values = [encode_record(self.layout, h, payload) for h, payload in items]
         result = self._call(lambda: self._store_script(keys=keys, args=[self.capacity_bytes, *values]))
         if result is None:
             return [], []
-        stored_keys, evicted_keys, used, num_blocks = result
+        stored_keys, evicted_keys, used, num_blocks, replaced_keys = result
         with self._lock:
             self.stats.used_bytes, self.stats.num_blocks = int(used), int(num_blocks)
+        for key in replaced_keys:
+            self._count_bad(self._hash_of(key), NOT_A_RECORD, key.decode())
         return [self._hash_of(k) for k in stored_keys], [self._hash_of(k) for k in evicted_keys]
 
     def _hash_of(self, key: bytes) -> BlockHash:

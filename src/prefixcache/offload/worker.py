@@ -8,7 +8,6 @@ reused; storing them in the tiers is left to the connector's background writer.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -16,22 +15,7 @@ import torch
 from prefixcache.offload.connector import BlockSave, OffloadPlan, TierWriter
 from prefixcache.offload.record import KVLayout
 
-FINGERPRINT_SAMPLES = 4096
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
-
-
-def model_fingerprint(model: torch.nn.Module, model_config: object) -> str:
-    """Identifies the weights: the architecture, every tensor's name, shape and dtype, and an even sample of
-    up to 4,096 of its values. Two checkpoints that differ anywhere a fine-tune reaches differ here, at a
-    cost that does not grow with the model (hashing all weights would take seconds for a large one)."""
-    digest = hashlib.sha256(repr(model_config).encode())
-    for name, tensor in model.state_dict().items():
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-        flat = tensor.detach().reshape(-1)
-        step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
-        sample = flat[::step][:FINGERPRINT_SAMPLES].to("cpu", torch.float32).contiguous()
-        digest.update(sample.numpy().tobytes())
-    return digest.hexdigest()
 
 
 def read_blocks(kv_caches: KVCaches, block_ids: Sequence[int]) -> list[bytes]:

@@ -15,16 +15,20 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prefixcache.router.backends import BackendPool, HealthSettings
 from prefixcache.router.index import PrefixIndex
 from prefixcache.router.metrics import RouterMetrics
-from prefixcache.router.policy import DEFAULT_PREFIX_WEIGHT, POLICIES, make_policy
+from prefixcache.router.policy import DEFAULT_AFFINITY_BALANCE, DEFAULT_PREFIX_WEIGHT, POLICIES, make_policy
 from prefixcache.router.proxy import Proxy
 from prefixcache.router.routing import Router
+from prefixcache.router.subscriber import EventSource
+from prefixcache.router.wire import DEFAULT_CONTENT_BLOCK_SIZE
 from prefixcache.server.tenants import valid_api_key
 
 
 @dataclass(frozen=True, slots=True)
 class RouterSettings:
     """``request_timeout`` bounds each read from a backend (None: wait as long as generation takes).
-    ``backend_api_key`` authenticates the router's own calls to the backends; it is kept out of the repr."""
+    ``backend_api_key`` authenticates the router's own calls to the backends; it is kept out of the repr.
+    ``event_sources`` names where backends without ``/v1/cache/config`` publish KV events (backend URL ->
+    source), whose blocks must hold ``kv_event_block_size`` tokens."""
 
     backends: tuple[str, ...]
     policy: str = "prefix"
@@ -32,6 +36,9 @@ class RouterSettings:
     health: HealthSettings = field(default_factory=HealthSettings)
     request_timeout: float | None = None
     backend_api_key: str | None = field(default=None, repr=False)
+    event_sources: tuple[tuple[str, EventSource], ...] = ()
+    kv_event_block_size: int = DEFAULT_CONTENT_BLOCK_SIZE
+    affinity_balance: float = DEFAULT_AFFINITY_BALANCE
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -47,6 +54,14 @@ class RouterSettings:
             raise ValueError("the request timeout must be positive")
         if self.backend_api_key is not None and not valid_api_key(self.backend_api_key):
             raise ValueError("the backend API key must be non-empty printable ASCII without spaces")
+        backends = {url.rstrip("/") for url in self.backends}
+        for url, _ in self.event_sources:
+            if url.rstrip("/") not in backends:
+                raise ValueError(f"--kv-event-source names {url}, which is not one of the --backend URLs")
+        if self.kv_event_block_size <= 0:
+            raise ValueError(f"the KV event block size must be positive, got {self.kv_event_block_size}")
+        if self.affinity_balance != 0 and not self.affinity_balance >= 1:
+            raise ValueError(f"the affinity balance must be >= 1 (or 0: off), got {self.affinity_balance}")
 
 
 def build_app(settings: RouterSettings, tokenizer: Any) -> FastAPI:
@@ -60,9 +75,17 @@ def build_app(settings: RouterSettings, tokenizer: Any) -> FastAPI:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
             pool = BackendPool(
-                list(settings.backends), index, metrics, client, settings.health, settings.backend_api_key
+                list(settings.backends),
+                index,
+                metrics,
+                client,
+                settings.health,
+                settings.backend_api_key,
+                dict(settings.event_sources),
+                settings.kv_event_block_size,
             )
-            router = Router(pool, index, make_policy(settings.policy, settings.prefix_weight), tokenizer)
+            policy = make_policy(settings.policy, settings.prefix_weight, settings.affinity_balance)
+            router = Router(pool, index, policy, tokenizer)
             await pool.start()
             app.state.pool, app.state.router = pool, router
             app.state.proxy = Proxy(router, pool, client, metrics)

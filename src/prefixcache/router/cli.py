@@ -9,8 +9,13 @@ import argparse
 import logging
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-from prefixcache.router.policy import DEFAULT_PREFIX_WEIGHT, POLICIES
+from prefixcache.router.policy import DEFAULT_AFFINITY_BALANCE, DEFAULT_PREFIX_WEIGHT, POLICIES
+from prefixcache.router.wire import DEFAULT_CONTENT_BLOCK_SIZE
+
+if TYPE_CHECKING:
+    from prefixcache.router.subscriber import EventSource
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +27,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "router",
         help="route OpenAI requests to the backend holding their longest cached prefix",
-        description="Proxy /v1/completions and /v1/chat/completions to prefixcache serve backends. The prefix "
-        "policy predicts each backend's cache hit from its KV cache events and weighs it against the load.",
+        description="Proxy /v1/completions and /v1/chat/completions to OpenAI-compatible backends. The prefix "
+        "policy predicts each backend's cache hit from its KV cache events and weighs it against the load: exactly "
+        "for prefixcache serve backends (they report how they hash at /v1/cache/config), by the content of the "
+        "events for others such as vLLM (name their event endpoints with --kv-event-source); backends without "
+        "events are routed by load and affinity (prompt_cache_key, else the prompt's first blocks).",
     )
     parser.add_argument(
         "--backend",
@@ -31,6 +39,36 @@ def register(commands: argparse._SubParsersAction) -> None:
         required=True,
         metavar="URL",
         help="a backend, e.g. http://10.0.0.2:8000 (repeat for each)",
+    )
+    parser.add_argument(
+        "--kv-event-source",
+        action="append",
+        default=[],
+        metavar="URL=ENDPOINT",
+        help="where the backend URL publishes KV events, e.g. http://10.0.0.3:8000=tcp://10.0.0.3:5557 (a vLLM "
+        "server's --kv-events-config endpoint; tcp://*:PORT means the backend's host); repeat per backend. For a "
+        "prefixcache backend it replaces what /v1/cache/config reports",
+    )
+    parser.add_argument(
+        "--kv-event-replay-source",
+        action="append",
+        default=[],
+        metavar="URL=ENDPOINT",
+        help="the replay endpoint of a backend given with --kv-event-source (its replay_endpoint)",
+    )
+    parser.add_argument(
+        "--kv-event-block-size",
+        type=int,
+        default=DEFAULT_CONTENT_BLOCK_SIZE,
+        help="block size of the --kv-event-source backends (their --block-size; default %(default)s)",
+    )
+    parser.add_argument(
+        "--affinity-balance",
+        type=float,
+        default=DEFAULT_AFFINITY_BALANCE,
+        help="an affinity key's backend keeps its requests while its requests in flight stay within this many "
+        "times the mean, when no cached prefix decides (>= 1; 0: off, ties go to the least loaded; default "
+        "%(default)s)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8080)
@@ -73,6 +111,37 @@ def backend_api_key(args: argparse.Namespace, environ: Mapping[str, str]) -> str
     return environ.get(BACKEND_API_KEY_ENV) or None
 
 
+def event_sources(sources: list[str], replays: list[str]) -> tuple[tuple[str, EventSource], ...]:
+    """``URL=ENDPOINT`` flags as (backend URL, addresses to connect to); ValueError naming the bad one."""
+    from prefixcache.router.subscriber import EventSource
+
+    endpoints = _url_map(sources, "--kv-event-source")
+    replay_endpoints = _url_map(replays, "--kv-event-replay-source")
+    orphans = sorted(set(replay_endpoints) - set(endpoints))
+    if orphans:
+        raise ValueError(f"--kv-event-replay-source for {', '.join(orphans)} without a --kv-event-source")
+    return tuple((url, EventSource(endpoint, replay_endpoints.get(url))) for url, endpoint in endpoints.items())
+
+
+def _url_map(values: list[str], flag: str) -> dict[str, str]:
+    from prefixcache.router.backend_config import connect_address
+
+    mapped: dict[str, str] = {}
+    for value in values:
+        url, separator, endpoint = value.rpartition("=")
+        url = url.rstrip("/")
+        scheme, _, address = endpoint.partition("://")
+        if not separator or not url.startswith(("http://", "https://")) or scheme not in ("tcp", "ipc") or not address:
+            example = "http://10.0.0.3:8000=tcp://10.0.0.3:5557"
+            raise ValueError(f"{flag} takes URL=ENDPOINT such as {example}, got {value!r}")
+        if url in mapped:
+            raise ValueError(f"{flag} is given twice for {url}")
+        connect = connect_address(endpoint, url)
+        assert connect is not None  # only inproc:// has no address to connect to, and it is refused above
+        mapped[url] = connect
+    return mapped
+
+
 def run(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -93,6 +162,9 @@ def run(args: argparse.Namespace) -> None:
             ),
             request_timeout=args.request_timeout,
             backend_api_key=backend_api_key(args, os.environ),
+            event_sources=event_sources(args.kv_event_source, args.kv_event_replay_source),
+            kv_event_block_size=args.kv_event_block_size,
+            affinity_balance=args.affinity_balance,
         )
         tokenizer = load_tokenizer(resolve_model(args.tokenizer)[0]) if args.policy == "prefix" else None
     except (FileNotFoundError, ValueError) as exc:

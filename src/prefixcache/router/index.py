@@ -33,6 +33,10 @@ class PrefixIndex:
     def num_blocks(self, backend: str) -> int:
         return len(self._by_backend.get(backend, ()))
 
+    def holds(self, backend: str, block_hash: int) -> bool:
+        """Whether any medium of ``backend`` holds ``block_hash`` by events."""
+        return block_hash in self._by_backend.get(backend, ())
+
     def store(self, backend: str, block_hashes: Iterable[int], medium: str = MEDIUM_GPU) -> None:
         owned = self._by_backend.setdefault(backend, set())
         for block_hash in block_hashes:

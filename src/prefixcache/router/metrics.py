@@ -40,6 +40,17 @@ class RouterMetrics:
         self.events_received = counter("events_received", "KV cache events applied to the index.")
         self.batches_dropped = counter("batches_dropped", "Event batches missed (a sequence gap replay did not fill).")
         self.replays = counter("replays", "Replay requests sent after a sequence gap or on (re)subscribing.")
+        self.bad_event_messages = counter(
+            "bad_event_messages",
+            "KV event messages or events dropped as malformed or implausible, by reason (frames, sequence, payload, "
+            "event).",
+            ("backend", "reason"),
+        )
+        self.blocks_unindexed = counter(
+            "blocks_unindexed",
+            "Stored blocks of a content-keyed backend the router cannot key (extra keys beyond a LoRA, no tokens, "
+            "an unknown parent).",
+        )
         self.resyncs = counter("resyncs", "Times a backend's index entries were rebuilt (restart, reset, down).")
         self.index_blocks = gauge("index_blocks", "Distinct block hashes in the router's index.", ())
         self.backend_blocks = gauge("backend_blocks", "Block hashes the index holds for each backend.")

@@ -3,10 +3,20 @@
 ``prefix`` scores ``cost = weight * prompt tokens the backend would compute + its load`` and takes the
 lowest; ``least_load`` takes the lowest load; ``round_robin`` takes turns. Ties go to the least loaded,
 then to the backend with the fewest requests in flight, then turn about, so equal backends share work.
+
+A request may carry an affinity key (its ``prompt_cache_key``, else a hash of its first blocks), which
+ranks the backends by rendezvous hashing: the same order for the same key in every router process, with
+no message between them. When no cached prefix decides (every backend would compute the same tokens),
+``prefix`` takes the first backend in that order whose requests in flight stay within ``affinity_balance``
+times the mean (consistent hashing with bounded loads, Mirrokni et al. 2018): one key's requests follow
+one backend until it is that much busier than the others, and two router replicas that split a burst
+of one new prefix send it to the same backend before either has seen an event. Remaining ties also go
+by the order, not in turn.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -15,17 +25,21 @@ POLICIES = ("prefix", "round_robin", "least_load")
 # rate within 3% of one engine with 4x the capacity and requests within 5% of even; 1 lost a quarter of
 # the hits to load-chasing, 1000 sent everything to the two engines holding the trace's shared block.
 DEFAULT_PREFIX_WEIGHT = 64.0
+# The bound of consistent hashing with bounded loads; 1.25 is the usual choice (within 25% of the mean).
+DEFAULT_AFFINITY_BALANCE = 1.25
 
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """A backend as a policy sees it. ``load`` is tokens in flight (uncached prompt plus output) there."""
+    """A backend as a policy sees it. ``load`` is tokens in flight (uncached prompt plus output) there;
+    ``affinity_rank`` its place in the request's affinity order (0 first), None when the request has no key."""
 
     name: str
     prompt_tokens: int
     cached_tokens: int
     load: int
     requests_in_flight: int
+    affinity_rank: int | None = None
 
     @property
     def tokens_to_compute(self) -> int:
@@ -68,25 +82,50 @@ class LeastLoad(RoutingPolicy):
 
 
 class PrefixAware(RoutingPolicy):
-    """``weight`` prices a prompt token to compute against a token already queued on the backend."""
+    """``weight`` prices a prompt token to compute against a token already queued on the backend;
+    ``affinity_balance`` (>= 1, or 0 to ignore affinity keys) bounds how much busier than the mean the
+    key's backend may be and still get the request."""
 
     name = "prefix"
     uses_prefix = True
 
-    def __init__(self, weight: float = DEFAULT_PREFIX_WEIGHT) -> None:
+    def __init__(self, weight: float = DEFAULT_PREFIX_WEIGHT, affinity_balance: float = DEFAULT_AFFINITY_BALANCE):
         super().__init__()
         if weight < 0:
             raise ValueError(f"the prefix weight must be >= 0, got {weight}")
+        if affinity_balance != 0 and not affinity_balance >= 1:
+            raise ValueError(f"the affinity balance must be >= 1 (or 0: off), got {affinity_balance}")
         self.weight = weight
+        self.affinity_balance = affinity_balance
 
     def choose(self, candidates: Sequence[Candidate]) -> Candidate:
+        keyed = bool(self.affinity_balance) and candidates[0].affinity_rank is not None
+        if keyed and len({c.cached_tokens for c in candidates}) == 1:
+            return self._bounded_affinity(candidates)
         weight = self.weight
-        return self._lowest(candidates, lambda c: (weight * c.tokens_to_compute + c.load, c.load, c.requests_in_flight))
+        return self._lowest(
+            candidates,
+            lambda c: (
+                weight * c.tokens_to_compute + c.load,
+                c.load,
+                c.requests_in_flight,
+                c.affinity_rank if keyed else 0,
+            ),
+        )
+
+    def _bounded_affinity(self, candidates: Sequence[Candidate]) -> Candidate:
+        """The first in affinity order within the bound; the least busy always is, so one always is found."""
+        in_flight = sum(c.requests_in_flight for c in candidates)
+        capacity = math.ceil(self.affinity_balance * (in_flight + 1) / len(candidates))
+        ordered = sorted(candidates, key=lambda c: c.affinity_rank)
+        return next(c for c in ordered if c.requests_in_flight + 1 <= capacity)
 
 
-def make_policy(name: str, prefix_weight: float = DEFAULT_PREFIX_WEIGHT) -> RoutingPolicy:
+def make_policy(
+    name: str, prefix_weight: float = DEFAULT_PREFIX_WEIGHT, affinity_balance: float = DEFAULT_AFFINITY_BALANCE
+) -> RoutingPolicy:
     if name == "prefix":
-        return PrefixAware(prefix_weight)
+        return PrefixAware(prefix_weight, affinity_balance)
     if name == "round_robin":
         return RoundRobin()
     if name == "least_load":

@@ -1,9 +1,12 @@
 """A request body as the engine will see it: prompt token ids and the block hashes the index is keyed by.
 
-Tokenized by the server's own functions: a text prompt without special tokens, token ids as given,
-chat messages through the model's chat template with the generation prompt. Hashed with the
-engine's own code (``Request.hash_blocks``: chained, with the cache salt and LoRA keys), then put in
-the integer form the KV events carry.
+Two kinds of keys. For ``prefixcache serve`` backends: tokenized by the server's own functions (a text
+prompt without special tokens, token ids as given, chat messages through the model's chat template with
+the generation prompt) and hashed with the engine's algorithm and seed. For content-keyed backends
+(vLLM): tokenized as vLLM's completions endpoint does (a text prompt with the tokenizer's special tokens
+unless the body says ``add_special_tokens: false``; chat and token ids alike) and hashed with the
+router's own content hash (:mod:`prefixcache.router.blocks`). Both go through ``Request.hash_blocks``
+(chained, with the cache salt and LoRA keys), then into the integer form the KV events carry.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from prefixcache.core import Request, hittable_blocks
 from prefixcache.core.hashing import root_hash
 from prefixcache.engine.input_processor import chat_token_ids, tokenize_prompt
 from prefixcache.router.backend_config import CacheConfig
+from prefixcache.router.blocks import CONTENT_HASH_ALGO, CONTENT_ROOT
 from prefixcache.router.wire import external_block_hash
 from prefixcache.server.protocol import ChatMessage
 
@@ -35,17 +39,38 @@ class PromptKey:
 
 
 class PromptHasher:
-    """``keyed``: the backends salt each request by its API key's tenant, which the caller must add."""
+    """``keyed``: the backends salt each request by its API key's tenant, which the caller must add.
+    ``text_special_tokens``: a text completion prompt gets the tokenizer's special tokens (vLLM's default)."""
 
-    def __init__(self, tokenizer: Any, config: CacheConfig) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        hash_algo: str,
+        root: bytes,
+        block_size: int,
+        keyed: bool = False,
+        text_special_tokens: bool = False,
+    ) -> None:
         self.tokenizer = tokenizer
-        self.keyed = config.keyed
-        self.hash_algo = config.hash_algo
-        self.block_size = config.block_size
-        self.root = root_hash(config.hash_algo, config.hash_seed)
+        self.hash_algo = hash_algo
+        self.root = root
+        self.block_size = block_size
+        self.keyed = keyed
+        self.text_special_tokens = text_special_tokens
+
+    @classmethod
+    def for_engine(cls, tokenizer: Any, config: CacheConfig) -> PromptHasher:
+        """Keys a ``prefixcache serve`` backend's events carry, from the hashing it reports."""
+        root = root_hash(config.hash_algo, config.hash_seed)
+        return cls(tokenizer, config.hash_algo, root, config.block_size, keyed=config.keyed)
+
+    @classmethod
+    def by_content(cls, tokenizer: Any, block_size: int) -> PromptHasher:
+        """The router's own content keys, for backends indexed by the tokens of their events."""
+        return cls(tokenizer, CONTENT_HASH_ALGO, CONTENT_ROOT, block_size, text_special_tokens=True)
 
     def token_ids(self, body: dict[str, Any], chat: bool) -> list[int] | None:
-        """The prompt's token ids as the server makes them, or None when it would refuse the body."""
+        """The prompt's token ids as the backend makes them, or None when it would refuse the body."""
         try:
             if chat:
                 messages = body.get("messages")
@@ -54,6 +79,9 @@ class PromptHasher:
                 conversation = [ChatMessage.model_validate(m).template_dict() for m in messages]
                 return chat_token_ids(self.tokenizer, conversation)
             prompt = body.get("prompt")
+            if isinstance(prompt, str) and self.text_special_tokens:
+                special = body.get("add_special_tokens", True)
+                return self.tokenizer.encode(prompt, add_special_tokens=special is not False)
             return tokenize_prompt(self.tokenizer, prompt)[1] if isinstance(prompt, str | list) else None
         except (ValidationError, TemplateError, ValueError, TypeError):
             return None
@@ -78,3 +106,9 @@ def requested_output_tokens(body: dict[str, Any], chat: bool) -> int:
 def cache_salt(body: dict[str, Any]) -> str | None:
     salt = body.get("cache_salt")
     return salt if isinstance(salt, str) and salt else None
+
+
+def prompt_cache_key(body: dict[str, Any]) -> str | None:
+    """OpenAI's ``prompt_cache_key``: requests that share it are meant to share a cached prefix."""
+    key = body.get("prompt_cache_key")
+    return key if isinstance(key, str) and key else None

@@ -1,9 +1,18 @@
 """One routing decision: read the request's prompt once, score the backends, account the load.
 
-The prompt is tokenized and hashed only when the policy uses the index. A backend without KV events
-is predicted to hold nothing, so among such backends the prefix policy ranks by load alone. When the
-backends make each API key a tenant, the prompt is salted as they salt it, from the client's bearer token;
-a request without one is routed by load (the backend will refuse it).
+The prompt is tokenized and hashed only when the policy uses the index: into the engine's own keys for
+``prefixcache serve`` backends, into the router's content keys for the others (content-keyed by their
+events, or routed by load). A backend without KV events is predicted to hold nothing, so among such
+backends the prefix policy ranks by load and affinity alone. When the prefixcache backends make each API
+key a tenant, the prompt is salted as they salt it, from the client's bearer token; a request without one
+is routed by load there (the backend will refuse it). A request's ``cache_salt`` is part of both keys; a
+content-keyed backend's salted blocks are never indexed (see :mod:`~prefixcache.router.blocks`), so a
+salted request finds nothing cached there and is routed by load.
+
+The affinity key is the request's ``prompt_cache_key`` when it has one, else the hash of its
+``AFFINITY_BLOCKS``-th block (or its last whole block when shorter): deep enough to tell tenants' system
+prompts apart, shallow enough that the turns of one conversation keep it. Backends are ranked for it by
+rendezvous hashing of the key with each backend's URL, so router replicas listing the same backends agree.
 """
 
 from __future__ import annotations
@@ -14,19 +23,44 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from prefixcache.router.backends import Backend, BackendPool
+import xxhash
+
+from prefixcache.router.backends import CONTENT, ENGINE, LOAD, Backend, BackendPool
 from prefixcache.router.index import PrefixIndex
 from prefixcache.router.policy import Candidate, RoutingPolicy
-from prefixcache.router.prompt import PromptHasher, PromptKey, cache_salt, requested_output_tokens
+from prefixcache.router.prompt import (
+    PromptHasher,
+    PromptKey,
+    cache_salt,
+    prompt_cache_key,
+    requested_output_tokens,
+)
 from prefixcache.server.tenants import bearer_token, engine_salt, tenant_salt
+
+AFFINITY_BLOCKS = 4
 
 
 @dataclass(frozen=True, slots=True)
 class RoutePlan:
-    """``key`` is None when the router did not read the prompt (load-only policy, or a body it cannot parse)."""
+    """A key is None where the router did not read the prompt (load-only policy, a body it cannot parse, no
+    backend of that kind): ``engine_key`` for prefixcache backends, ``content_key`` for the others.
+    ``affinity`` is the request's affinity key (None: none)."""
 
-    key: PromptKey | None
+    engine_key: PromptKey | None
+    content_key: PromptKey | None
+    affinity: bytes | None
     output_tokens: int
+
+    def key_for(self, backend: Backend) -> PromptKey | None:
+        """The key ``backend``'s index entries are matched by; None when it has no events."""
+        if backend.subscriber is None:
+            return None
+        return self.engine_key if backend.kind == ENGINE else self.content_key
+
+    @property
+    def num_tokens(self) -> int:
+        key = self.engine_key or self.content_key
+        return key.num_tokens if key is not None else 0
 
 
 class Lease:
@@ -49,6 +83,7 @@ class Lease:
             self.backend.tokens_in_flight -= self.tokens
             self.backend.requests_in_flight -= 1
             self._index.release(self.backend.url, self._block_hashes)
+            self.backend.finished(bool(self._block_hashes))
 
 
 class Router:
@@ -57,7 +92,8 @@ class Router:
         self.index = index
         self.policy = policy
         self.tokenizer = tokenizer
-        self._hasher: PromptHasher | None = None
+        self._engine_hasher: PromptHasher | None = None
+        self._content_hasher = PromptHasher.by_content(tokenizer, pool.content_block_size)
         # One worker: requests are tokenized in turn, never by two threads sharing the tokenizer at once.
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-tokenize")
 
@@ -67,57 +103,109 @@ class Router:
     async def plan(self, body: dict[str, Any] | None, chat: bool, authorization: str | None) -> RoutePlan:
         """``authorization`` is the client's header, which keyed backends salt the prompt by."""
         if body is None:
-            return RoutePlan(None, 0)
+            return RoutePlan(None, None, None, 0)
         output_tokens = requested_output_tokens(body, chat)
-        hasher = self._prompt_hasher()
-        if not self.policy.uses_prefix or hasher is None:
-            return RoutePlan(None, output_tokens)
-        tenant = None
-        if hasher.keyed:
-            api_key = bearer_token(authorization)
-            if api_key is None:
-                return RoutePlan(None, output_tokens)
-            tenant = tenant_salt(api_key)
-        salt = engine_salt(tenant, cache_salt(body))
+        if not self.policy.uses_prefix:
+            return RoutePlan(None, None, None, output_tokens)
+        routable = self.pool.routable()
+        kinds = {b.kind for b in routable}
+        engine_hasher = self._engine_prompt_hasher() if ENGINE in kinds else None
+        engine = None
+        if engine_hasher is not None:
+            tenant = None
+            if engine_hasher.keyed:
+                api_key = bearer_token(authorization)
+                tenant = tenant_salt(api_key) if api_key is not None else None
+            if tenant is not None or not engine_hasher.keyed:
+                engine = (engine_hasher, engine_salt(tenant, cache_salt(body)))
+        content = None
+        if kinds & {CONTENT, LOAD}:
+            model = body.get("model")
+            loras = set().union(*(b.lora_names for b in routable))
+            lora = model if isinstance(model, str) and model in loras else None
+            content = (self._content_hasher, cache_salt(body), lora)
         # Tokenizing a long prompt or a chat template takes milliseconds: keep the event loop serving.
         loop = asyncio.get_running_loop()
-        key = await loop.run_in_executor(self._tokenize, _prompt_key, hasher, body, chat, salt)
-        return RoutePlan(key, output_tokens)
+        engine_key, content_key = await loop.run_in_executor(self._tokenize, _prompt_keys, body, chat, engine, content)
+        return RoutePlan(engine_key, content_key, _affinity(body, content_key or engine_key), output_tokens)
 
     def choose(self, plan: RoutePlan, exclude: Collection[str] = ()) -> tuple[Backend, Candidate] | None:
         """The policy's pick among routable backends not in ``exclude`` (URLs); None when there is none."""
         backends = [b for b in self.pool.routable() if b.url not in exclude]
         if not backends:
             return None
-        key = plan.key
-        matched = {}
-        if key is not None:
-            with_events = [b.url for b in backends if b.subscriber is not None]
-            matched = self.index.matched_blocks(key.block_hashes, with_events)
-        block_size = self.pool.reference.block_size if self.pool.reference else 0
-        num_tokens = key.num_tokens if key is not None else 0
-        candidates = [
-            Candidate(b.url, num_tokens, matched.get(b.url, 0) * block_size, b.tokens_in_flight, b.requests_in_flight)
-            for b in backends
-        ]
+        ranks = _affinity_ranks(plan.affinity, backends)
+        candidates = []
+        for b in backends:
+            key = plan.key_for(b)
+            matched = self.index.matched_blocks(key.block_hashes, [b.url])[b.url] if key is not None else 0
+            prompt_tokens = key.num_tokens if key is not None else plan.num_tokens
+            cached = matched * self._block_size(b)
+            candidates.append(
+                Candidate(b.url, prompt_tokens, cached, b.tokens_in_flight, b.requests_in_flight, ranks.get(b.url))
+            )
         chosen = self.policy.choose(candidates)
         return backends[candidates.index(chosen)], chosen
 
     def admit(self, backend: Backend, plan: RoutePlan, chosen: Candidate) -> Lease:
-        block_hashes = plan.key.block_hashes if plan.key is not None else []
+        key = plan.key_for(backend)
+        block_hashes = key.block_hashes if key is not None else []
         return Lease(backend, chosen.tokens_to_compute + plan.output_tokens, self.index, block_hashes)
 
-    def _prompt_hasher(self) -> PromptHasher | None:
-        if self._hasher is None and self.pool.reference is not None:
-            self._hasher = PromptHasher(self.tokenizer, self.pool.reference)
-        return self._hasher
+    def _block_size(self, backend: Backend) -> int:
+        if backend.kind == ENGINE:
+            return self.pool.reference.block_size if self.pool.reference else 0
+        return self.pool.content_block_size
+
+    def _engine_prompt_hasher(self) -> PromptHasher | None:
+        if self._engine_hasher is None and self.pool.reference is not None:
+            self._engine_hasher = PromptHasher.for_engine(self.tokenizer, self.pool.reference)
+        return self._engine_hasher
 
 
-def _prompt_key(hasher: PromptHasher, body: dict[str, Any], chat: bool, salt: str | None) -> PromptKey | None:
-    token_ids = hasher.token_ids(body, chat)
+def _prompt_keys(
+    body: dict[str, Any],
+    chat: bool,
+    engine: tuple[PromptHasher, str | None] | None,
+    content: tuple[PromptHasher, str | None, str | None] | None,
+) -> tuple[PromptKey | None, PromptKey | None]:
+    """The engine key (hasher, salt) and the content key (hasher, salt, LoRA) asked for; token ids are shared
+    unless the two tokenize differently (a text completion prompt: vLLM adds special tokens)."""
+    engine_ids = engine[0].token_ids(body, chat) if engine is not None else None
+    engine_key = _prompt_key(engine[0], engine_ids, engine[1]) if engine is not None else None
+    if content is None:
+        return engine_key, None
+    hasher, salt, lora = content
+    shared = engine is not None and (chat or not isinstance(body.get("prompt"), str))
+    content_ids = engine_ids if shared else hasher.token_ids(body, chat)
+    return engine_key, _prompt_key(hasher, content_ids, salt, lora)
+
+
+def _prompt_key(
+    hasher: PromptHasher, token_ids: list[int] | None, salt: str | None, lora: str | None = None
+) -> PromptKey | None:
     if not token_ids:
         return None
     try:
-        return hasher.key(token_ids, salt)
+        return hasher.key(token_ids, salt, lora)
     except ValueError:  # ids the engine refuses too: it will answer the error
         return None
+
+
+def _affinity(body: dict[str, Any], key: PromptKey | None) -> bytes | None:
+    """The request's affinity key: its prompt_cache_key, else its AFFINITY_BLOCKS-th block's hash."""
+    explicit = prompt_cache_key(body)
+    if explicit is not None:
+        return b"prompt_cache_key:" + explicit.encode("utf-8", "surrogatepass")
+    if key is None or not key.block_hashes:
+        return None
+    depth = min(len(key.block_hashes), AFFINITY_BLOCKS)
+    return b"prefix:" + key.block_hashes[depth - 1].to_bytes(8, "big")
+
+
+def _affinity_ranks(affinity: bytes | None, backends: Sequence[Backend]) -> dict[str, int]:
+    """Rendezvous hashing: each backend's place (0 first) in the key's order, the same in every router."""
+    if affinity is None:
+        return {}
+    order = sorted(backends, key=lambda b: xxhash.xxh64_intdigest(affinity + b.url.encode()), reverse=True)
+    return {b.url: rank for rank, b in enumerate(order)}

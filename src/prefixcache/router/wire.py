@@ -4,7 +4,8 @@ Each ZeroMQ PUB message has three frames: topic, sequence number (8-byte big-end
 and payload. The payload is msgpack of a batch, an array ``[ts, events, data_parallel_rank]``; each
 event is a map tagged by its class name in the field ``type``. A replay request ``[b"", start_seq]``
 on a DEALER socket to the replay ROUTER gets ``[b"", seq, payload]`` for every buffered batch from
-``start_seq``, then ``[b"", seq -1, b""]``. Block hashes are unsigned 64-bit integers by default
+``start_seq``, then ``[b"", seq -1, b""]``; vLLM 0.32 puts the topic before the sequence number
+(``[b"", topic, seq, payload]``), and both are read. Block hashes are unsigned 64-bit integers by default
 (the last 8 bytes of the hash, big-endian); a publisher sending full bytes is read the same way.
 """
 
@@ -13,6 +14,9 @@ from __future__ import annotations
 import msgspec
 
 MEDIUM_GPU = "GPU"
+# vLLM's default block size (its CPU attention backend wants a multiple of 32): what a router assumes for
+# backends it knows only by their events, unless told otherwise.
+DEFAULT_CONTENT_BLOCK_SIZE = 16
 END_OF_REPLAY = -1
 _UINT64 = (1 << 64) - 1
 
@@ -68,3 +72,10 @@ def decode_seq(frame: bytes) -> int:
     if len(frame) != 8:
         raise ValueError(f"a sequence frame has 8 bytes, got {len(frame)}")
     return int.from_bytes(frame, "big", signed=True)
+
+
+def replay_reply(frames: list[bytes]) -> tuple[bytes, bytes] | None:
+    """The sequence and payload frames of one replay reply, with or without a topic frame; None when malformed."""
+    if len(frames) not in (3, 4) or frames[0] != b"":
+        return None
+    return frames[-2], frames[-1]
