@@ -7,8 +7,7 @@ import torch
 
 from prefixcache.engine import LLM, SamplingParams
 from prefixcache.model import load_model
-from tests.engine.conftest import assert_no_leaks
-from tests.helpers import write_tiny_checkpoint
+from tests.helpers import assert_no_leaks, write_tiny_checkpoint
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

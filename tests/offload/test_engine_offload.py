@@ -2,6 +2,7 @@
 partly from a tier and partly computed gives the same greedy tokens as with no cache at all; the disk tier
 serves after a restart, Redis across engines, and a tier that is down only costs hits."""
 
+import functools
 import random
 import shutil
 from pathlib import Path
@@ -16,7 +17,6 @@ from prefixcache.model import load_model
 from prefixcache.offload.config import REDIS_PASSWORD_ENV
 from prefixcache.offload.record import encode_record, model_fingerprint
 from prefixcache.offload.worker import read_blocks
-from tests.engine.conftest import assert_no_leaks
 from tests.helpers import write_tiny_checkpoint
 from tests.offload.conftest import SECRET, forger
 
@@ -50,20 +50,9 @@ def reference(tiny_loaded, tiny_llama_dir) -> list[int]:
 
 
 @pytest.fixture
-def make_llm(tiny_loaded, tiny_llama_dir):
-    built: list[LLM] = []
-
-    def make(loaded=tiny_loaded, **kwargs) -> LLM:
-        kwargs.setdefault("num_blocks", 16)
-        llm = LLM(str(loaded.model_dir), loaded=loaded, dtype="float32", block_size=BLOCK, **kwargs)
-        built.append(llm)
-        return llm
-
-    yield make
-    for llm in built:
-        assert_no_leaks(llm)
-        if llm.engine.core.offload is not None:
-            llm.engine.core.offload.close()
+def make_llm(make_llm):
+    """The shared factory (tests/conftest.py: leak checks, closing) with this file's block size and 16 blocks."""
+    return functools.partial(make_llm, block_size=BLOCK, num_blocks=16)
 
 
 def settle(llm: LLM) -> None:
@@ -229,14 +218,14 @@ def test_a_fine_tune_one_embedding_row_apart_never_loads_its_base_models_blocks(
         if tier == "disk"
         else {"kv_offload_redis": request.getfixturevalue("redis_server").url}
     )
-    expected = generate(make_llm(tuned, enable_prefix_caching=False), TUNED_PROMPT).outputs[0].token_ids
-    base_llm = make_llm(base, **kwargs)
+    expected = generate(make_llm(loaded=tuned, enable_prefix_caching=False), TUNED_PROMPT).outputs[0].token_ids
+    base_llm = make_llm(loaded=base, **kwargs)
     base_output = generate(base_llm, TUNED_PROMPT)
     settle(base_llm)
     assert base_output.outputs[0].token_ids != expected  # the base's K/V would give the fine-tune wrong tokens
     base_llm.engine.core.offload.close()
 
-    tuned_llm = make_llm(tuned, **kwargs)
+    tuned_llm = make_llm(loaded=tuned, **kwargs)
     assert tuned_llm.lookup({"prompt_token_ids": TUNED_PROMPT}).cached_tokens == 0
     out = generate(tuned_llm, TUNED_PROMPT)
     assert out.num_cached_tokens == 0 and tier_tokens(tuned_llm) == {tier.upper(): 0}

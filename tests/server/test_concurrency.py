@@ -9,7 +9,8 @@ import time
 import httpx
 import openai
 
-from tests.server.harness import delta, random_prompt, scrape
+from tests.helpers import scrape
+from tests.server.harness import delta, random_prompt
 
 NUM_FINISHING = 6
 NUM_LEAVING = 6

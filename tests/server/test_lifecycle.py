@@ -16,7 +16,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.server.harness import ServerProcess, random_prompt, scrape, start_streams
+from tests.helpers import scrape
+from tests.server.harness import ServerProcess, random_prompt, start_streams
 
 ARGS = ["--block-size", "4", "--num-blocks", "1024", "--max-model-len", "1024", "--disable-uvicorn-access-log"]
 
