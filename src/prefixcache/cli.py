@@ -75,6 +75,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from prefixcache.bench import clients as bench_clients
     from prefixcache.bench import offline
     from prefixcache.bench import offload_live as bench_offload
     from prefixcache.bench import route as bench_route
@@ -114,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_trace.register(bench)
     bench_route.register(bench)
     bench_offload.register(bench)
+    bench_clients.register(bench)
 
     generate = commands.add_parser("generate", help="complete prompts on the command line")
     generate.add_argument("prompt", nargs="+", help="one or more prompts")

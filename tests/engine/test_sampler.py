@@ -1,5 +1,6 @@
 """The sampler: penalties as vLLM defines them, raw log-probabilities, and one request's failure kept to itself."""
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -112,3 +113,80 @@ def test_generated_token_logprobs_match_transformers(make_llm, tiny_llama_dir):
             zip(top.indices.tolist(), top.values.tolist(), strict=True)
         )
         assert entry == pytest.approx(expected, abs=1e-4)
+
+
+def reference_distribution(logits: list[float], temperature: float, min_p: float, top_k: int = 0) -> list[float]:
+    """vLLM's order written out in plain floats: temperature, then min-p on those probabilities, then top-k."""
+    scaled = [x / temperature for x in logits]
+    exps = [math.exp(x - max(scaled)) for x in scaled]
+    probs = [e / sum(exps) for e in exps]
+    kept = [p >= min_p * max(probs) for p in probs]
+    if top_k:
+        kth = sorted((x for x, k in zip(scaled, kept, strict=True) if k), reverse=True)[:top_k][-1]
+        kept = [k and x >= kth for x, k in zip(scaled, kept, strict=True)]
+    total = sum(p for p, k in zip(probs, kept, strict=True) if k)
+    return [p / total if k else 0.0 for p, k in zip(probs, kept, strict=True)]
+
+
+@pytest.mark.parametrize(
+    ("temperature", "min_p", "top_k"),
+    [(1.0, 0.2, 0), (0.5, 0.2, 0), (2.0, 0.2, 0), (1.0, 0.05, 2), (1.0, 1.0, 0), (1.0, 0.0, 0)],
+)
+def test_min_p_keeps_tokens_at_least_min_p_times_the_likeliest_after_temperature(temperature, min_p, top_k):
+    from prefixcache.engine.sampler import distribution
+
+    logits = [2.0, 1.5, 0.4, -0.3, 1.9, -2.0]
+    params = SamplingParams(temperature=temperature, min_p=min_p, top_k=top_k)
+    got = distribution(torch.tensor(logits), params).tolist()
+    assert got == pytest.approx(reference_distribution(logits, temperature, min_p, top_k), abs=1e-6)
+
+
+def test_min_p_changes_which_tokens_are_drawn_and_is_ignored_by_greedy():
+    logits = torch.tensor([[3.0, 2.9, 0.0, -1.0]])
+    sampler = Sampler(0, torch.device("cpu"))
+    rows = [Row(str(i), SamplingParams(temperature=1.0, min_p=0.5, seed=i)) for i in range(200)]
+    draws = set(sampler.sample(logits.repeat(200, 1), rows).token_ids.values())
+    assert draws == {0, 1}  # 0.0 and -1.0 are below half the likeliest token's probability
+    assert greedy_pick([1.0, 3.0, 2.0], min_p=0.9) == 1
+
+
+def test_min_tokens_bans_eos_and_stop_token_ids_until_enough_are_generated():
+    eos = 0
+    logits = torch.tensor([[5.0, 4.0, 3.0, 1.0]])  # EOS likeliest, then stop token 1, then 2
+
+    def pick(params: SamplingParams, generated: int) -> int:
+        row = Row("r", params, output_token_ids=[3] * generated)
+        return Sampler(0, torch.device("cpu"), eos_token_ids=(eos,)).sample(logits, [row]).token_ids["r"]
+
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(1,))
+    assert [pick(params, generated) for generated in (0, 1, 2)] == [2, 2, 0]
+    assert pick(SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True), 0) == 1  # vLLM: EOS banned anyway
+    assert pick(SamplingParams(temperature=0.0), 0) == 0
+    seeded = SamplingParams(temperature=5.0, min_tokens=3, stop_token_ids=(1,), seed=4)
+    assert {pick(dataclasses.replace(seeded, seed=s), 1) for s in range(100)} == {2, 3}
+
+
+def test_min_tokens_generation_matches_transformers_with_the_stop_tokens_masked(make_llm, tiny_llama_dir):
+    """Reference: transformers' greedy decoding with EOS and the stop ids set to -inf for the first min_tokens."""
+    from transformers import AutoModelForCausalLM
+
+    llm = make_llm()
+    prompt = list(range(5, 18))
+    free = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    stop_ids = (free[0], free[1])  # the tokens greedy decoding would start with
+    params = SamplingParams(max_tokens=8, temperature=0.0, min_tokens=4, stop_token_ids=stop_ids)
+    completion = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    banned = [*llm.engine.core.eos_token_ids, *stop_ids]
+    expected = []
+    with torch.no_grad():
+        while len(expected) < params.max_tokens:
+            logits = hf(torch.tensor([prompt + expected])).logits[0, -1]
+            if len(expected) < params.min_tokens:
+                logits[banned] = float("-inf")
+            expected.append(int(logits.argmax()))
+            if expected[-1] in banned and len(expected) > params.min_tokens:
+                break
+    assert completion.token_ids == expected
+    assert len(completion.token_ids) > params.min_tokens

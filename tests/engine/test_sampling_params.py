@@ -45,6 +45,17 @@ BAD = [
     ("stop", tuple(str(i) for i in range(33))),
     ("stop_token_ids", (-1,)),
     ("stop_token_ids", tuple(range(1025))),
+    ("min_p", -0.1),
+    ("min_p", 1.5),
+    ("min_p", NAN),
+    ("min_tokens", -1),
+    ("min_tokens", 17),  # beyond max_tokens (16)
+    ("min_tokens", True),
+    ("skip_special_tokens", 1),
+    ("spaces_between_special_tokens", None),
+    ("truncate_prompt_tokens", 0),
+    ("truncate_prompt_tokens", -2),
+    ("truncate_prompt_tokens", 2**31),
 ]
 
 

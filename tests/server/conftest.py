@@ -1,11 +1,11 @@
 """Two real servers on the tiny model, started together once per session: plain, and with two API keys
-(two tenants) + reset."""
+(two tenants), a metrics key and reset."""
 
 import httpx
 import openai
 import pytest
 
-from tests.server.harness import API_KEY, OTHER_API_KEY, SERVER_ARGS, ServerProcess
+from tests.server.harness import API_KEY, METRICS_API_KEY, OTHER_API_KEY, SERVER_ARGS, ServerProcess
 
 
 @pytest.fixture(scope="session")
@@ -16,7 +16,7 @@ def _servers(tiny_llama_dir, tmp_path_factory):
         tiny_llama_dir,
         [
             *SERVER_ARGS,
-            *("--api-key", API_KEY, "--api-key", OTHER_API_KEY),
+            *("--api-key", API_KEY, "--api-key", OTHER_API_KEY, "--metrics-api-key", METRICS_API_KEY),
             *("--enable-reset-prefix-cache", "--served-model-name", "tiny", "alias"),
         ],
         logs / "secured.log",
@@ -38,8 +38,8 @@ def server(_servers) -> ServerProcess:
 
 @pytest.fixture(scope="session")
 def secured_server(_servers) -> ServerProcess:
-    """``--api-key`` twice (``API_KEY``, ``OTHER_API_KEY``) and ``--enable-reset-prefix-cache``; served as ``tiny``
-    and ``alias``."""
+    """``--api-key`` twice (``API_KEY``, ``OTHER_API_KEY``), ``--metrics-api-key METRICS_API_KEY`` and
+    ``--enable-reset-prefix-cache``; served as ``tiny`` and ``alias``."""
     return _servers[1]
 
 

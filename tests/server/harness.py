@@ -18,6 +18,7 @@ from prefixcache.bench.live import Process
 
 API_KEY = "test-key"
 OTHER_API_KEY = "other-test-key"  # a second tenant of the secured server
+METRICS_API_KEY = "metrics-test-key"  # the secured server's /metrics key (--metrics-api-key)
 # 4-token blocks make "more than one block" cheap; a 256-token context makes "too long" cheap.
 SERVER_ARGS = ["--block-size", "4", "--num-blocks", "512", "--max-model-len", "256", "--disable-uvicorn-access-log"]
 

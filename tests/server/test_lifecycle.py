@@ -16,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.helpers import scrape
+from tests.helpers import scrape, wait_until
 from tests.server.harness import ServerProcess, random_prompt, start_streams
 
 ARGS = ["--block-size", "4", "--num-blocks", "1024", "--max-model-len", "1024", "--disable-uvicorn-access-log"]
@@ -109,13 +109,12 @@ def start_whole(url: str, max_tokens: int) -> tuple[list[httpx.Response], thread
 
 
 def test_sigterm_lets_streams_finish_refuses_new_work_and_exits_zero(start_server):
-    server = start_server()
+    server = start_server("--shutdown-timeout", "600")  # they must finish, however loaded the machine is
     pids = family(server)
     results, threads = start_streams(server.url, 2, max_tokens=400)
     whole, whole_thread = start_whole(server.url, max_tokens=400)
     server.process.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
-    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
+    wait_until(lambda: httpx.get(f"{server.url}/health", timeout=5).status_code == 503, what="the drain to start")
     refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi"}, timeout=5)
     assert refused.status_code == 503
     assert "shutting down" in refused.json()["error"]["message"]
@@ -152,3 +151,33 @@ def test_a_core_that_fails_to_start_makes_serve_exit_non_zero_with_the_reason(ti
     server = ServerProcess(tiny_llama_dir, ["--kv-cache-memory", "1KiB"], tmp_path / "server.log")
     assert wait_exit(server, 90) != 0  # uvicorn exits 3 when the app's startup fails
     assert "fewer than 2 blocks" in server.log()
+
+
+def test_a_port_in_use_fails_at_once_before_the_model_loads(tiny_llama_dir):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "prefixcache.cli", "serve", str(tiny_llama_dir), *ARGS, "--port", str(port)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert (
+        done.stderr.strip().splitlines()[-1]
+        == f"prefixcache serve: cannot listen on 127.0.0.1:{port}: Address already in use"
+    )
+    assert "Traceback" not in done.stderr and "Waiting for application startup" not in done.stderr + done.stdout
+
+
+def test_the_startup_log_names_the_model_cache_tiers_and_events(server, tiny_llama_dir):
+    log = server.log()
+    assert (
+        f"model {tiny_llama_dir.name} (LlamaForCausalLM) from {tiny_llama_dir}: float32 on cpu, context 256 tokens"
+        in log
+    )
+    # 512 blocks x 4 tokens x 2 layers x (K, V) x 2 KV heads x 16 dims x 4 bytes
+    assert "KV cache: 512 blocks of 4 tokens (2,048 tokens, 1.0 MiB); prefix caching on (sha256)" in log
+    assert "offload tiers: none" in log and "KV events: off" in log

@@ -9,7 +9,7 @@ import pytest
 
 from prefixcache.server.cli import API_KEY_ENV, api_keys
 from prefixcache.server.tenants import SALT_BY_API_KEY, bearer_token, engine_salt, tenant_salt
-from tests.server.harness import API_KEY, OTHER_API_KEY, SERVER_ARGS, ServerProcess, random_prompt
+from tests.server.harness import API_KEY, METRICS_API_KEY, OTHER_API_KEY, SERVER_ARGS, ServerProcess, random_prompt
 
 
 def cached_tokens(url: str, key: str, prompt: list[int], salt: str | None = None) -> int:
@@ -100,3 +100,49 @@ def test_the_cache_config_says_whether_keys_are_tenants(server, secured_server, 
     assert salted_by(secured_server.url) == SALT_BY_API_KEY
     assert salted_by(sharing_server.url) is None  # --share-cache-across-keys
     assert salted_by(server.url) is None  # no keys
+
+
+def test_tenants_keys_do_not_reach_metrics_which_takes_the_metrics_key_alone(secured_server):
+    """Before: /metrics took any tenant's key, and its counters move with every tenant's hits."""
+    url = f"{secured_server.url}/metrics"
+    for key in (API_KEY, OTHER_API_KEY, None, "wrong"):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        response = httpx.get(url, headers=headers)
+        assert response.status_code == 401, key
+        assert "--metrics-api-key" in response.json()["error"]["message"]
+    metrics = httpx.get(url, headers={"Authorization": f"Bearer {METRICS_API_KEY}"})
+    assert metrics.status_code == 200 and "prefixcache:prefix_cache_queries_total" in metrics.text
+    # the metrics key is no tenant: it reaches nothing else
+    models = httpx.get(f"{secured_server.url}/v1/models", headers={"Authorization": f"Bearer {METRICS_API_KEY}"})
+    assert models.status_code == 401
+
+
+def test_a_metrics_key_alone_guards_metrics_and_leaves_the_api_open():
+    import asyncio
+
+    from prefixcache.server.middleware import APIKeyMiddleware
+
+    async def ok(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    app = APIKeyMiddleware(ok, api_keys=(), metrics_key="m-key")
+
+    async def statuses() -> list[int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return [
+                (await client.get("/v1/models")).status_code,
+                (await client.get("/metrics")).status_code,
+                (await client.get("/metrics", headers={"Authorization": "Bearer m-key"})).status_code,
+            ]
+
+    assert asyncio.run(statuses()) == [200, 401, 200]
+
+
+def test_the_metrics_key_must_differ_from_the_tenants_keys():
+    from prefixcache.server.settings import ServerSettings
+
+    with pytest.raises(ValueError, match="differ"):
+        ServerSettings(("m",), api_keys=("a", "b"), metrics_api_key="b")
+    with pytest.raises(ValueError, match="printable"):
+        ServerSettings(("m",), metrics_api_key="has space")

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from importlib.metadata import version as distribution_version
 from pathlib import Path
 
 from prefixcache.model.cache import cache_dir
@@ -31,11 +32,17 @@ class PeerInstallError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class PeerTool:
-    """``name`` is the PyPI distribution, pinned to ``version``; ``executable`` the console script it installs."""
+    """``name`` is the PyPI distribution, pinned to ``version``; ``executable`` the console script it installs.
+
+    ``pinned_to_ours`` names dependencies installed at the version prefixcache's own environment has: guidellm
+    needs torch, and the torch that runs prefixcache here (a CPU build, on a machine without a GPU) is one pip
+    can install, where an unpinned one could be a multi-gigabyte CUDA build.
+    """
 
     name: str
     version: str
     executable: str
+    pinned_to_ours: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("name", "version", "executable"):
@@ -47,12 +54,17 @@ class PeerTool:
     def requirement(self) -> str:
         return f"{self.name}=={self.version}"
 
+    def requirements(self) -> list[str]:
+        """What pip installs: the tool, and each of ``pinned_to_ours`` at the version installed here."""
+        return [self.requirement, *(f"{name}=={distribution_version(name)}" for name in self.pinned_to_ours)]
+
 
 PEER_TOOLS: dict[str, PeerTool] = {
     tool.name: tool
     for tool in (
         PeerTool("vllm-router", "0.1.17", "vllm-router"),
         PeerTool("sglang-router", "0.3.2", "sglang-router"),
+        PeerTool("guidellm", "0.8.1", "guidellm", pinned_to_ours=("torch",)),
     )
 }
 
@@ -107,7 +119,7 @@ def _install(tool: PeerTool, root: Path) -> None:
     try:
         _run([sys.executable, "-m", "venv", str(venv)], f"create a venv at {venv}")
         pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-        _run([*pip, tool.requirement], f"install {tool.requirement}")
+        _run([*pip, *tool.requirements()], f"install {tool.requirement}")
         if not executable_path(tool, root).is_file():
             raise PeerInstallError(f"{tool.requirement} installed no {tool.executable!r} in {venv / 'bin'}")
     except BaseException:

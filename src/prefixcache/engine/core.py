@@ -67,7 +67,15 @@ class EngineCore:
             sub_block_size=config.sub_block_size,
         )
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.loaded.model, num_blocks, config.block_size, dtype, config.device, config.seed)
+        self.runner = ModelRunner(
+            self.loaded.model,
+            num_blocks,
+            config.block_size,
+            dtype,
+            config.device,
+            config.seed,
+            eos_token_ids=tuple(model_config.eos_token_ids),
+        )
         self.offload = attach_offload(self, config, self.scheduler, self.runner, self.loaded.weights_digest)
         self.kv_events = KVEventSink.create(config.kv_events_config, self.manager.pool)
         if self.kv_events is not None and self.offload is not None:
@@ -97,6 +105,10 @@ class EngineCore:
             hash_algo=self.manager.hash_algo,
             hash_seed=resolve_hash_seed(self.config.hash_seed),
             enable_prefix_caching=self.manager.enable_caching,
+            architecture=self.loaded.config.architecture,
+            dtype=str(self.runner.kv_caches[0][0].dtype).removeprefix("torch."),
+            device=str(self.runner.device),
+            kv_cache_bytes=sum(k.nbytes + v.nbytes for k, v in self.runner.kv_caches),
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:

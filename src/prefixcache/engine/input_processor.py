@@ -19,10 +19,12 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.info = info
 
-    def prompt_token_ids(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        """The prompt's text (None when it came as token ids) and its token ids, checked against the vocabulary
-        and the context length."""
+    def prompt_token_ids(self, prompt: PromptInput, keep_last: int | None = None) -> tuple[str | None, list[int]]:
+        """The prompt's text (None when it came as token ids, or was cut) and its token ids, checked against the
+        vocabulary and the context length; ``keep_last`` cuts a longer prompt to its last tokens first."""
         text, token_ids = self._tokenize(prompt)
+        if keep_last is not None and len(token_ids) > keep_last:
+            text, token_ids = None, token_ids[-keep_last:]
         if not token_ids:
             raise ValueError("the prompt is empty")
         check_vocabulary(token_ids, self.info.vocab_size)
@@ -41,10 +43,13 @@ class InputProcessor:
         cache_salt: str | None = None,
         lora_name: str | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
-        """The core request and the prompt text (None when the prompt came as token ids)."""
-        text, token_ids = self.prompt_token_ids(prompt)
+        """The core request and the prompt text (None when the prompt came as token ids or was truncated)."""
         vocab_size = self.info.vocab_size
         max_model_len = self.info.max_model_len
+        keep_last = params.truncate_prompt_tokens
+        if keep_last == -1:  # as much as fits beside max_tokens
+            keep_last = max(1, max_model_len - params.max_tokens)
+        text, token_ids = self.prompt_token_ids(prompt, keep_last)
         if len(token_ids) + params.max_tokens > max_model_len:
             raise ValueError(
                 f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "

@@ -112,7 +112,11 @@ class EngineCoreFailure(msgspec.Struct, array_like=True, tag=True, frozen=True):
 
 
 class EngineInfo(msgspec.Struct, array_like=True, tag=True, frozen=True):
-    """The startup handshake: what the API side needs to validate requests and describe the engine."""
+    """The startup handshake: what the API side needs to validate requests and describe the engine.
+
+    ``architecture``, ``dtype`` (the weights' and KV cache's, as resolved by the core), ``device`` and
+    ``kv_cache_bytes`` (what the KV blocks take) describe the engine in the start-up log and metadata paths.
+    """
 
     model_name: str
     max_model_len: int
@@ -122,6 +126,10 @@ class EngineInfo(msgspec.Struct, array_like=True, tag=True, frozen=True):
     hash_algo: str
     hash_seed: str
     enable_prefix_caching: bool
+    architecture: str = ""
+    dtype: str = ""
+    device: str = ""
+    kv_cache_bytes: int = 0
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -51,13 +51,14 @@ class ModelRunner:
         device: str,
         seed: int,
         kv_cache_groups: Sequence[KVCacheGroup] | None = None,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
         self.kv_cache_groups = tuple(kv_cache_groups or model.config.kv_cache_groups(hybrid=False))
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, dtype, self.device, self.kv_cache_groups)
-        self.sampler = Sampler(seed, self.device)
+        self.sampler = Sampler(seed, self.device, eos_token_ids)
         self.offload: OffloadWorker | None = None
 
     @torch.inference_mode()

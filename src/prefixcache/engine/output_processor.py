@@ -26,6 +26,7 @@ class _RequestState:
     output_token_ids: list[int] = field(default_factory=list)
     text: str = ""
     num_emitted_chars: int = 0
+    stop_search_start: int = 0  # a stop string must end after the text of the first min_tokens tokens
     prompt_logprobs: list[dict[int, float] | None] | None = None
     logprobs: list[dict[int, float]] | None = None
 
@@ -41,7 +42,11 @@ class OutputProcessor:
             prompt=prompt,
             prompt_token_ids=request.prompt_token_ids,
             params=request.sampling_params,
-            detokenizer=IncrementalDetokenizer(self.tokenizer),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer,
+                request.sampling_params.skip_special_tokens,
+                request.sampling_params.spaces_between_special_tokens,
+            ),
             logprobs=None if request.sampling_params.logprobs is None else [],
         )
 
@@ -70,17 +75,24 @@ class OutputProcessor:
 
     @staticmethod
     def _advance(state: _RequestState, output: EngineCoreOutput) -> tuple[str | None, int | str | None]:
-        """Append the new tokens and text; a stop string beats ``length`` but not a stop token or EOS."""
+        """Append the new tokens and text; a stop string beats ``length`` but not a stop token or EOS, and
+        none counts within the first ``min_tokens`` tokens. The stop token itself shows in the text only with
+        ``include_stop_str_in_output`` (it stays in the token ids)."""
         if output.prompt_logprobs is not None:
             state.prompt_logprobs = output.prompt_logprobs
         state.output_token_ids.extend(output.new_token_ids)
         if state.logprobs is not None and output.logprobs is not None:
             state.logprobs.extend(output.logprobs)
-        searched_from = len(state.text)
-        state.text += state.detokenizer.decode_new(state.output_token_ids)
         finish_reason, stop_reason = output.finish_reason, output.stop_reason
         params = state.params
-        if finish_reason in (None, "length"):
+        shown = state.output_token_ids
+        if finish_reason == "stop" and not params.include_stop_str_in_output:
+            shown = shown[:-1]  # vLLM: the token that stopped it (EOS or a stop token id) is not in the text
+        searched_from = max(len(state.text), state.stop_search_start)
+        state.text += state.detokenizer.decode_new(shown)
+        if len(state.output_token_ids) <= params.min_tokens:  # vLLM: no stop string ends the first min_tokens
+            state.stop_search_start = len(state.text)
+        elif finish_reason in (None, "length"):
             for stop in params.stop:
                 index = state.text.find(stop, max(0, searched_from - len(stop) + 1))
                 if index >= 0:
@@ -90,7 +102,7 @@ class OutputProcessor:
                     break
         if finish_reason is not None:
             if stop_reason is None or isinstance(stop_reason, int):  # a stop string already cut the text
-                state.text += state.detokenizer.decode_new(state.output_token_ids, final=True)
+                state.text += state.detokenizer.decode_new(shown, final=True)
             return finish_reason, stop_reason
         return None, None
 

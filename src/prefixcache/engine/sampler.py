@@ -39,11 +39,13 @@ class Sampler:
     fails only its own request (it lands in ``errors``); the other rows are sampled as if it were not there.
     A request with a ``seed`` draws from its own generator, so its tokens do not depend on what else is in
     the batch. Log-probabilities are the model's raw distribution (log-softmax of the logits, before
-    penalties, temperature and top-k/top-p), as vLLM returns by default.
+    penalties, temperature and top-k/top-p), as vLLM returns by default. ``eos_token_ids`` are the model's,
+    banned (with the stop token ids) while a request has fewer than its ``min_tokens``.
     """
 
-    def __init__(self, seed: int, device: torch.device) -> None:
+    def __init__(self, seed: int, device: torch.device, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.device = device
+        self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.request_generators: dict[str, torch.Generator] = {}
 
@@ -56,10 +58,15 @@ class Sampler:
         for row, request in enumerate(requests):
             p = request.sampling_params
             try:
-                if p.greedy and not p.has_penalties:
+                banned = p.banned_token_ids(len(request.output_token_ids), self.eos_token_ids)
+                if p.greedy and not p.has_penalties and not banned:
                     token = argmax[row]
                 else:
-                    row_logits = _apply_penalties(logits[row].clone(), request) if p.has_penalties else logits[row]
+                    row_logits = logits[row].clone() if p.has_penalties or banned else logits[row]
+                    if p.has_penalties:
+                        _apply_penalties(row_logits, request)
+                    if banned:
+                        row_logits[[t for t in banned if t < row_logits.numel()]] = float("-inf")
                     if p.greedy:
                         token = int(row_logits.argmax())
                     else:
@@ -87,17 +94,24 @@ class Sampler:
 
     @staticmethod
     def _draw(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
-        logits = logits / p.temperature
-        if 0 < p.top_k < logits.numel():
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=True)
-            cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-            drop = cumulative - sorted_logits.softmax(dim=-1) >= p.top_p  # keep the smallest set reaching top_p
-            logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+        return int(torch.multinomial(distribution(logits, p), 1, generator=generator)[0])
+
+
+def distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The probabilities a non-greedy row is drawn from, in vLLM's order: temperature, min-p, top-k, top-p."""
+    logits = logits / p.temperature
+    if p.min_p > 0:
         probs = logits.softmax(dim=-1)
-        return int(torch.multinomial(probs, 1, generator=generator)[0])
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    if 0 < p.top_k < logits.numel():
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative - sorted_logits.softmax(dim=-1) >= p.top_p  # keep the smallest set reaching top_p
+        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits.softmax(dim=-1)
 
 
 def _apply_penalties(logits: torch.Tensor, request: SamplingRequest) -> torch.Tensor:

@@ -15,6 +15,7 @@ MAX_STOP_STRING_CHARS = 512  # a stream holds back this many characters, and eac
 MAX_STOP_TOKEN_IDS = 1024
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes (negatives wrap modulo 2**64)
 MAX_TOP_K = 2**31 - 1  # any top_k from the vocabulary size up keeps every token; bounded so it fits a message
+MAX_TRUNCATE_PROMPT_TOKENS = 2**31 - 1  # beyond any context; bounded so it fits a message
 MAX_PENALTY = 2.0  # OpenAI's range for frequency and presence penalties is [-2, 2]
 
 
@@ -39,6 +40,14 @@ class SamplingParams:
     log-probability and the top-k under the model's raw distribution (before penalties, temperature and
     filters). ``prompt_logprobs=k`` does the same at every prompt position; it forces the whole prompt to be
     computed, so such a request does not read the prefix cache (it still fills it for others).
+
+    vLLM's extensions, with its meaning: ``min_p`` (in [0, 1], 0 is off) drops, after temperature and before
+    top-k/top-p, every token less likely than ``min_p`` times the most likely one; ``min_tokens`` (at most
+    ``max_tokens``) bans EOS and the stop token ids until that many tokens are generated, and no stop string
+    ends the request within them; ``skip_special_tokens`` leaves special tokens out of the text, and with it
+    off, ``spaces_between_special_tokens=False`` joins a special token to a special one before it with no
+    space; ``truncate_prompt_tokens=k`` keeps the prompt's last k tokens (-1: as many as the context holds
+    beside ``max_tokens``).
     """
 
     max_tokens: int = 16
@@ -55,6 +64,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    min_p: float = 0.0
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,6 +101,14 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
+        _check_number("min_p", self.min_p, 0.0, 1.0)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParameter(name, f"{name} must be true or false, got {getattr(self, name)!r}")
+        truncate = self.truncate_prompt_tokens
+        if truncate is not None and truncate != -1:
+            _check_int("truncate_prompt_tokens", truncate, 1, MAX_TRUNCATE_PROMPT_TOKENS)
 
     @property
     def greedy(self) -> bool:
@@ -95,6 +117,13 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    def banned_token_ids(self, num_output_tokens: int, eos_token_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """The tokens that may not be sampled next: EOS and the stop token ids while fewer than ``min_tokens``
+        are generated (vLLM bans EOS then even with ``ignore_eos``)."""
+        if num_output_tokens >= self.min_tokens:
+            return ()
+        return tuple(dict.fromkeys((*eos_token_ids, *self.stop_token_ids)))
 
     @property
     def stop_holdback(self) -> int:

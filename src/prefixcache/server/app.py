@@ -11,6 +11,7 @@ so its KV blocks are freed at once.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,6 +23,9 @@ from prefixcache.server.errors import install_error_handlers
 from prefixcache.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
 from prefixcache.server.routes import cache, generation, info, tokens
 from prefixcache.server.settings import ServerSettings
+from prefixcache.server.startup import startup_lines
+
+logger = logging.getLogger(__name__)
 
 
 @asynccontextmanager
@@ -30,6 +34,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     engine: AsyncLLM = app.state.engine
     interval = app.state.settings.log_stats_interval
     await engine.start()
+    for line in startup_lines(engine.info, engine.config):
+        logger.info("%s", line)
     log_task = asyncio.create_task(_log_stats_every(engine, interval)) if interval else None
     try:
         yield
@@ -47,8 +53,13 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     app.state.started = int(time.time())
     # Added innermost first: the request context wraps everything, auth runs before the body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
-    if settings.api_keys:
-        app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys, share_cache=settings.share_cache_across_keys)
+    if settings.api_keys or settings.metrics_api_key:
+        app.add_middleware(
+            APIKeyMiddleware,
+            api_keys=settings.api_keys,
+            share_cache=settings.share_cache_across_keys,
+            metrics_key=settings.metrics_api_key,
+        )
     app.add_middleware(RequestContextMiddleware, log_requests=settings.log_requests)
     install_error_handlers(app)
     for module in (generation, tokens, cache, info):

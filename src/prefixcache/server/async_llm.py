@@ -188,6 +188,14 @@ class AsyncLLM:
             raise
         return stream
 
+    async def render(self, prompts: Sequence[PromptInput], params: SamplingParams) -> list[list[int]]:
+        """The token ids each prompt would run on (tokenized, truncated, validated exactly as ``add_request``
+        does); ValueError for a request the engine would refuse. Queues nothing."""
+        self._check_accepting()
+        return await self._on_worker(
+            lambda: [self._input_processor.process(p, params, "render")[0].prompt_token_ids for p in prompts]
+        )
+
     async def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:

@@ -8,14 +8,23 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 from collections.abc import Mapping
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 from prefixcache.config import parse_memory
 from prefixcache.engine.args import add_engine_args, engine_kwargs
-from prefixcache.server.settings import DEFAULT_MAX_REQUEST_BYTES, LOG_STATS_INTERVAL_S, ServerSettings
+from prefixcache.server.settings import LOG_STATS_INTERVAL_S, ServerSettings
 
 API_KEY_ENV = "PREFIXCACHE_API_KEY"
+METRICS_API_KEY_ENV = "PREFIXCACHE_METRICS_API_KEY"
+
+
+def _default(name: str) -> Any:
+    """The default of a ``ServerSettings`` field: the flags' defaults are the settings', never a second copy."""
+    return next(f.default for f in fields(ServerSettings) if f.name == name)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -43,6 +52,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--api-key-file", type=Path, default=None, help="more API keys, one per line ('#' starts a comment)"
     )
     group.add_argument(
+        "--metrics-api-key",
+        default=None,
+        metavar="KEY",
+        help=f"require this key, and only this one, for GET /metrics, so tenants' keys cannot read the server-wide "
+        f"counters (default: ${METRICS_API_KEY_ENV}; without either, /metrics takes any API key)",
+    )
+    group.add_argument(
         "--share-cache-across-keys",
         action="store_true",
         help="let requests of different API keys share cached prefixes (faster, but each tenant can then tell "
@@ -51,7 +67,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     group.add_argument(
         "--max-request-bytes",
         type=parse_memory,
-        default=DEFAULT_MAX_REQUEST_BYTES,
+        default=_default("max_request_bytes"),
         help="refuse request bodies larger than this with 413, e.g. 8MiB (default 8MiB)",
     )
     group.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
@@ -84,6 +100,37 @@ def api_keys(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str,
     return tuple(dict.fromkeys(keys))
 
 
+def server_settings(
+    args: argparse.Namespace, model_name: str, keys: tuple[str, ...], environ: Mapping[str, str]
+) -> ServerSettings:
+    """The server's options, read once into its frozen settings (ValueError for a bad value)."""
+    return ServerSettings(
+        served_model_names=tuple(args.served_model_name or [model_name]),
+        api_keys=keys,
+        metrics_api_key=args.metrics_api_key or environ.get(METRICS_API_KEY_ENV) or None,
+        share_cache_across_keys=args.share_cache_across_keys,
+        enable_reset_prefix_cache=args.enable_reset_prefix_cache,
+        log_stats_interval=None if args.disable_log_stats else LOG_STATS_INTERVAL_S,
+        max_request_bytes=args.max_request_bytes,
+        log_requests=not args.disable_log_requests,
+    )
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now, before the model loads: a port in use fails in a moment, not after the
+    load. OSError when it cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # a restart may bind while the last run's connections linger in TIME_WAIT; a port in use still fails
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def serve(args: argparse.Namespace) -> None:
     """Exits 0 after a clean shutdown (SIGTERM/SIGINT), 1 when the engine core died or failed to start."""
     import dataclasses
@@ -97,28 +144,28 @@ def serve(args: argparse.Namespace) -> None:
 
     try:
         config = EngineConfig(**engine_kwargs(args))
+        keys = api_keys(args, os.environ)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"prefixcache serve: {exc}") from exc
+    try:
+        listener = listening_socket(args.host, args.port)
+    except OSError as exc:
+        raise SystemExit(
+            f"prefixcache serve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}"
+        ) from None
+    try:
         model_dir, model_name = resolve_model(config.model)
+        settings = server_settings(args, model_name, keys, os.environ)
         tokenizer = load_tokenizer(model_dir)
     except (FileNotFoundError, ValueError) as exc:
-        raise SystemExit(f"prefixcache serve: {exc}") from exc
-    names = tuple(args.served_model_name or [model_name])
-    try:
-        settings = ServerSettings(
-            served_model_names=names,
-            api_keys=api_keys(args, os.environ),
-            share_cache_across_keys=args.share_cache_across_keys,
-            enable_reset_prefix_cache=args.enable_reset_prefix_cache,
-            log_stats_interval=None if args.disable_log_stats else LOG_STATS_INTERVAL_S,
-            max_request_bytes=args.max_request_bytes,
-            log_requests=not args.disable_log_requests,
-        )
-    except (OSError, ValueError) as exc:
+        listener.close()
         raise SystemExit(f"prefixcache serve: {exc}") from exc
     # The stats line and uvicorn's startup line are the server's heartbeat: shown at INFO even under the CLI's
     # default WARNING level (--disable-log-stats and --disable-uvicorn-access-log quiet the periodic ones).
     level = min(logging.INFO, logging.getLogger().getEffectiveLevel())
     logging.getLogger("prefixcache.server").setLevel(level)
-    engine = AsyncLLM(dataclasses.replace(config, model=str(model_dir)), tokenizer, ServerMetrics(names[0]))
+    metrics = ServerMetrics(settings.served_model_names[0])
+    engine = AsyncLLM(dataclasses.replace(config, model=str(model_dir)), tokenizer, metrics)
     server = DrainingServer(
         build_app(engine, settings),
         engine,
@@ -129,6 +176,6 @@ def serve(args: argparse.Namespace) -> None:
         access_log=not args.disable_uvicorn_access_log,
     )
     engine.on_dead = server.exit_soon
-    server.run()
+    server.run(sockets=[listener])
     if engine.dead or not server.started:
         raise SystemExit(1)

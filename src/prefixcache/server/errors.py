@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prefixcache.server.async_llm import EngineDeadError
-from prefixcache.server.protocol import error_body, error_response
+from prefixcache.server.protocol import UNSUPPORTED_FIELD_HINTS, error_body, error_response
 
 
 class APIError(Exception):
@@ -70,7 +70,8 @@ def validation_error(exc: RequestValidationError) -> JSONResponse:
     for error in errors:
         location = _location(error["loc"])
         if error["type"] == "extra_forbidden":
-            message = "unsupported parameter: this server does not implement it"
+            hint = UNSUPPORTED_FIELD_HINTS.get(str(error["loc"][-1]), "the README's table lists the fields it takes")
+            message = f"unsupported parameter: this server does not implement it ({hint})"
         else:
             message = error["msg"].removeprefix("Value error, ")
         messages.setdefault(location, message)

@@ -132,29 +132,38 @@ class APIKeyMiddleware:
     """Bearer auth on every path except /health, which load balancers probe without credentials.
 
     Each key is a tenant: its requests get the key's cache salt (``tenant_salt``), so tenants never share
-    cached blocks, unless ``share_cache`` (``--share-cache-across-keys``). Keys are kept only as digests and
-    compared in constant time; a bad key is refused before the body is read.
+    cached blocks, unless ``share_cache`` (``--share-cache-across-keys``). With ``metrics_key``
+    (``--metrics-api-key``), /metrics takes that key alone and that key nothing else: a tenant cannot read the
+    server-wide counters that would show other tenants' hits. Keys are kept only as digests and compared in
+    constant time; a bad key is refused before the body is read.
     """
 
-    def __init__(self, app: ASGIApp, api_keys: tuple[str, ...], share_cache: bool = False) -> None:
+    def __init__(
+        self, app: ASGIApp, api_keys: tuple[str, ...], share_cache: bool = False, metrics_key: str | None = None
+    ) -> None:
         self.app = app
         self._tenants = [(_digest(f"{BEARER}{key}"), None if share_cache else tenant_salt(key)) for key in api_keys]
+        self._metrics = None if metrics_key is None else _digest(f"{BEARER}{metrics_key}")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
             given = _digest(Headers(scope=scope).get("authorization", ""))
-            matches = [salt for digest, salt in self._tenants if secrets.compare_digest(given, digest)]
-            if not matches:
-                response = error_response(
-                    401,
-                    "Incorrect or missing API key; send 'Authorization: Bearer <key>'.",
-                    headers={"WWW-Authenticate": "Bearer"},
-                    code="invalid_api_key",
-                )
-                await response(scope, receive, send)
-                return
-            scope.setdefault("state", {})["tenant"] = matches[0]
+            if scope["path"] == "/metrics" and self._metrics is not None:
+                if not secrets.compare_digest(given, self._metrics):
+                    await _unauthorized("/metrics needs the metrics key (--metrics-api-key)")(scope, receive, send)
+                    return
+            elif self._tenants:
+                matches = [salt for digest, salt in self._tenants if secrets.compare_digest(given, digest)]
+                if not matches:
+                    message = "Incorrect or missing API key; send 'Authorization: Bearer <key>'."
+                    await _unauthorized(message)(scope, receive, send)
+                    return
+                scope.setdefault("state", {})["tenant"] = matches[0]
         await self.app(scope, receive, send)
+
+
+def _unauthorized(message: str) -> ASGIApp:
+    return error_response(401, message, headers={"WWW-Authenticate": "Bearer"}, code="invalid_api_key")
 
 
 def _digest(value: str) -> bytes:

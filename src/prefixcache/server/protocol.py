@@ -4,11 +4,13 @@ Types and shapes are checked here; value ranges (max_tokens, temperature, penalt
 by :class:`~prefixcache.engine.SamplingParams` and the engine, so the server and the offline API accept
 exactly the same requests.
 
-Every field a body may carry is declared. Any other field, whether one of OpenAI's that this server does
-not implement (``best_of``, ``response_format``, ``tools``, ``tool_choice``, ``logit_bias``, ``suffix``,
-``functions``, ...) or a typo, is refused with a 400 that names it, as OpenAI refuses unrecognized
-arguments: an ignored parameter would let a user believe it took effect. Strings holding a lone surrogate
-(the JSON escape ``"\\ud800"`` is not Unicode text) are refused as well.
+Every field a body may carry is declared: OpenAI's, vLLM's and SGLang's that this server honours (the
+README's table lists each with what it does). Any other field, whether one this server does not implement
+(``best_of``, ``response_format``, ``tools``, ``logit_bias``, ``suffix``, ...) or a typo, is refused with a
+400 that names it and says what to use instead, as OpenAI refuses unrecognized arguments: an ignored
+parameter would let a user believe it took effect. A field whose value asks for what this server always
+does (SGLang's ``return_hidden_states: false``) is accepted; the value that asks for more is refused by
+name. Strings holding a lone surrogate (the JSON escape ``"\\ud800"`` is not Unicode text) are refused.
 """
 
 from __future__ import annotations
@@ -23,7 +25,28 @@ from starlette.responses import JSONResponse
 from prefixcache.engine import RequestOutput, SamplingParams
 
 MAX_CACHE_SALT_LEN = 128
+MAX_PROMPT_CACHE_KEY_LEN = 1024
 MAX_CHOICES = 128  # prompts times n in one request
+
+# What to use instead of a field this server does not implement, for the 400 that refuses it.
+UNSUPPORTED_FIELD_HINTS = {
+    "best_of": "for several samples of one prompt, use n",
+    "use_beam_search": "beam search is not implemented; use temperature 0 for greedy, or n with a seed",
+    "length_penalty": "beam search is not implemented; use temperature 0 for greedy, or n with a seed",
+    "suffix": "insertion is not implemented; send the text before the gap as the prompt",
+    "logit_bias": "no per-token bias is applied; to control stopping use stop, stop_token_ids or min_tokens",
+    "response_format": "structured (JSON) output is not implemented",
+    "structured_outputs": "structured (JSON) output is not implemented",
+    "guided_json": "structured (JSON) output is not implemented",
+    "tools": "tool calling is not implemented",
+    "tool_choice": "tool calling is not implemented",
+    "functions": "tool calling is not implemented",
+    "function_call": "tool calling is not implemented",
+    "parallel_tool_calls": "tool calling is not implemented",
+    "prompt_logprobs": "for the prompt's log-probabilities use a completion with echo and logprobs",
+    "truncation_side": "truncate_prompt_tokens always keeps the prompt's last tokens (vLLM's default side)",
+    "add_special_tokens": "prompts are tokenized without special tokens; send token ids to choose them exactly",
+}
 
 
 def _unicode(text: str) -> str:
@@ -37,24 +60,51 @@ def _unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_unicode)]
 
 
+def only_false(what_we_do: str) -> Any:
+    """A boolean field accepted at false, what this server always does; true asks for what it lacks and is a
+    400 saying ``what_we_do`` instead."""
+
+    def check(wanted: bool) -> bool:
+        if wanted:
+            raise ValueError(f"true is not implemented: {what_we_do}; send false or leave it out")
+        return wanted
+
+    return Annotated[bool, AfterValidator(check)]
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(_Body):
+    """``continuous_usage_stats`` (vLLM's) puts the choice's usage so far in every chunk; like vLLM, only
+    together with ``include_usage``, and refused without it rather than ignored."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+    @model_validator(mode="after")
+    def _continuous_needs_usage(self) -> StreamOptions:
+        if self.continuous_usage_stats and not self.include_usage:
+            raise ValueError("continuous_usage_stats needs include_usage: true")
+        return self
 
 
 class _GenerationRequest(_Body):
-    """Fields common to both endpoints; ``top_k``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
-    ``include_stop_str_in_output``, ``return_tokens_as_token_ids`` (log-probabilities name tokens
-    ``token_id:<id>``, exact where one token's text is a fragment of a character) and ``cache_salt`` are vLLM's
-    extensions."""
+    """Fields common to both endpoints. vLLM's extensions: ``top_k``, ``min_p``, ``repetition_penalty``,
+    ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``include_stop_str_in_output``, ``skip_special_tokens``,
+    ``spaces_between_special_tokens``, ``truncate_prompt_tokens``, ``return_tokens_as_token_ids``
+    (log-probabilities name tokens ``token_id:<id>``, exact where one token's text is a fragment of a
+    character) and ``cache_salt``. SGLang's ``no_stop_trim`` (true: keep the stop string, as
+    ``include_stop_str_in_output``) and ``return_hidden_states`` (only false). OpenAI's ``prompt_cache_key``
+    is accepted for routers (``prefixcache router`` sends one key's requests to one backend); it changes
+    neither what is cached nor who may read it, which only the API key's tenant and ``cache_salt`` decide."""
 
     model: Text | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -66,9 +116,18 @@ class _GenerationRequest(_Body):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
     return_tokens_as_token_ids: bool = False
+    return_hidden_states: only_false(
+        "this server returns text, token log-probabilities and usage, no hidden states"
+    ) = False
     cache_salt: Text | None = None
+    prompt_cache_key: Text | None = None
 
     @field_validator("n")
     @classmethod
@@ -85,6 +144,13 @@ class _GenerationRequest(_Body):
             raise ValueError(f"cache_salt must be 1 to {MAX_CACHE_SALT_LEN} printable characters")
         return salt
 
+    @field_validator("prompt_cache_key")
+    @classmethod
+    def _valid_prompt_cache_key(cls, key: str | None) -> str | None:
+        if key is not None and len(key) > MAX_PROMPT_CACHE_KEY_LEN:
+            raise ValueError(f"prompt_cache_key must be at most {MAX_PROMPT_CACHE_KEY_LEN} characters")
+        return key
+
     @model_validator(mode="after")
     def _options_need_stream(self) -> _GenerationRequest:
         if self.stream_options is not None and not self.stream:
@@ -94,6 +160,11 @@ class _GenerationRequest(_Body):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk (vLLM's ``stream_options.continuous_usage_stats``)."""
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     def sampling_params(
         self, max_tokens: int, logprobs: int | None = None, prompt_logprobs: int | None = None
@@ -111,14 +182,23 @@ class _GenerationRequest(_Body):
             stop=self.stop or (),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            min_p=self.min_p or 0.0,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
 
 class CompletionRequest(_GenerationRequest):
-    """``prompt``: a text, a list of texts, a list of token ids, or a list of such lists (one choice set each)."""
+    """``prompt``: a text, a list of texts, a list of token ids, or a list of such lists (one choice set each).
+
+    ``echo`` with ``max_tokens: 0`` scores the prompt (the legacy API's way): the choice is the prompt, with
+    its log-probabilities when ``logprobs`` is set, and nothing is generated.
+    """
 
     prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: int | None = 16  # OpenAI's default for legacy completions
@@ -131,7 +211,14 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError("prompt must not be empty")
         if len(self.prompts) * self.n > MAX_CHOICES:
             raise ValueError(f"prompts times n must be at most {MAX_CHOICES}")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 only scores a prompt, with echo: true; to generate, max_tokens >= 1")
         return self
+
+    @property
+    def prompt_only(self) -> bool:
+        """Echo the prompt and generate nothing (``echo`` with ``max_tokens: 0``)."""
+        return self.echo and self.max_tokens == 0
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -162,11 +249,21 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_GenerationRequest):
+    """``continue_final_message`` (vLLM's and SGLang's) is accepted as false only: the reply always starts a new
+    assistant message. The reasoning switches, SGLang's ``separate_reasoning`` and ``stream_reasoning`` and
+    vLLM's ``include_reasoning``, act only with a reasoning parser, which this server, like either of them
+    started without ``--reasoning-parser``, does not have: the model's text comes back whole in ``content``
+    whatever their value (sglang-router and vllm-router send them with every chat request)."""
+
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
+    continue_final_message: only_false("the reply always starts a new assistant message after the last one") = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    include_reasoning: bool = True
 
     @field_validator("messages")
     @classmethod

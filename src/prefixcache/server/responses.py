@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prefixcache.engine import RequestOutput
@@ -40,6 +40,8 @@ class ChoiceShaper:
     """Shapes one request's choices; remembers per choice what a stream already sent (role, echo, offsets).
 
     ``num_logprobs`` is None when the request asked for no log-probabilities; ``token_text`` decodes one id.
+    ``prompt_only`` (echo with ``max_tokens: 0``) shows the prompt alone: the one token the engine sampled to
+    finish the request is no part of the answer.
     """
 
     endpoint: Endpoint
@@ -47,8 +49,24 @@ class ChoiceShaper:
     num_logprobs: int | None = None
     echo: bool = False
     decode: Callable[[list[int]], str] | None = None
+    prompt_only: bool = False
     _started: set[int] = field(default_factory=set)
     _text_offsets: dict[int, int] = field(default_factory=dict)
+
+    def visible(self, output: RequestOutput) -> RequestOutput:
+        """The output as the client sees it: without its generated token when ``prompt_only``."""
+        if not self.prompt_only:
+            return output
+        completion = output.outputs[0]
+        shown = replace(
+            completion,
+            text="",
+            token_ids=[],
+            finish_reason="length" if output.finished and completion.error is None else completion.finish_reason,
+            stop_reason=None,
+            logprobs=None if completion.logprobs is None else [],
+        )
+        return replace(output, outputs=[shown], new_token_ids=[], new_text="")
 
     def choice(self, index: int, output: RequestOutput) -> dict[str, Any]:
         completion = output.outputs[0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from typing import Any
 
 import uvicorn
@@ -17,6 +18,7 @@ import uvicorn
 from prefixcache.server.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
+uvicorn_logger = logging.getLogger("uvicorn.error")
 
 DEAD_EXIT_DELAY_S = 2.0
 
@@ -32,6 +34,15 @@ class DrainingServer(uvicorn.Server):
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn names the address it listens on only when it bound the socket itself; ``serve`` binds before
+        the model loads (a port in use fails fast), so the same line is written here for it."""
+        await super().startup(sockets)
+        if sockets and self.started:
+            host, port = sockets[0].getsockname()[:2]
+            address = f"[{host}]" if ":" in host else host
+            uvicorn_logger.info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)", address, port)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         """Runs as the signal handler, so it only schedules the drain on the event loop."""

@@ -60,8 +60,11 @@ async def sse_events(
     include_usage: bool,
     n: int,
     record: RequestRecord,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
-    """One chunk per choice and step, then the usage chunk (if asked) and ``[DONE]``.
+    """One chunk per choice and step, then the usage chunk (if asked) and ``[DONE]``. With
+    ``continuous_usage`` every chunk also carries its choice's usage so far (vLLM's
+    ``continuous_usage_stats``: the choice's prompt and the tokens it generated up to this chunk).
 
     A failure after the stream started (the engine died, the server shut down, the request failed in the
     engine, our bug) ends it with an error event, then ``[DONE]``.
@@ -70,11 +73,14 @@ async def sse_events(
     failure: dict[str, Any] | None = None
     try:
         async for index, output in stream:
-            last[index] = output
+            last[index] = output = shaper.visible(output)
             if output.outputs[0].error is not None:
                 failure = error_body(output.outputs[0].error, type="server_error")
                 break
-            yield _sse({**base, "choices": [shaper.delta(index, output)]})
+            chunk = {**base, "choices": [shaper.delta(index, output)]}
+            if continuous_usage:
+                chunk["usage"] = usage({index: output}, n)
+            yield _sse(chunk)
     except EngineDeadError as exc:
         failure = error_body(str(exc), type="server_error")
     except Exception:

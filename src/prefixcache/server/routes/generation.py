@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from prefixcache.engine.sampling_params import InvalidParameter
+from prefixcache.engine.sampling_params import InvalidParameter, SamplingParams
 from prefixcache.server.async_llm import AsyncLLM
 from prefixcache.server.errors import APIError
 from prefixcache.server.middleware import record_of, tenant_of
@@ -31,11 +32,9 @@ router = APIRouter()
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request, engine: Engine, settings: Settings) -> Response:
-    max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    # echo with logprobs also returns the prompt's (which computes the whole prompt: no cache read)
-    prompt_logprobs = body.logprobs if body.echo else None
-    shaper = _shaper(engine, body, COMPLETION, body.logprobs, body.echo)
     name = model_name(settings, body.model)
+    max_tokens, prompt_logprobs = _completion_limits(body)
+    shaper = _shaper(engine, body, COMPLETION, body.logprobs, body.echo, body.prompt_only)
     return await _generate(request, engine, body, name, body.prompts, max_tokens, shaper, prompt_logprobs)
 
 
@@ -44,13 +43,95 @@ async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, engine: Engine, settings: Settings
 ) -> Response:
     name = model_name(settings, body.model)  # an unknown model is a 404 before any template work
-    prompt_ids = await apply_chat_template(engine, body.messages)
-    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    # Unset: generate up to the context; at least 1, so an overlong prompt gets the context error.
-    max_tokens = requested if requested is not None else max(1, engine.info.max_model_len - len(prompt_ids))
-    prompt = {"prompt": None, "prompt_token_ids": prompt_ids}
+    prompt, max_tokens = await _chat_prompt(engine, body)
     shaper = _shaper(engine, body, CHAT, body.num_logprobs)
     return await _generate(request, engine, body, name, [prompt], max_tokens, shaper)
+
+
+@router.post("/v1/completions/render")
+async def render_completion(
+    body: CompletionRequest, request: Request, engine: Engine, settings: Settings
+) -> list[dict[str, Any]]:
+    """vLLM's: the token ids each prompt of this completion request would run on, one entry per prompt, with
+    the sampling parameters it would get; runs no model (vllm-router calls it before routing)."""
+    name = model_name(settings, body.model)
+    max_tokens, prompt_logprobs = _completion_limits(body)
+    return await _render(request, engine, body, name, body.prompts, max_tokens, COMPLETION, prompt_logprobs)
+
+
+@router.post("/v1/chat/completions/render")
+async def render_chat_completion(
+    body: ChatCompletionRequest, request: Request, engine: Engine, settings: Settings
+) -> dict[str, Any]:
+    """vLLM's: the token ids this chat request would run on (its messages through the chat template)."""
+    name = model_name(settings, body.model)
+    prompt, max_tokens = await _chat_prompt(engine, body)
+    [rendered] = await _render(request, engine, body, name, [prompt], max_tokens, CHAT)
+    return rendered
+
+
+def _completion_limits(body: CompletionRequest) -> tuple[int, int | None]:
+    """The engine's max_tokens and prompt_logprobs for a completion request."""
+    max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    if body.prompt_only:
+        max_tokens = 1  # the engine ends a request on a sampled token; the answer leaves it out
+    # echo with logprobs also returns the prompt's (which computes the whole prompt: no cache read)
+    return max_tokens, body.logprobs if body.echo else None
+
+
+async def _chat_prompt(engine: AsyncLLM, body: ChatCompletionRequest) -> tuple[dict[str, Any], int]:
+    """The conversation as a prompt of token ids, and the engine's max_tokens for it."""
+    prompt_ids = await apply_chat_template(engine, body.messages)
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    # Unset: generate up to the context; at least 1, so an overlong prompt gets the context error (or, with
+    # truncate_prompt_tokens -1, keeps all but one token of the context).
+    prompt_len = len(prompt_ids)
+    if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens > 0:
+        prompt_len = min(prompt_len, body.truncate_prompt_tokens)
+    max_tokens = requested if requested is not None else max(1, engine.info.max_model_len - prompt_len)
+    return {"prompt": None, "prompt_token_ids": prompt_ids}, max_tokens
+
+
+def _sampling_params(
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    num_logprobs: int | None,
+    prompt_logprobs: int | None,
+) -> SamplingParams:
+    try:
+        return body.sampling_params(max_tokens, num_logprobs, prompt_logprobs)
+    except InvalidParameter as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
+
+
+async def _render(
+    request: Request,
+    engine: AsyncLLM,
+    body: CompletionRequest | ChatCompletionRequest,
+    name: str,
+    prompts: list[Any],
+    max_tokens: int,
+    endpoint: Endpoint,
+    prompt_logprobs: int | None = None,
+) -> list[dict[str, Any]]:
+    num_logprobs = body.logprobs if isinstance(body, CompletionRequest) else body.num_logprobs
+    params = _sampling_params(body, max_tokens, num_logprobs, prompt_logprobs)
+    try:
+        rendered = await engine.render(prompts, params)
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+    request_id = f"{endpoint.id_prefix}-{record_of(request.scope).request_id}"
+    return [
+        {
+            "request_id": request_id if len(rendered) == 1 else f"{request_id}-{index}",
+            "token_ids": token_ids,
+            "sampling_params": asdict(params),
+            "model": name,
+            "stream": body.stream,
+            "cache_salt": body.cache_salt,
+        }
+        for index, token_ids in enumerate(rendered)
+    ]
 
 
 def _token_id_text(token_id: int) -> str:
@@ -63,9 +144,10 @@ def _shaper(
     endpoint: Endpoint,
     num_logprobs: int | None,
     echo: bool = False,
+    prompt_only: bool = False,
 ) -> ChoiceShaper:
     token_text = _token_id_text if body.return_tokens_as_token_ids else engine.token_text
-    return ChoiceShaper(endpoint, token_text, num_logprobs, echo, engine.tokenizer.decode)
+    return ChoiceShaper(endpoint, token_text, num_logprobs, echo, engine.tokenizer.decode, prompt_only)
 
 
 async def _generate(
@@ -82,17 +164,15 @@ async def _generate(
     record = record_of(request.scope)
     endpoint = shaper.endpoint
     response_id = f"{endpoint.id_prefix}-{record.request_id}"
+    params = _sampling_params(body, max_tokens, shaper.num_logprobs, prompt_logprobs)
     try:
-        params = body.sampling_params(max_tokens, shaper.num_logprobs, prompt_logprobs)
         salt = engine_salt(tenant_of(request.scope), body.cache_salt)
         stream = await engine.add_request(prompts, params, response_id, salt, body.n)
-    except InvalidParameter as exc:
-        raise APIError(400, str(exc), param=exc.param) from exc
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
     base = {"id": response_id, "object": endpoint.chunk_object, "created": int(time.time()), "model": name}
     if body.stream:
-        events = sse_events(stream, shaper, base, body.include_usage, body.n, record)
+        events = sse_events(stream, shaper, base, body.include_usage, body.n, record, body.continuous_usage)
         return RequestStreamingResponse(stream, events)
     try:
         finals = await unless_disconnected(request, final_outputs(stream))
@@ -100,6 +180,7 @@ async def _generate(
         stream.abort()
     if finals is None:
         return Response(status_code=499)
+    finals = {index: shaper.visible(output) for index, output in finals.items()}
     record_outputs(record, stream, finals, body.n)
     errors = [o.outputs[0].error for o in finals.values() if o.outputs[0].error is not None]
     if errors:

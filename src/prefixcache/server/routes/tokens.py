@@ -31,3 +31,21 @@ async def detokenize(body: DetokenizeRequest, engine: Engine, settings: Settings
     if any(not 0 <= t < vocab_size for t in body.tokens):
         raise APIError(400, f"tokens must be in [0, {vocab_size})", param="tokens")
     return {"prompt": await engine.detokenize(body.tokens)}
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(engine: Engine) -> dict[str, Any]:
+    """vLLM's: what a client needs to tokenize like the server through /tokenize and /detokenize (lm-eval's
+    remote tokenizer reads the special tokens and the chat template here)."""
+    tokenizer = engine.tokenizer
+    return {
+        "tokenizer_class": type(tokenizer).__name__,
+        "eos_token": tokenizer.eos_token,
+        "bos_token": tokenizer.bos_token,
+        "pad_token": tokenizer.pad_token,
+        "unk_token": tokenizer.unk_token,
+        "model_max_length": engine.info.max_model_len,
+        "vocab_size": engine.info.vocab_size,
+        "add_special_tokens": False,  # what /tokenize and the completions endpoint do with a text prompt
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }

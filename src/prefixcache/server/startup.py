@@ -1,0 +1,45 @@
+"""What ``prefixcache serve`` says once its engine is up: the model, how it computes, its KV cache, and what
+the cache shares beyond the process (offload tiers, KV events), read from the core's handshake and the
+config, so a misconfiguration shows in the first lines of the log rather than in the first benchmark."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from prefixcache.config import EngineConfig
+from prefixcache.engine.messages import EngineInfo
+
+
+def _size(num_bytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes} B"
+
+
+def startup_lines(info: EngineInfo, config: EngineConfig) -> list[str]:
+    """One line each: model, KV cache and prefix caching, offload tiers, KV events."""
+    caching = f"on ({info.hash_algo})" if info.enable_prefix_caching else "off"
+    offload = config.offload_config()
+    tiers = []
+    if offload.cpu_bytes is not None:
+        tiers.append(f"CPU {_size(offload.cpu_bytes)} ({offload.mode})")
+    if offload.disk_path is not None:
+        tiers.append(f"DISK {offload.disk_path} {_size(offload.disk_bytes)}")
+    if offload.redis_url is not None:
+        where = urlsplit(offload.redis_url)  # host and port only: the URL may hold a password
+        tiers.append(f"REDIS {where.hostname}:{where.port or 6379} {_size(offload.redis_bytes)}")
+    events = config.kv_events_config
+    if events is not None and events.enable_kv_cache_events and events.publisher == "zmq":
+        replay = f", replay on {events.replay_endpoint}" if events.replay_endpoint else ""
+        published = f"published on {events.endpoint}{replay}"
+    else:
+        published = "off"
+    return [
+        f"model {info.model_name} ({info.architecture}) from {config.model}: {info.dtype} on {info.device}, "
+        f"context {info.max_model_len:,} tokens",
+        f"KV cache: {info.num_blocks:,} blocks of {info.block_size} tokens ({info.kv_capacity_tokens:,} tokens, "
+        f"{_size(info.kv_cache_bytes)}); prefix caching {caching}",
+        f"offload tiers: {', '.join(tiers) or 'none'}",
+        f"KV events: {published}",
+    ]
