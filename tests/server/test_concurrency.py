@@ -8,8 +8,8 @@ import contextlib
 import httpx
 import openai
 
-from tests.helpers import wait_until
-from tests.server.harness import delta, random_prompt, scrape
+from tests.helpers import scrape, wait_until
+from tests.server.harness import delta, random_prompt
 
 NUM_FINISHING = 6
 NUM_LEAVING = 6

@@ -16,8 +16,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.helpers import wait_until
-from tests.server.harness import ServerProcess, random_prompt, scrape, start_streams
+from tests.helpers import scrape, wait_until
+from tests.server.harness import ServerProcess, random_prompt, start_streams
 
 ARGS = ["--block-size", "4", "--num-blocks", "1024", "--max-model-len", "1024", "--disable-uvicorn-access-log"]
 DRAIN_HANG_S = 300  # bounds a hang only: draining waits for the requests in flight to end
