@@ -19,8 +19,7 @@ from prefixcache.engine import LLM, SamplingParams
 from prefixcache.engine.core import EngineCore
 from prefixcache.engine.messages import EngineCoreRequest
 from prefixcache.model import load_model
-from tests.engine.conftest import assert_no_leaks
-from tests.helpers import write_tiny_checkpoint
+from tests.helpers import assert_no_leaks, write_tiny_checkpoint
 
 BLOCK_SIZE = 16
 WINDOW = 32
