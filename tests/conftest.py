@@ -1,8 +1,10 @@
 """Session-wide fixtures shared by engine, server and benchmark tests."""
 
+import threading
+
 import pytest
 
-from tests.helpers import write_tiny_checkpoint
+from tests.helpers import assert_no_leaks, write_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -17,6 +19,32 @@ def tiny_loaded(tiny_llama_dir):
     from prefixcache.model import load_model
 
     return load_model(str(tiny_llama_dir), dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def make_llm(tiny_loaded, tiny_llama_dir):
+    """Build LLMs on the shared tiny model (or ``loaded=`` another), in float32, where engines compare exactly.
+
+    When the test ends every engine is checked for leaks (no request left, every block free, the manager's
+    invariants) and closed: no KV event publisher thread may outlive it. Test folders wrap it with their own
+    defaults (events on, a block size)."""
+    from prefixcache.engine import LLM
+
+    built: list[LLM] = []
+
+    def make(**kwargs) -> LLM:
+        loaded = kwargs.pop("loaded", tiny_loaded)
+        kwargs.setdefault("num_blocks", 256)
+        kwargs.setdefault("block_size", 4)
+        llm = LLM(str(loaded.model_dir), loaded=loaded, dtype="float32", **kwargs)
+        built.append(llm)
+        return llm
+
+    yield make
+    for llm in built:
+        assert_no_leaks(llm)
+        llm.engine.close()
+    assert not [t for t in threading.enumerate() if t.name == "kv-events-publisher"]
 
 
 @pytest.fixture(scope="session")

@@ -76,6 +76,32 @@ def write_tiny_checkpoint(
     return path
 
 
+def assert_no_leaks(llm) -> None:
+    """Nothing left running, every block back in the pool, and the manager's invariants hold."""
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.core.manager.num_free_blocks == engine.core.manager.num_usable_blocks, "blocks leaked"
+    engine.core.manager.check_invariants()
+
+
+def scrape(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    """/metrics as {sample name: value}, summed over label sets (e.g. every finish reason), and per label set
+    as ``name{label="value"}`` (labels other than ``model_name``, e.g. ``..._total{finished_reason="abort"}``)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{url}/metrics", headers=headers, timeout=10)
+    response.raise_for_status()
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "model_name")
+            if labels:
+                values[f"{sample.name}{{{labels}}}"] = sample.value
+    return values
+
+
 def wait_until(condition, timeout: float = 20.0, what: str = "condition") -> None:
     """Poll ``condition`` (no timing is asserted: the deadline only bounds a hang)."""
     deadline = time.monotonic() + timeout

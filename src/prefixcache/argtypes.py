@@ -1,8 +1,11 @@
-"""argparse ``type=`` converters shared by the commands: a bad value is a usage error naming the option."""
+"""What the commands share on the command line: ``type=`` converters (a bad value is a usage error naming the
+option) and the parser class every ``prefixcache`` subcommand is built from."""
 
 from __future__ import annotations
 
 import argparse
+import copy
+from typing import NoReturn
 
 
 def positive_int(text: str) -> int:
@@ -17,3 +20,46 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions keep their paragraphs (they are docstrings) without their reST double backticks; every option
+    with a default worth showing says it, with or without help text (not ``None`` or ``False``: an option that is
+    off unless given)."""
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(text.replace("``", ""))
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and action.option_strings and _shown_default(action) is not None:
+            action = copy.copy(action)
+            action.help = "-"  # a placeholder _get_help_string replaces with the default alone
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = "" if action.help == "-" else (action.help or "").replace("``", "")
+        default = _shown_default(action)
+        if default is None or "default" in help_text:
+            return help_text
+        return f"{help_text} (default: {default})".lstrip().replace("%", "%%")
+
+
+def _shown_default(action: argparse.Action) -> str | None:
+    default = action.default
+    if not action.option_strings or default is None or default is False or default is argparse.SUPPRESS:
+        return None
+    return " ".join(map(str, default)) if isinstance(default, list | tuple) else str(default)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An ``argparse.ArgumentParser`` that shows defaults in ``--help`` and reports a usage error in one line.
+
+    Subcommands made with ``add_subparsers().add_parser`` are of this class too (argparse builds them from the
+    parent's class)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -1,4 +1,4 @@
-"""The ``prefixcache`` command line: benchmarks, a quick generate and chat, the demo, the server and explain."""
+"""The prefixcache command line: benchmarks, a quick generate and chat, the demo, the server and explain."""
 
 from __future__ import annotations
 
@@ -6,6 +6,11 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+
+from prefixcache.argtypes import ArgumentParser, positive_int
+
+# Loggers whose INFO lines are the start-up report (model, dtype and why, KV cache): shown under the default level.
+STARTUP_LOGGERS = ("prefixcache.engine.core",)
 
 
 def _bench_manager(args: argparse.Namespace) -> None:
@@ -23,7 +28,15 @@ def _generate(args: argparse.Namespace) -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
     for out in llm.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1):
         print(out.outputs[0].text)
-        print(f"[{out.num_cached_tokens} of {len(out.prompt_token_ids)} prompt tokens from the prefix cache]")
+        print(_footer(out, args.max_tokens))
+
+
+def _footer(out, max_tokens: int) -> str:
+    """The line under an answer: its cache hit, and whether --max-tokens cut it."""
+    line = f"[{out.num_cached_tokens} of {len(out.prompt_token_ids)} prompt tokens from the prefix cache"
+    if out.outputs[0].finish_reason == "length":
+        line += f"; cut at --max-tokens {max_tokens}: raise it for a longer answer"
+    return line + "]"
 
 
 def _chat(args: argparse.Namespace) -> None:
@@ -46,7 +59,7 @@ def _chat(args: argparse.Namespace) -> None:
         answer = out.outputs[0].text
         history.append({"role": "assistant", "content": answer})
         print(answer)
-        print(f"[{out.num_cached_tokens} of {len(out.prompt_token_ids)} prompt tokens from the prefix cache]")
+        print(_footer(out, args.max_tokens))
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -56,9 +69,9 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=positive_int, default=64, help="longest answer, in tokens")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,14 +82,21 @@ def build_parser() -> argparse.ArgumentParser:
     from prefixcache.bench import route as bench_route
     from prefixcache.bench import serve as bench_serve
     from prefixcache.bench import trace as bench_trace
+    from prefixcache.config import DTYPES
     from prefixcache.core import HASH_ALGOS
-    from prefixcache.engine.args import add_engine_args
+    from prefixcache.engine.args import add_engine_args, config_default
     from prefixcache.explain.cli import register as register_explain
     from prefixcache.router.cli import register as register_router
     from prefixcache.server.cli import register as register_serve
 
-    parser = argparse.ArgumentParser(prog="prefixcache", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
+    parser = ArgumentParser(prog="prefixcache", description=__doc__)
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="start-up lines are shown at any level; DEBUG also shows the traceback of an error",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -84,10 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     manager.add_argument(
         "--hash-algo", nargs="+", default=list(HASH_ALGOS), choices=HASH_ALGOS, help="algorithms to compare"
     )
-    manager.add_argument("--num-requests", type=int, default=2000)
-    manager.add_argument("--num-blocks", type=int, default=10_000)
-    manager.add_argument("--repeats", type=int, default=3, help="replays per algorithm; the best is reported")
-    manager.add_argument("--seed", type=int, default=0)
+    manager.add_argument("--num-requests", type=positive_int, default=2000, help="requests in the trace")
+    manager.add_argument("--num-blocks", type=positive_int, default=10_000, help="KV blocks of the manager")
+    manager.add_argument("--repeats", type=positive_int, default=3, help="replays per algorithm; the best is reported")
+    manager.add_argument("--seed", type=int, default=0, help="of the trace")
     manager.add_argument("--json", type=Path, help="also write the results as JSON here")
     manager.add_argument("--compare-vllm", action="store_true", help="also replay the trace through vLLM's manager")
     manager.set_defaults(func=_bench_manager)
@@ -113,7 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_chat)
 
     demo = commands.add_parser("demo", help="a short benchmark on the default model, then a chat answer")
-    demo.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    demo.add_argument(
+        "--dtype",
+        default=config_default("dtype"),
+        choices=DTYPES,
+        help="auto: as serve --dtype",
+    )
     demo.set_defaults(func=_demo)
     register_serve(commands)
     register_explain(commands)
@@ -122,12 +147,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Run a subcommand. What the user got wrong (a missing file, a bad model path or value) is one line on
+    stderr and exit status 1; ``--log-level DEBUG`` shows its traceback."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in STARTUP_LOGGERS:
+        logging.getLogger(name).setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
     try:
         args.func(args)
     except KeyboardInterrupt:
         sys.exit(130)
+    except (OSError, ValueError) as exc:
+        if args.log_level == "DEBUG":
+            raise
+        command = " ".join(filter(None, ("prefixcache", args.command, getattr(args, "bench", None))))
+        sys.exit(f"{command}: {exc}")
 
 
 if __name__ == "__main__":

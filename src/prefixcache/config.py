@@ -2,33 +2,62 @@
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from prefixcache.core import HASH_ALGOS
 from prefixcache.core.eviction import EVICTION_POLICIES
 from prefixcache.kv_events.config import KVEventsConfig
+from prefixcache.offload.config import OffloadConfig
+from prefixcache.units import parse_memory
 
-if TYPE_CHECKING:
-    from prefixcache.offload.config import OffloadConfig
+__all__ = ["DTYPES", "EngineConfig", "cpu_bfloat16_flag", "parse_memory", "resolve_dtype"]
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3}
-_UNITS |= {"kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "tb": 1000**4}
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# CPU flags that mean native bfloat16 matrix products (torch's oneDNN kernels use them); without one, a bfloat16
+# matmul is emulated and runs several times slower than float32.
+_BFLOAT16_FLAGS = {"x86_64": ("amx_bf16", "avx512_bf16"), "amd64": ("amx_bf16", "avx512_bf16"), "aarch64": ("bf16",)}
+_BFLOAT16_FLAGS["arm64"] = _BFLOAT16_FLAGS["aarch64"]
 
 
-def parse_memory(value: str | int) -> int:
-    """``"2GiB"``, ``"512MiB"``, ``"1.5GB"`` or a byte count, as bytes."""
-    if isinstance(value, int):
-        size = value
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-        if not match or match.group(2).lower() not in _UNITS:
-            raise ValueError(f"cannot read memory size {value!r}; use e.g. '2GiB', '512MiB' or bytes")
-        size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if size <= 0:
-        raise ValueError(f"memory size must be positive, got {value!r}")
-    return size
+def cpu_bfloat16_flag(cpuinfo: str | None = None, machine: str | None = None) -> str | None:
+    """The CPU flag that gives native bfloat16 (``amx_bf16``, ``avx512_bf16`` on x86; ``bf16`` on aarch64), read
+    from ``/proc/cpuinfo`` (or the text given); None when there is none or the flags cannot be read."""
+    wanted = _BFLOAT16_FLAGS.get((machine or platform.machine()).lower(), ())
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            return None
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):  # x86 names them flags, aarch64 features
+            present = set(value.split())
+            return next((flag for flag in wanted if flag in present), None)
+    return None
+
+
+def resolve_dtype(dtype: str, device: str) -> tuple[str, str]:
+    """The dtype to run and why: ``auto`` is bfloat16 on a GPU (float16 on one without bfloat16) and on a CPU with
+    native bfloat16 instructions, float32 on other CPUs; any other value is taken as asked."""
+    if dtype != "auto":
+        return dtype, f"{dtype} as asked"
+    if device != "cpu":
+        if device.startswith("cuda"):
+            import torch
+
+            if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+                return "float16", f"auto: float16, since this GPU ({device}) has no bfloat16"
+        return "bfloat16", f"auto: bfloat16 on a GPU ({device})"
+    flag = cpu_bfloat16_flag()
+    if flag is not None:
+        return "bfloat16", f"auto: bfloat16, since this CPU has native bfloat16 instructions ({flag})"
+    return "float32", (
+        "auto: float32, since this CPU has no native bfloat16 instructions (avx512_bf16, amx_bf16 or bf16), "
+        "without which bfloat16 runs several times slower"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +71,9 @@ class EngineConfig:
     ``disable_hybrid_kv_cache_manager`` (vLLM's option) keeps every layer's K/V in one KV cache group treated as
     full attention, sliding-window layers only masking their window; by default a model's sliding-window
     layers form groups of their own that give back the blocks that left their window.
+    ``dtype`` ``auto`` (the default) is resolved here, once: bfloat16 on a GPU or a CPU with native bfloat16
+    instructions, float32 otherwise (:func:`resolve_dtype`); afterwards ``dtype`` is the one that runs and
+    ``dtype_reason`` says why, for the start-up log.
     ``kv_events_config`` (a config, a dict of its fields or a JSON object string) publishes KV cache events.
 
     KV offload tiers behind the device cache, any combination, searched in this order:
@@ -63,7 +95,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
     hash_algo: str = "sha256"
     hash_seed: str | None = None
     eviction_policy: str = "lru"
@@ -75,8 +107,16 @@ class EngineConfig:
     kv_offload_redis: str | None = None
     kv_offload_mode: str = "write_back"
     kv_offload_secret_file: str | None = None
+    dtype_reason: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype == "auto" or not self.dtype_reason.startswith(f"auto: {self.dtype}"):
+            # A copy (dataclasses.replace) of a resolved config keeps its reason unless its dtype changed.
+            dtype, reason = resolve_dtype(self.dtype, self.device)
+            object.__setattr__(self, "dtype", dtype)
+            object.__setattr__(self, "dtype_reason", reason)
         object.__setattr__(self, "kv_events_config", KVEventsConfig.coerce(self.kv_events_config))
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
@@ -89,8 +129,6 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.hash_algo not in HASH_ALGOS:
             raise ValueError(f"hash_algo must be one of {', '.join(HASH_ALGOS)}, got {self.hash_algo!r}")
         if self.eviction_policy not in EVICTION_POLICIES:
@@ -101,8 +139,6 @@ class EngineConfig:
 
     def offload_config(self) -> OffloadConfig:
         """The offload options, parsed (``prefixcache.offload.config.OffloadConfig``); ValueError when unreadable."""
-        from prefixcache.offload.config import OffloadConfig
-
         return OffloadConfig.parse(
             self.kv_offload_cpu,
             self.kv_offload_disk,

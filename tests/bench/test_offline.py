@@ -1,6 +1,15 @@
-"""The offline benchmark's verdict on outputs reads as a result, not as a defect."""
+"""The offline benchmark: its verdicts read as results, not as defects, and its comparison cannot flatter the cache."""
 
-from prefixcache.bench.offline import describe_output_match
+import pytest
+
+from prefixcache.bench.offline import (
+    compare_cache_off_on,
+    describe_output_match,
+    describe_speedup,
+    run_order,
+    synthetic_workload,
+)
+from prefixcache.config import EngineConfig
 
 
 def test_identical_outputs_are_reported_as_such():
@@ -16,3 +25,41 @@ def test_bfloat16_differences_are_explained():
 def test_float32_differences_are_flagged_as_unexpected():
     text = describe_output_match({"num_outputs": 16, "output_mismatches": 1, "dtype": "float32"})
     assert "1 of 16 DIFFER (unexpected in float32)" in text
+
+
+def test_cache_off_and_on_alternate_which_runs_first():
+    assert run_order(1) == [False, True]
+    assert run_order(3) == [False, True, True, False, False, True]
+
+
+def speedup_report(speedup: float, hit_rate: float) -> dict:
+    ceiling = 1 / (1 - hit_rate)
+    runs = [{"cache": "off", "elapsed_s": speedup}, {"cache": "on", "elapsed_s": 1.0}]
+    return {"speedup": speedup, "ceiling": ceiling, "hit_rate": hit_rate, "runs": runs}
+
+
+def test_a_speedup_above_its_ceiling_is_a_measurement_error_not_a_result():
+    text = describe_speedup(speedup_report(5.12, 0.778))
+    assert "MEASUREMENT ERROR: speedup 5.12x is above its ceiling 4.50x" in text and "not a result" in text
+    assert "of the ceiling)" not in text
+
+
+def test_a_speedup_below_its_ceiling_is_reported_with_it():
+    text = describe_speedup(speedup_report(3.6, 0.778))
+    assert "runs in order (s): off 3.60, on 1.00" in text
+    assert "speedup 3.60x  ceiling 4.50x  (0.80 of the ceiling)" in text and "ERROR" not in text
+
+
+def test_the_comparison_warms_up_alternates_and_compares_each_engines_best_run(tiny_loaded, tiny_llama_dir):
+    config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", block_size=4, num_blocks=256)
+    workload = synthetic_workload(
+        500, num_prompts=6, prefix_len=24, suffix_len=8, num_prefixes=2, repeat=1, max_tokens=3
+    )
+    report = compare_cache_off_on(tiny_loaded, workload, config, rounds=2)
+    assert [r["cache"] for r in report["runs"]] == ["off", "on", "on", "off"]
+    for mode, key in (("off", "without_cache"), ("on", "with_cache")):
+        assert report[key]["elapsed_s"] == min(r["elapsed_s"] for r in report["runs"] if r["cache"] == mode)
+    # Every timed run starts from an empty cache: 2 of the 6 prompts compute their prefix, 4 reuse it (24 of 32).
+    assert report["hit_rate"] == pytest.approx(4 * 24 / (6 * 32))
+    assert report["outputs_identical"] and report["dtype"] == "float32"
+    assert report["measurement_error"] == (report["speedup"] > report["ceiling"])

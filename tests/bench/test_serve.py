@@ -82,3 +82,32 @@ def test_sweep_writes_a_list_and_a_plot(server, tmp_path):
 def test_needs_a_server_or_results():
     with pytest.raises(SystemExit, match="--base-url"):
         run()
+
+
+def test_rounds_alternate_the_sweep_order():
+    assert bench_serve.sweep_order(3, 3) == [(0, 0), (0, 1), (0, 2), (1, 2), (1, 1), (1, 0), (2, 0), (2, 1), (2, 2)]
+
+
+def row(fraction: float, ttft_ms: float, hit_rate: float) -> dict:
+    return {"shared_fraction": fraction, "mean_ttft_ms": ttft_ms, "hit_rate": hit_rate, "completed": 10}
+
+
+def test_a_ttft_speedup_above_the_prefill_ceiling_is_a_measurement_error():
+    rows = [row(0.0, 5000.0, 0.0), row(0.5, 3000.0, 0.5), row(0.8, 700.0, 0.77)]
+    bench_serve.check_ceilings(rows)
+    assert rows[0]["ttft_speedup"] is None  # the reference itself
+    assert rows[1]["ttft_speedup"] == pytest.approx(5000 / 3000) and rows[1]["ttft_ceiling"] == pytest.approx(2)
+    assert rows[1]["measurement_error"] is False
+    assert rows[2]["measurement_error"] is True  # 7.1x against a ceiling of 4.3x: the unshared point queued
+
+
+def test_rounds_measure_every_point_in_both_orders(server, tmp_path, capsys):
+    path = tmp_path / "sweep.json"
+    run(*workload(server, 3), "--sweep-shared-fractions", "0,0.5", "--rounds", "2", "--json", str(path))
+    rows = json.loads(path.read_text())
+    for point in rows:
+        assert (point["rounds"], point["completed"], len(point["mean_ttft_ms_by_round"])) == (2, 6, 2)
+        assert point["cache_reset"] is True
+    assert rows[1]["hit_rate"] == pytest.approx(2 * 24 / (3 * 48))  # each round starts from an empty cache
+    assert rows[1]["measurement_error"] == (rows[1]["ttft_speedup"] > rows[1]["ttft_ceiling"])
+    assert "mean TTFT by round" in capsys.readouterr().out

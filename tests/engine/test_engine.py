@@ -33,7 +33,14 @@ def run(llm: LLM, prompts, params=GREEDY):
 @pytest.fixture(scope="module")
 def reference_tokens(tiny_loaded, tiny_llama_dir):
     """Greedy outputs without any cache, one request at a time."""
-    llm = LLM(str(tiny_llama_dir), loaded=tiny_loaded, enable_prefix_caching=False, num_blocks=256, block_size=4)
+    llm = LLM(
+        str(tiny_llama_dir),
+        loaded=tiny_loaded,
+        dtype="float32",
+        enable_prefix_caching=False,
+        num_blocks=256,
+        block_size=4,
+    )
     return [token_ids(run(llm, [p]))[0] for p in shared_prefix_prompts()]
 
 
@@ -194,7 +201,7 @@ def test_non_causal_model_turns_prefix_caching_off(tiny_loaded, caplog):
     loaded = dataclasses.replace(tiny_loaded, config=dataclasses.replace(tiny_loaded.config, is_causal=False))
     from prefixcache.config import EngineConfig
 
-    engine = LLMEngine(EngineConfig(num_blocks=64, block_size=4), loaded)
+    engine = LLMEngine(EngineConfig(num_blocks=64, block_size=4, dtype="float32"), loaded)
     assert engine.core.manager.enable_caching is False
     assert "not causal" in caplog.text
 
@@ -244,3 +251,40 @@ def test_every_command_line_parses():
     assert parser.parse_args(["serve", "--sub-block-size", "4", "--block-size", "16"]).sub_block_size == 4
     assert parser.parse_args(["generate", "hi", "--no-enable-prefix-caching"]).enable_prefix_caching is False
     assert parser.parse_args(["chat", "--eviction-policy", "lru"]).message is None
+
+
+def test_weights_in_another_dtype_than_the_engine_are_refused(tiny_loaded, tiny_llama_dir):
+    with pytest.raises(ValueError, match="the loaded model is float32 but the engine runs bfloat16"):
+        LLM(str(tiny_llama_dir), loaded=tiny_loaded, dtype="bfloat16", num_blocks=16)
+
+
+def test_the_progress_bar_counts_tokens_and_moves_during_a_long_prefill(make_llm):
+    """Two 40-token prompts prefilled 8 tokens a step: the bar advances every step before any request ends."""
+    import io
+
+    from tqdm import tqdm
+
+    bars: list[tqdm] = []
+    history: list[tuple[int, str]] = []
+
+    def recording_bar(**kwargs):
+        bar = tqdm(**kwargs, file=io.StringIO())
+        update = bar.update
+
+        def record(n=1):
+            update(n)
+            history.append((bar.n, bar.postfix or ""))
+
+        bar.update = record
+        bars.append(bar)
+        return bar
+
+    llm = make_llm(max_num_batched_tokens=8, max_num_seqs=1)
+    prompts = [list(range(3, 43)), list(range(50, 90))]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=recording_bar)
+    assert bars[0].total == 2 * (40 + 3) and bars[0].unit == "tok"
+    before_first_finish = [n for n, postfix in history if postfix.startswith("0/2")]
+    assert before_first_finish[:5] == [8, 16, 24, 32, 41]  # a prefill chunk a step; the last one samples a token
+    assert [n for n, _ in history] == sorted(n for n, _ in history)  # never backwards
+    assert history[-1] == (86, "2/2 requests")

@@ -19,8 +19,7 @@ from prefixcache.engine import LLM, SamplingParams
 from prefixcache.engine.core import EngineCore
 from prefixcache.engine.messages import EngineCoreRequest
 from prefixcache.model import load_model
-from tests.engine.conftest import assert_no_leaks
-from tests.helpers import write_tiny_checkpoint
+from tests.helpers import assert_no_leaks, write_tiny_checkpoint
 
 BLOCK_SIZE = 16
 WINDOW = 32
@@ -57,7 +56,7 @@ def make_llm(gemma):
 
     def make(**kwargs) -> LLM:
         kwargs.setdefault("num_blocks", 200)
-        llm = LLM(str(gemma.model_dir), loaded=gemma, block_size=BLOCK_SIZE, **kwargs)
+        llm = LLM(str(gemma.model_dir), loaded=gemma, block_size=BLOCK_SIZE, dtype="float32", **kwargs)
         built.append(llm)
         return llm
 
@@ -80,13 +79,13 @@ def reference(gemma) -> list[list[int]]:
     """Greedy tokens with the cache off, each layer keeping every block (the mask-only layout)."""
     llm = LLM(
         str(gemma.model_dir), loaded=gemma, block_size=BLOCK_SIZE, num_blocks=200, enable_prefix_caching=False,
-        disable_hybrid_kv_cache_manager=True,
+        disable_hybrid_kv_cache_manager=True, dtype="float32",
     )  # fmt: skip
     return token_ids(run(llm))
 
 
 def make_core(gemma, **kwargs) -> EngineCore:
-    config = EngineConfig(model=str(gemma.model_dir), block_size=BLOCK_SIZE, num_blocks=100, **kwargs)
+    config = EngineConfig(model=str(gemma.model_dir), block_size=BLOCK_SIZE, num_blocks=100, dtype="float32", **kwargs)
     return EngineCore(config, loaded=gemma)
 
 

@@ -7,8 +7,7 @@ import torch
 
 from prefixcache.engine import LLM, SamplingParams
 from prefixcache.model import load_model
-from tests.engine.conftest import assert_no_leaks
-from tests.helpers import write_tiny_checkpoint
+from tests.helpers import assert_no_leaks, write_tiny_checkpoint
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -34,7 +33,7 @@ def check_reuse(loaded, block_size, sub_block_size, cached_len, extra_len, expec
     rng = random.Random(0)
     shared = [rng.randrange(3, 500) for _ in range(cached_len)]
     longer = shared + [rng.randrange(3, 500) for _ in range(extra_len)]
-    common = dict(loaded=loaded, block_size=block_size, num_blocks=8, max_num_batched_tokens=8192)
+    common = dict(loaded=loaded, dtype="float32", block_size=block_size, num_blocks=8, max_num_batched_tokens=8192)
     reference = LLM(enable_prefix_caching=False, **common)
     ref_logits, ref_tokens, _ = sampled_logits(reference, longer, monkeypatch)
     llm = LLM(sub_block_size=sub_block_size, **common)

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from prefixcache.core import KVCacheGroupSpec, KVCacheManager
-from prefixcache.explain.analysis import ExplainConfig, block_hit_rate, explain
+from prefixcache.explain.analysis import REFINES, ExplainConfig, block_hit_rate, explain, locate_message
 from prefixcache.explain.log import Prompt
 from tests.core.conftest import admit, make_request
 from tests.explain.conftest import decode_ids, prompts_of
@@ -80,8 +80,15 @@ def test_block_alignment_and_partial_blocks_are_counted_exactly():
     result = explain(prompts_of([first, second, short, short]), ExplainConfig(block_size=16), decode_ids)
     one, two, _, four = result.requests
     assert (two.infinite_hit, two.block_hit) == (37, 32)
-    assert two.missed == {"new": 0, "different_salt": 0, "shorter_than_block": 0, "partial_block": 15, "evicted": 0}
-    assert one.missed["new"] == 32 and one.missed["partial_block"] == 8
+    assert two.missed == {
+        "never_seen": 0,
+        "different_salt": 0,
+        "evicted": 0,
+        "after_evicted": 0,
+        "shorter_than_block": 0,
+        "tail": 15,
+    }
+    assert one.missed["never_seen"] == 32 and one.missed["tail"] == 8
     assert (four.infinite_hit, four.block_hit) == (9, 0)
     assert four.missed["shorter_than_block"] == 10 and four.reason == "shorter_than_block"
     total = 40 + 47 + 10 + 10
@@ -110,22 +117,28 @@ def test_a_small_cache_tells_evicted_from_new_on_a_known_sequence():
     result = explain(prompts_of([a, a, b, a]), ExplainConfig(block_size=16, capacity_tokens=64), decode_ids)
     assert [r.block_hit for r in result.requests] == [0, 48, 0, 48]
     assert [r.capacity_hit for r in result.requests] == [0, 48, 0, 0]
-    assert [r.reason for r in result.requests] == ["new", "partial_block", "new", "evicted"]
+    assert [r.reason for r in result.requests] == ["never_seen", "tail", "never_seen", "evicted"]
+    assert [r.core_reason for r in result.requests] == ["new", "partial_block", "new", "evicted"]
     assert result.requests[3].missed["evicted"] == 48
     assert result.capacity_hit_rate == pytest.approx(48 / (4 * 49))
     big = explain(prompts_of([a, a, b, a]), ExplainConfig(block_size=16, capacity_tokens=4096), decode_ids)
     assert [r.capacity_hit for r in big.requests] == [r.block_hit for r in big.requests]
 
 
-def test_the_replay_matches_the_managers_own_hits():
+def test_the_replay_matches_the_managers_own_hits_and_miss_reasons():
     rng = random.Random(3)
     bases = [[rng.randrange(1, 50) for _ in range(40)] for _ in range(4)]
     token_lists = [rng.choice(bases)[: rng.randrange(20, 41)] + [rng.randrange(1, 50)] for _ in range(30)]
     result = explain(prompts_of(token_lists), ExplainConfig(block_size=8, capacity_tokens=96), decode_ids)
-    manager = KVCacheManager(num_blocks=12, block_size=8)
+    manager = KVCacheManager(num_blocks=12, block_size=8, evicted_record_size=10_000)  # remembers every eviction
     for i, tokens in enumerate(token_lists):
         found = manager.lookup(tokens)
         assert result.requests[i].capacity_hit == found.cached_tokens
+        # explain's reasons refine the engine's: summed by the reason they refine, they are the engine's counts
+        refined = result.requests[i].missed
+        by_core = {core: sum(n for r, n in refined.items() if REFINES[r] == core) for core in found.missed_tokens}
+        assert by_core == found.missed_tokens, (i, refined, found.missed_tokens)
+        assert result.requests[i].core_reason == found.first_miss_reason
         request = make_request(tokens)
         admit(manager, request)
         manager.free(request)
@@ -198,3 +211,68 @@ def test_the_replay_of_a_hybrid_model_matches_its_managers_hits():
         admit(manager, request)
         manager.free(request)
     assert sum(r.capacity_hit for r in result.requests) > 0
+
+
+def test_the_differing_span_is_shown_marked_in_its_surroundings():
+    prompts = prompts_of([stamped(i) for i in range(3)])
+    result = explain(prompts, ExplainConfig(block_size=16, window_tokens=2), decode_ids)
+    second = result.requests[1].divergence
+    assert second.this_context == "…1018 1019⟦5001 6001 7001⟧2000 2001…"
+    assert second.other_context == "…1018 1019⟦5000 6000 7000⟧2000 2001…"
+    assert result.divergence.this_context == second.this_context  # the summary's example is the second prompt
+
+
+def test_a_span_at_the_start_or_end_has_no_ellipsis_there_and_an_open_one_marks_its_first_tokens():
+    prompts = prompts_of([[1, 2, 3, 4, 5, 6], [1, 2, 9, 9, 9, 9]])
+    divergence = explain(prompts, ExplainConfig(block_size=4, window_tokens=3), decode_ids).requests[1].divergence
+    assert divergence.kind == "differs"
+    assert divergence.this_context == "1 2⟦9 9 9⟧…" and divergence.other_context == "1 2⟦3 4 5⟧…"
+
+
+def test_a_chat_divergence_names_the_message_it_is_in(tokenizer):
+    from prefixcache.engine.input_processor import chat_token_ids
+
+    def chat(time: str, question: str) -> tuple[dict[str, str], ...]:
+        system = f"You are a helpful assistant. Current time: {time}. Answer briefly and truthfully."
+        return ({"role": "system", "content": system}, {"role": "user", "content": question})
+
+    conversations = [chat("14:05", "Why cache prefixes?"), chat("14:35", "Why cache prefixes?"),
+                     chat("14:35", "The quick brown fox?")]  # fmt: skip
+    prompts = [
+        Prompt(line, chat_token_ids(tokenizer, list(messages)), messages=messages)
+        for line, messages in enumerate(conversations, start=1)
+    ]
+    decode = tokenizer.decode
+    result = explain(prompts, ExplainConfig(block_size=4, window_tokens=6), decode)
+    in_system, in_question = result.requests[1].divergence, result.requests[2].divergence
+    assert (in_system.message_index, in_system.message_role) == (0, "system")
+    assert in_system.this_context.endswith(": 14:⟦3⟧5. Answer briefly…")
+    assert in_system.other_context.endswith(": 14:⟦0⟧5. Answer briefly…")
+    assert (in_question.message_index, in_question.message_role) == (1, "user")
+    assert "⟦The" in in_question.this_context
+
+
+def test_locating_a_span_prefers_the_longest_context_and_knows_template_text():
+    messages = [{"role": "system", "content": "time 10:05 now"}, {"role": "user", "content": "at 10:05 please"}]
+    assert locate_message(messages, "at ", "10:05") == 1  # "10:05" alone is in both; its context decides
+    assert locate_message(messages, "<|system|>time ", "10:05") == 0  # the window begins in template markup
+    assert locate_message(messages, "<|end|>", "<|user|>") is None  # the template's own text
+    assert locate_message(None, "a", "b") is None
+
+
+def test_tokens_after_evicted_blocks_count_as_evicted_like_the_engine_counts_them():
+    """A, then B evicts A, then A's first two blocks and new text: the engine counts every hittable missed token
+    ``evicted`` (the first missing block was evicted); explain splits off those an infinite cache lacks too."""
+    a, b = list(range(100, 149)), list(range(500, 549))
+    again = a[:32] + list(range(900, 917))  # 49 tokens: 2 of A's blocks, then a new one and a token
+    result = explain(prompts_of([a, b, again]), ExplainConfig(block_size=16, capacity_tokens=64), decode_ids)
+    last = result.requests[2]
+    assert (last.block_hit, last.capacity_hit) == (32, 0)
+    assert {r: n for r, n in last.missed.items() if n} == {"evicted": 32, "after_evicted": 16, "tail": 1}
+    assert result.missed_by_core_reason["evicted"] == 48
+    manager = KVCacheManager(num_blocks=4, block_size=16)
+    for tokens in (a, b):
+        request = make_request(tokens)
+        admit(manager, request)
+        manager.free(request)
+    assert manager.lookup(again).missed_tokens == {"new": 0, "evicted": 48, "partial_block": 1, "skipped": 0}

@@ -99,3 +99,48 @@ def test_a_prompt_larger_than_the_capacity_is_a_usage_error(tmp_path, tiny_llama
     with pytest.raises(SystemExit):
         main(["explain", str(log), "--model", str(tiny_llama_dir), "--capacity-tokens", "16"])
     assert "more than the capacity" in capsys.readouterr().err
+
+
+HOSTILE = [
+    '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}",  # RecursionError in the JSON parser
+    json.dumps({"prompt_token_ids": [1, 2**63]}),  # OverflowError in the analysis
+    '{"prompt": "lone \\ud800 surrogate"}',  # TypeError in the tokenizer
+    json.dumps({"prompt_token_ids": [5, 100_000]}),  # outside the tiny model's vocabulary of 512
+]
+
+
+def test_hostile_lines_are_skipped_and_counted_and_the_report_survives(tmp_path, tiny_llama_dir, capsys):
+    log = tmp_path / "requests.jsonl"
+    stamped_log(log, num_requests=6, bad_lines=[(2 + 2 * k, text) for k, text in enumerate(HOSTILE)])
+    out_json = tmp_path / "report.json"
+    main(["explain", str(log), "--model", str(tiny_llama_dir), "--json", str(out_json)])
+    printed = capsys.readouterr().out
+    report = json.loads(out_json.read_text())
+    assert report["num_requests"] == 6 and "(4 bad lines skipped)" in printed
+    assert [(e["line"], e["message"].split(":")[0]) for e in report["errors"]] == [
+        (2, "JSON nested too deeply to read"),
+        (4, "prompt_token_ids must be a non-empty list of token ids (integers in [0, 2^63))"),
+        (6, "prompt"),
+        (8, "prompt token ids must be in [0, 512)"),
+    ]
+    assert "line 6: prompt: invalid Unicode: a lone surrogate" in printed
+
+
+def test_the_report_shows_the_span_in_its_text_and_its_message(tmp_path, tiny_llama_dir, capsys):
+    log = tmp_path / "requests.jsonl"
+    stamped_log(log, num_requests=6)
+    main(["explain", str(log), "--model", str(tiny_llama_dir), "--window", "16"])
+    printed = capsys.readouterr().out
+    assert "in message 1 of 2 (system) of line" in printed
+    example = next(line for line in printed.splitlines() if "⟦" in line and "marks" not in line)
+    assert "Current time: 14:" in example and "⟧" in example and ". You are a" in example
+
+
+def test_an_output_path_that_cannot_be_written_is_one_line_before_any_work(tmp_path, tiny_llama_dir, capsys):
+    log = tmp_path / "requests.jsonl"
+    stamped_log(log, num_requests=2)
+    for flag in ("--json", "--plot"):
+        with pytest.raises(SystemExit):
+            main(["explain", str(log), "--model", str(tiny_llama_dir), flag, str(tmp_path / "missing" / "out")])
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "is not a directory" in err

@@ -34,7 +34,16 @@ BAD = {
     json.dumps({"prompt": "x", "cache_salt": ""}): "cache_salt",
     json.dumps({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}): "both prompt and messages",
     json.dumps({"messages": []}): "non-empty list",
-    json.dumps({"messages": [{"content": "no role"}]}): "bad message",
+    json.dumps({"messages": [{"content": "no role"}]}): "bad message (messages.0.role",
+    # Hostile lines: each once lost the whole report (RecursionError, OverflowError, TypeError).
+    '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}": "nested too deeply",
+    json.dumps({"prompt_token_ids": [1, 2**63]}): "token ids (integers in [0, 2^63))",
+    json.dumps({"prompt": [3, 2**64 + 5]}): "token ids (integers in [0, 2^63))",
+    '{"prompt": "a \\ud800 b"}': "prompt: invalid Unicode: a lone surrogate",
+    '{"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "\\udc00"}]}': (
+        "bad message (messages.1.content: invalid Unicode: a lone surrogate"
+    ),
+    '{"prompt": "x", "cache_salt": "\\udfff"}': "cache_salt: invalid Unicode",
 }
 
 
@@ -87,6 +96,24 @@ def test_bad_lines_are_reported_with_their_number_and_skipped(tmp_path, tokenize
     assert sorted(reported) == sorted(bad_lines)
     for line, expected in bad_lines.items():
         assert expected in reported[line], (line, reported[line])
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_as_the_server_refuses_them(tmp_path, tokenizer):
+    path = tmp_path / "log.jsonl"
+    path.write_text(json.dumps({"prompt_token_ids": [5, 511]}) + "\n" + json.dumps({"prompt": [5, 512]}) + "\n")
+    bodies, _ = read_log(path)
+    prompts, errors = tokenize_log(bodies, lambda body: token_ids_of(body, tokenizer, vocab_size=512))
+    assert [p.token_ids for p in prompts] == [[5, 511]]
+    assert [(e.line, e.message) for e in errors] == [(2, "prompt token ids must be in [0, 512)")]
+
+
+def test_a_chat_prompt_keeps_its_messages_to_locate_a_divergence(tmp_path, tokenizer):
+    path = tmp_path / "log.jsonl"
+    write_log(path, GOOD, {})
+    bodies, _ = read_log(path)
+    prompts, _ = tokenize_log(bodies, lambda body: token_ids_of(body, tokenizer))
+    assert prompts[3].messages == ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"})
+    assert prompts[0].messages is None
 
 
 def test_a_template_that_fails_is_a_bad_line(tmp_path, tokenizer):

@@ -1,12 +1,9 @@
 """Consumers of the event stream on loopback, and engines that publish to them."""
 
-import threading
-
 import pytest
 import zmq
 
 from prefixcache.engine import LLM
-from prefixcache.model import load_model
 from tests.kv_events.vllm_wire import END_SEQ, KVEventBatch, decoder
 
 WAIT_MS = 10_000  # an upper bound on waiting for a message, never a measured duration
@@ -80,26 +77,15 @@ def consumers():
         consumer.close()
 
 
-@pytest.fixture(scope="session")
-def tiny_loaded(tiny_llama_dir):
-    return load_model(str(tiny_llama_dir), dtype="float32", device="cpu")
-
-
 @pytest.fixture
-def make_llm(tiny_loaded, tiny_llama_dir):
-    """An LLM on the tiny model publishing events on free loopback ports; closed (thread reaped) at the end."""
-    built: list[LLM] = []
+def make_llm(make_llm):
+    """The shared factory (tests/conftest.py: closed, publisher thread reaped) publishing events on free loopback
+    ports, with 64 blocks."""
 
     def make(**config) -> LLM:
         events = {"enable_kv_cache_events": True, "endpoint": LOOPBACK, "replay_endpoint": LOOPBACK}
         events |= config.pop("events", {})
         config.setdefault("num_blocks", 64)
-        config.setdefault("block_size", 4)
-        llm = LLM(str(tiny_llama_dir), loaded=tiny_loaded, kv_events_config=events, **config)
-        built.append(llm)
-        return llm
+        return make_llm(kv_events_config=events, **config)
 
-    yield make
-    for llm in built:
-        llm.engine.close()
-    assert not [t for t in threading.enumerate() if t.name == "kv-events-publisher"]
+    return make

@@ -85,7 +85,7 @@ def test_the_bytes_encoding_sends_whole_digests():
     assert all(len(h) == 32 for h in event.block_hashes)
 
 
-def test_extra_keys_take_vllms_order_and_shape():
+def test_extra_keys_take_vllms_order_and_shape_without_the_salt():
     manager, collector = make_manager()
     request = make_request(
         unique_tokens(12, 0),
@@ -94,11 +94,26 @@ def test_extra_keys_take_vllms_order_and_shape():
         mm_features=[MultiModalFeature("img-1", offset=2, length=4)],
     )
     admit(manager, request)
-    [event] = decode(collector)
+    payload = wire(collector)
+    [event] = vllm_wire.decoder.decode(payload).events
     assert event.lora_name == "sql"
     assert event.lora_id is None
     # msgpack has no tuples: the (identifier, offset) pairs come back as arrays, as from vLLM.
-    assert event.extra_keys == [("sql", ["img-1", 2], "tenant-a"), ("sql", ["img-1", -2]), ("sql",)]
+    assert event.extra_keys == [("sql", ["img-1", 2]), ("sql", ["img-1", -2]), ("sql",)]
+    # vLLM would send the salt with the first block: it names a tenant, so only the hashes it went into leave
+    assert b"tenant-a" not in payload
+    assert event.block_hashes == [vllm_wire.as_uint64(h) for h in manager.block_hashes(request)[:3]]
+
+
+def test_a_salt_alone_leaves_no_extra_keys_and_token_ids_may_be_left_out():
+    manager, collector = make_manager(token_ids=False)
+    request = make_request(unique_tokens(8, 0), cache_salt="secret-salt")
+    admit(manager, request)
+    payload = wire(collector)
+    [event] = vllm_wire.decoder.decode(payload).events
+    assert (event.extra_keys, event.token_ids) == ([None, None], [])
+    assert event.block_hashes == [vllm_wire.as_uint64(h) for h in manager.block_hashes(request)]
+    assert b"secret-salt" not in payload
 
 
 def test_removal_is_reported_only_when_the_last_copy_of_a_hash_goes():

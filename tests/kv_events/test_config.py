@@ -18,11 +18,31 @@ def test_defaults_are_vllms():
     assert (config.buffer_steps, config.hwm, config.max_queue_size) == (10_000, 100_000, 100_000)
     assert config.topic == ""
     assert config.block_hash_encoding == "uint64"
+    assert (config.endpoint_mode, config.publish_token_ids) == ("auto", True)
 
 
 def test_enabling_events_picks_the_zmq_publisher_unless_one_is_named():
     assert KVEventsConfig(enable_kv_cache_events=True).publisher == "zmq"
     assert KVEventsConfig(enable_kv_cache_events=True, publisher="null").publisher == "null"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "mode", "bound"),
+    [
+        ("tcp://*:5557", "auto", True),  # vLLM's rule: a wildcard, ::, ipc:// and inproc:// are bound
+        ("tcp://127.0.0.1:*", "auto", True),
+        ("tcp://[::1]:5557", "auto", True),
+        ("ipc:///run/prefixcache/events", "auto", True),
+        ("inproc://events", "auto", True),
+        ("tcp://127.0.0.1:5557", "auto", False),  # ... and any other address is connected to
+        ("tcp://10.0.0.2:5557", "auto", False),
+        ("tcp://127.0.0.1:5557", "bind", True),  # one address bound, without the wildcard
+        ("tcp://10.0.0.2:5557", "bind", True),
+        ("ipc:///run/prefixcache/events", "connect", False),
+    ],
+)
+def test_the_endpoint_is_bound_by_vllms_rule_unless_the_mode_says(endpoint, mode, bound):
+    assert KVEventsConfig(endpoint=endpoint, endpoint_mode=mode).binds_endpoint is bound
 
 
 def test_from_json_reads_vllms_flag_value():
@@ -46,6 +66,9 @@ def test_from_json_reads_vllms_flag_value():
         ('{"hwm": -1}', "hwm must be an integer >= 0"),
         ('{"topic": 3}', "topic must be a string"),
         ('{"block_hash_encoding": "hex"}', "block_hash_encoding must be one of uint64, bytes"),
+        ('{"endpoint_mode": "listen"}', "endpoint_mode must be one of auto, bind, connect"),
+        ('{"endpoint_mode": "connect"}', "has a wildcard, which can be bound, not connected to"),
+        ('{"publish_token_ids": 0}', "publish_token_ids must be true or false"),
     ],
 )
 def test_bad_configs_are_refused_with_the_reason(text, message):

@@ -28,7 +28,7 @@ def all_events(llm, consumer) -> list:
 def test_events_are_off_unless_enabled(tiny_loaded, tiny_llama_dir):
     from prefixcache.engine import LLM
 
-    assert LLM(str(tiny_llama_dir), loaded=tiny_loaded, num_blocks=16).engine.core.kv_events is None
+    assert LLM(str(tiny_llama_dir), loaded=tiny_loaded, dtype="float32", num_blocks=16).engine.core.kv_events is None
 
 
 def test_a_request_publishes_its_blocks_with_tokens_parent_and_size(make_llm, consumers):

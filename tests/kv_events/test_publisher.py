@@ -1,5 +1,7 @@
 """The ZeroMQ publisher: vLLM's framing, sequence numbers, replay, drops that leave a gap, clean close."""
 
+import logging
+import socket
 import threading
 
 import pytest
@@ -7,7 +9,7 @@ import zmq
 
 from prefixcache.kv_events.config import KVEventsConfig
 from prefixcache.kv_events.events import AllBlocksCleared, BlockRemoved, KVEventBatch
-from prefixcache.kv_events.publisher import NullEventPublisher, ZmqEventPublisher, make_publisher
+from prefixcache.kv_events.publisher import NullEventPublisher, ZmqEventPublisher, make_publisher, reach
 from tests.kv_events.conftest import LOOPBACK
 from tests.kv_events.vllm_wire import decoder
 
@@ -180,3 +182,84 @@ def test_a_connecting_endpoint_delivers_to_a_bound_subscriber(consumers):
     finally:
         publisher.close()
         context.destroy(linger=0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def events_config(**fields) -> KVEventsConfig:
+    return KVEventsConfig(enable_kv_cache_events=True, **fields)
+
+
+def test_one_address_is_bound_without_the_wildcard_and_the_log_says_who_can_reach_it(consumers, caplog):
+    """``tcp://127.0.0.1:PORT`` connects by vLLM's rule (a subscriber got nothing); ``"bind"`` binds it."""
+    caplog.set_level(logging.INFO, "prefixcache.kv_events")
+    port = free_port()
+    connecting = make_publisher(events_config(endpoint=f"tcp://127.0.0.1:{port}"))
+    connecting.close()
+    assert not connecting.endpoint_bound
+    assert f"connecting to tcp://127.0.0.1:{port} (only a subscriber bound there receives them" in caplog.text
+    publisher = make_publisher(
+        events_config(endpoint=f"tcp://127.0.0.1:{port}", endpoint_mode="bind", replay_endpoint=LOOPBACK)
+    )
+    try:
+        assert publisher.endpoint_bound and publisher.endpoint == f"tcp://127.0.0.1:{port}"
+        consumer = consumers(publisher)
+        first = wait_until_subscribed(publisher, consumer)
+        publisher.publish(removed(7))
+        assert consumer.receive()[1] == first
+        assert f"bound at tcp://127.0.0.1:{port}, reachable from loopback only (this host)" in caplog.text
+        assert f"replays: bound at {publisher.replay_endpoint}, reachable from loopback only" in caplog.text
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    finally:
+        publisher.close()
+
+
+def test_a_wildcard_bind_warns_that_token_ids_reach_every_interface_unless_left_out(caplog):
+    caplog.set_level(logging.INFO, "prefixcache.kv_events")
+    for publish_token_ids in (True, False):
+        caplog.clear()
+        publisher = make_publisher(
+            events_config(endpoint=f"tcp://*:{free_port()}", publish_token_ids=publish_token_ids)
+        )
+        publisher.close()
+        assert "reachable from every interface" in caplog.text
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        if publish_token_ids:
+            [warning] = warnings
+            assert "carry the prompts' token ids to every interface" in warning and '"endpoint_mode": "bind"' in warning
+        else:
+            assert warnings == []
+
+
+def test_an_ipc_endpoint_is_bound_for_this_host(tmp_path, consumers, caplog):
+    caplog.set_level(logging.INFO, "prefixcache.kv_events")
+    path = tmp_path / "events"
+    publisher = make_publisher(events_config(endpoint=f"ipc://{path}"))
+    try:
+        consumer = consumers(publisher)
+        first = wait_until_subscribed(publisher, consumer)
+        publisher.publish(removed(3))
+        assert consumer.receive()[1] == first
+        assert f"bound at ipc://{path}, reachable from this host only" in caplog.text
+    finally:
+        publisher.close()
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "who"),
+    [
+        ("tcp://0.0.0.0:5557", "every interface"),
+        ("tcp://[::]:5557", "every interface"),
+        ("tcp://[::1]:5557", "loopback only (this host)"),
+        ("tcp://10.0.0.2:5557", "10.0.0.2 only (a private address)"),
+        ("tcp://8.8.8.8:5557", "8.8.8.8 only (a public address, reachable from other networks)"),
+        ("tcp://eth0:5557", "the interface eth0 only"),
+        ("inproc://events", "this process only"),
+    ],
+)
+def test_the_reach_of_a_bound_address(endpoint, who):
+    assert reach(endpoint) == who

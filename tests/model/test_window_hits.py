@@ -12,7 +12,7 @@ import torch
 
 from prefixcache.engine import LLM, SamplingParams
 from prefixcache.model import LoadedModel, load_model
-from tests.engine.conftest import assert_no_leaks
+from tests.helpers import assert_no_leaks
 from tests.model.conftest import TINY_MODELS, VOCAB_SIZE
 
 BLOCK_SIZE = 16
@@ -28,10 +28,6 @@ def loaded(checkpoint_dirs: dict[str, Path]) -> dict[str, LoadedModel]:
     models = {kind: load_model(checkpoint_dirs[kind]) for kind in KINDS}
     assert {m.config.sliding_window for m in models.values()} == {WINDOW}
     return models
-
-
-def make_llm(model: LoadedModel, **kwargs: Any) -> LLM:
-    return LLM(str(model.model_dir), loaded=model, block_size=BLOCK_SIZE, num_blocks=32, **kwargs)
 
 
 def prompt_sharing(num_tokens: int) -> list[int]:
@@ -64,10 +60,12 @@ def assert_matches_transformers(output: Any, hf_model: Any) -> None:
     [BLOCK_SIZE, WINDOW, WINDOW + BLOCK_SIZE, 4 * BLOCK_SIZE],
     ids=["inside-window", "at-window", "past-window", "two-blocks-past"],
 )
-def test_hits_across_the_window_boundary_match_transformers(kind: str, hit_tokens: int, loaded, hf_models) -> None:
+def test_hits_across_the_window_boundary_match_transformers(
+    kind: str, hit_tokens: int, loaded, hf_models, make_llm
+) -> None:
     model = loaded[kind]
-    cached = make_llm(model)
-    uncached = make_llm(model, enable_prefix_caching=False)
+    cached = make_llm(loaded=model, block_size=BLOCK_SIZE, num_blocks=32)
+    uncached = make_llm(loaded=model, block_size=BLOCK_SIZE, num_blocks=32, enable_prefix_caching=False)
     document = generate(cached, DOCUMENT)  # cold
     assert document.num_cached_tokens == 0
     assert_matches_transformers(document, hf_models[kind])
@@ -86,9 +84,9 @@ def test_hits_across_the_window_boundary_match_transformers(kind: str, hit_token
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_chunked_prefill_over_the_window_matches_transformers(kind: str, loaded, hf_models) -> None:
+def test_chunked_prefill_over_the_window_matches_transformers(kind: str, loaded, hf_models, make_llm) -> None:
     """Prefill chunks of 20 tokens: chunk starts fall inside, at and past window boundaries."""
     model = loaded[kind]
-    llm = make_llm(model, max_num_batched_tokens=20)
+    llm = make_llm(loaded=model, block_size=BLOCK_SIZE, num_blocks=32, max_num_batched_tokens=20)
     assert_matches_transformers(generate(llm, DOCUMENT), hf_models[kind])
     assert_no_leaks(llm)

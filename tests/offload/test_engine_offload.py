@@ -2,6 +2,7 @@
 partly from a tier and partly computed gives the same greedy tokens as with no cache at all; the disk tier
 serves after a restart, Redis across engines, and a tier that is down only costs hits."""
 
+import functools
 import random
 import shutil
 from pathlib import Path
@@ -16,7 +17,6 @@ from prefixcache.model import load_model
 from prefixcache.offload.config import REDIS_PASSWORD_ENV
 from prefixcache.offload.record import encode_record, model_fingerprint
 from prefixcache.offload.worker import read_blocks
-from tests.engine.conftest import assert_no_leaks
 from tests.helpers import write_tiny_checkpoint
 from tests.offload.conftest import SECRET, forger
 
@@ -38,25 +38,21 @@ def generate(llm: LLM, prompt: list[int]):
 
 @pytest.fixture(scope="module")
 def reference(tiny_loaded, tiny_llama_dir) -> list[int]:
-    llm = LLM(str(tiny_llama_dir), loaded=tiny_loaded, enable_prefix_caching=False, num_blocks=64, block_size=BLOCK)
+    llm = LLM(
+        str(tiny_llama_dir),
+        loaded=tiny_loaded,
+        dtype="float32",
+        enable_prefix_caching=False,
+        num_blocks=64,
+        block_size=BLOCK,
+    )
     return generate(llm, FOLLOW_UP).outputs[0].token_ids
 
 
 @pytest.fixture
-def make_llm(tiny_loaded, tiny_llama_dir):
-    built: list[LLM] = []
-
-    def make(loaded=tiny_loaded, **kwargs) -> LLM:
-        kwargs.setdefault("num_blocks", 16)
-        llm = LLM(str(loaded.model_dir), loaded=loaded, block_size=BLOCK, **kwargs)
-        built.append(llm)
-        return llm
-
-    yield make
-    for llm in built:
-        assert_no_leaks(llm)
-        if llm.engine.core.offload is not None:
-            llm.engine.core.offload.close()
+def make_llm(make_llm):
+    """The shared factory (tests/conftest.py: leak checks, closing) with this file's block size and 16 blocks."""
+    return functools.partial(make_llm, block_size=BLOCK, num_blocks=16)
 
 
 def settle(llm: LLM) -> None:
@@ -160,7 +156,12 @@ def test_disk_blocks_of_another_block_size_or_model_never_load(make_llm, tmp_pat
     first.engine.core.offload.close()
 
     other_block_size = LLM(
-        str(tiny_llama_dir), loaded=first.engine.core.loaded, block_size=8, num_blocks=16, kv_offload_disk=disk
+        str(tiny_llama_dir),
+        loaded=first.engine.core.loaded,
+        dtype="float32",
+        block_size=8,
+        num_blocks=16,
+        kv_offload_disk=disk,
     )
     try:
         assert other_block_size.stats().kv_offload[0].num_blocks == 0  # its own namespace is empty
@@ -169,7 +170,7 @@ def test_disk_blocks_of_another_block_size_or_model_never_load(make_llm, tmp_pat
         other_block_size.engine.core.offload.close()
 
     other_dir = write_tiny_checkpoint(tmp_path / "other-model", seed=1)
-    other_model = LLM(str(other_dir), block_size=BLOCK, num_blocks=16, kv_offload_disk=disk)
+    other_model = LLM(str(other_dir), dtype="float32", block_size=BLOCK, num_blocks=16, kv_offload_disk=disk)
     try:
         assert other_model.stats().kv_offload[0].num_blocks == 0
         assert generate(other_model, FOLLOW_UP).num_cached_tokens == 0
@@ -217,14 +218,14 @@ def test_a_fine_tune_one_embedding_row_apart_never_loads_its_base_models_blocks(
         if tier == "disk"
         else {"kv_offload_redis": request.getfixturevalue("redis_server").url}
     )
-    expected = generate(make_llm(tuned, enable_prefix_caching=False), TUNED_PROMPT).outputs[0].token_ids
-    base_llm = make_llm(base, **kwargs)
+    expected = generate(make_llm(loaded=tuned, enable_prefix_caching=False), TUNED_PROMPT).outputs[0].token_ids
+    base_llm = make_llm(loaded=base, **kwargs)
     base_output = generate(base_llm, TUNED_PROMPT)
     settle(base_llm)
     assert base_output.outputs[0].token_ids != expected  # the base's K/V would give the fine-tune wrong tokens
     base_llm.engine.core.offload.close()
 
-    tuned_llm = make_llm(tuned, **kwargs)
+    tuned_llm = make_llm(loaded=tuned, **kwargs)
     assert tuned_llm.lookup({"prompt_token_ids": TUNED_PROMPT}).cached_tokens == 0
     out = generate(tuned_llm, TUNED_PROMPT)
     assert out.num_cached_tokens == 0 and tier_tokens(tuned_llm) == {tier.upper(): 0}

@@ -5,7 +5,7 @@ import pytest
 from prefixcache.router.app import RouterSettings, build_app
 from prefixcache.router.backends import HealthSettings
 from prefixcache.router.policy import DEFAULT_AFFINITY_BALANCE
-from tests.router.fakes import BLOCK_SIZE, FakeBackend, FakePublisher, FakeVllm, ThreadedServer, cache_config
+from tests.router.fakes import BLOCK_SIZE, HANG_S, FakeBackend, FakePublisher, FakeVllm, ThreadedServer, cache_config
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def router(stoppables):
             backends=tuple(b.url for b in backends),
             policy=policy,
             prefix_weight=prefix_weight,
-            health=HealthSettings(interval=interval, timeout=2.0, failures_to_down=1, replay_timeout=2.0),
+            health=HealthSettings(interval=interval, timeout=HANG_S, failures_to_down=1, replay_timeout=HANG_S),
             backend_api_key=backend_api_key,
             affinity_balance=affinity_balance,
             event_sources=tuple(event_sources),

@@ -33,6 +33,11 @@ HASH_ALGO = "sha256"
 HASH_SEED = "router-tests"
 MODEL = "fake-model"
 PROMPT = list(range(10, 30))  # 20 tokens: 4 hittable blocks of 4 (the last token is always computed)
+# The router's health-check and replay timeouts in tests. On loopback they answer in milliseconds, but a loaded
+# machine can pause a thread for seconds, and one failed check takes a backend out: a short timeout would take
+# out a healthy backend. No test waits for them to expire (a stopped fake refuses connections at once), so
+# they only bound a hang.
+HANG_S = 30.0
 
 # A stream with an odd layout on purpose (comment line, split events, usage last): it must pass unchanged.
 STREAM_CHUNKS = [
@@ -62,7 +67,7 @@ def index_blocks(router, backend) -> int:
 
 def metric(router, name: str, backend=None) -> float:
     """The sample ``prefixcache:router_<name>``, for one backend or summed over all."""
-    text = httpx.get(f"{router.url}/metrics").text
+    text = httpx.get(f"{router.url}/metrics", timeout=30).text
     return sum(
         sample.value
         for family in text_string_to_metric_families(text)
@@ -106,12 +111,19 @@ def cache_config(**overrides: Any) -> dict[str, Any]:
     return {**config, **overrides}
 
 
+class BackendDied(Exception):
+    """Raised inside a fake's response body: uvicorn drops the connection, as when a backend process dies."""
+
+
 class FakeBackend:
     """Answers like a prefixcache server, records what it got, and can be told to fail.
 
-    Clearing ``proceed`` holds generation requests (after they are recorded) until it is set again.
-    With ``api_key`` its cache config wants ``Authorization: Bearer <api_key>`` (401 otherwise), as a
-    server started with ``--api-key`` does; generation records each request's Authorization header.
+    Clearing ``proceed`` holds generation requests (after they are recorded) until it is set again; a held
+    request whose client (the router) leaves is counted in ``abandoned`` and dropped. ``break_after`` = N drops
+    the connection after N chunks of a response (a whole JSON body goes out as two chunks then), as a backend
+    that dies mid-response. With ``api_key`` its cache config wants ``Authorization: Bearer <api_key>`` (401
+    otherwise), as a server started with ``--api-key`` does; generation records each request's Authorization
+    and X-Request-Id headers.
     """
 
     def __init__(self, name: str, config: dict[str, Any], api_key: str | None = None) -> None:
@@ -120,8 +132,11 @@ class FakeBackend:
         self.api_key = api_key
         self.received: list[dict[str, Any]] = []
         self.authorizations: list[str | None] = []
+        self.request_ids: list[str | None] = []
         self.config_requests = 0
         self.fail_with: int | None = None
+        self.break_after: int | None = None
+        self.abandoned = 0
         self.healthy = True
         self.proceed = threading.Event()
         self.proceed.set()
@@ -146,18 +161,20 @@ class FakeBackend:
             body = json.loads(await request.body())
             self.received.append(body)
             self.authorizations.append(request.headers.get("authorization"))
-            await asyncio.to_thread(self.proceed.wait, 30)
+            self.request_ids.append(request.headers.get("x-request-id"))
+            if not await self._held(request):
+                self.abandoned += 1
+                return Response(status_code=499)
             if self.fail_with is not None:
                 return JSONResponse({"error": {"message": "engine died"}}, status_code=self.fail_with)
             if body.get("stream"):
-
-                async def chunks():
-                    for chunk in STREAM_CHUNKS:
-                        yield chunk
-
-                return StreamingResponse(chunks(), media_type="text/event-stream")
+                return StreamingResponse(self._chunks(STREAM_CHUNKS), media_type="text/event-stream")
             usage = {"prompt_tokens": 9, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 4}}
-            return JSONResponse({"id": "x", "served_by": self.name, "choices": [], "usage": usage})
+            answer = {"id": "x", "served_by": self.name, "choices": [], "usage": usage}
+            if self.break_after is None:
+                return JSONResponse(answer)
+            whole = json.dumps(answer).encode()
+            return StreamingResponse(self._chunks([whole[:10], whole[10:]]), media_type="application/json")
 
         app.post("/v1/completions")(generate)
         app.post("/v1/chat/completions")(generate)
@@ -166,6 +183,22 @@ class FakeBackend:
 
     def stop(self) -> None:
         self.server.stop()
+
+    async def _held(self, request: Request) -> bool:
+        """Wait while ``proceed`` is clear (30 s at most, so a forgotten hold cannot hang a test); False when the
+        client left meanwhile."""
+        deadline = time.monotonic() + 30
+        while not self.proceed.is_set() and time.monotonic() < deadline:
+            if await request.is_disconnected():
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    async def _chunks(self, chunks: list[bytes]):
+        for sent, chunk in enumerate(chunks):
+            if sent == self.break_after:
+                raise BackendDied(f"{self.name} died after {sent} chunks")
+            yield chunk
 
 
 def event_hashes(token_ids: list[int], cache_salt: str | None = None) -> list[int]:
@@ -229,7 +262,12 @@ class FakePublisher:
         """The ``kv_events`` entry of a backend's cache config, as a wildcard bind like the engine's."""
         port = self.endpoint.rsplit(":", 1)[1]
         replay_port = self.replay_endpoint.rsplit(":", 1)[1]
-        return {"endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{replay_port}", "topic": self.topic}
+        return {
+            "endpoint": f"tcp://*:{port}",
+            "endpoint_bound": True,
+            "replay_endpoint": f"tcp://*:{replay_port}",
+            "topic": self.topic,
+        }
 
     def publish(self, events: list[dict[str, Any]], lose: bool = False, seq: int | None = None) -> int:
         seq = self.next_seq if seq is None else seq

@@ -15,7 +15,7 @@ from prefixcache.router.prompt import PromptHasher
 from prefixcache.router.proxy import BACKEND_HEADER
 from prefixcache.server.tenants import SALT_BY_API_KEY
 from tests.helpers import wait_until
-from tests.router.fakes import ThreadedServer, metric
+from tests.router.fakes import HANG_S, ThreadedServer, metric
 from tests.server.harness import API_KEY, OTHER_API_KEY, ServerProcess, random_prompt
 
 SERVE_ARGS = ["--block-size", "4", "--num-blocks", "256", "--max-model-len", "256", "--disable-uvicorn-access-log"]
@@ -40,7 +40,7 @@ def start_router(servers, policy, tokenizer, backend_api_key=None) -> ThreadedSe
     settings = RouterSettings(
         backends=tuple(s.url for s in servers),
         policy=policy,
-        health=HealthSettings(interval=3600.0),
+        health=HealthSettings(interval=3600.0, timeout=HANG_S, replay_timeout=HANG_S),
         backend_api_key=backend_api_key,
     )
     return ThreadedServer(build_app(settings, tokenizer))
@@ -182,3 +182,18 @@ def test_prefix_routing_over_keyed_backends_hashes_each_tenant_like_they_do(tiny
         router.stop()
         for server in started:
             server.stop()
+
+
+def test_a_deeply_nested_body_gets_the_servers_400_through_the_router(servers, tokenizer):
+    """It made the router's JSON parser raise RecursionError: a text/plain 500 from the router."""
+    router = start_router(servers, "prefix", tokenizer)
+    try:
+        nested = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        headers = {"content-type": "application/json"}
+        direct = httpx.post(f"{servers[0].url}/v1/completions", content=nested, headers=headers, timeout=60)
+        routed = httpx.post(f"{router.url}/v1/completions", content=nested, headers=headers, timeout=60)
+        assert direct.status_code == routed.status_code == 400
+        assert routed.json()["error"] == direct.json()["error"]
+        assert httpx.post(f"{router.url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 1}).status_code == 200
+    finally:
+        router.stop()

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from prefixcache.bench.live import Process
 
@@ -25,28 +24,17 @@ SERVER_ARGS = ["--block-size", "4", "--num-blocks", "512", "--max-model-len", "2
 
 
 class ServerProcess(Process):
-    """``prefixcache serve MODEL_DIR ARGS`` on a free loopback port."""
+    """``prefixcache serve MODEL_DIR ARGS`` on a free loopback port, in float32 unless ARGS name a dtype (tests
+    compare outputs exactly, with transformers or across engines; ``--dtype auto`` is bfloat16 on some CPUs)."""
 
     def __init__(self, model_dir: Path, args: list[str], log_path: Path) -> None:
-        super().__init__(["serve", str(model_dir), *args], log_path)
+        dtype = [] if "--dtype" in args else ["--dtype", "float32"]
+        super().__init__(["serve", str(model_dir), *dtype, *args], log_path)
 
-    def wait_ready(self, timeout: float = 90.0) -> None:
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Bounds a hang only: on two loaded cores, servers starting together each import torch and
+        transformers, which can take minutes."""
         super().wait_ready(timeout)
-
-
-def scrape(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
-    """/metrics as {sample name: value}, summed over label sets (e.g. every finish reason), and per label set
-    as ``name{label="value"}`` (labels other than ``model_name``, e.g. ``..._total{finished_reason="abort"}``)."""
-    response = httpx.get(f"{url}/metrics", headers=headers, timeout=10)
-    response.raise_for_status()
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            values[sample.name] = values.get(sample.name, 0.0) + sample.value
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "model_name")
-            if labels:
-                values[f"{sample.name}{{{labels}}}"] = sample.value
-    return values
 
 
 def delta(before: dict[str, float], after: dict[str, float], name: str) -> float:

@@ -3,7 +3,8 @@
 import httpx
 from transformers import AutoTokenizer
 
-from tests.server.harness import delta, random_prompt, scrape
+from tests.helpers import scrape
+from tests.server.harness import delta, random_prompt
 
 
 def cached_tokens(usage) -> int:

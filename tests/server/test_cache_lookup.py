@@ -4,10 +4,10 @@ import json
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from prefixcache.cli import main
-from tests.server.harness import API_KEY, OTHER_API_KEY, delta, random_prompt, scrape
+from tests.helpers import scrape
+from tests.server.harness import API_KEY, OTHER_API_KEY, delta, random_prompt
 
 MISSED = "prefixcache:prefix_cache_missed_tokens_total"
 
@@ -24,13 +24,8 @@ def complete(server, **body) -> dict:
 
 
 def missed_by_reason(server) -> dict[str, float]:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return {
-        sample.labels["reason"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == MISSED
-    }
+    prefix = MISSED + '{reason="'
+    return {name[len(prefix) : -2]: value for name, value in scrape(server.url).items() if name.startswith(prefix)}
 
 
 def test_lookup_predicts_the_hit_of_the_next_request(server):

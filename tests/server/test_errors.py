@@ -188,9 +188,11 @@ def test_hostile_values_get_a_400_while_concurrent_streams_complete_untouched(se
     refused_all = time.monotonic()
     # Valid extremes: a tiny temperature is greedy, seeds span torch's whole range.
     greedy = {"prompt": random_prompt("tiny-temperature", 8), "max_tokens": 8, "ignore_eos": True}
-    tiny = httpx.post(f"{server.url}{COMPLETIONS}", json={**greedy, "temperature": 1e-38, "cache_salt": "a"})
-    zero = httpx.post(f"{server.url}{COMPLETIONS}", json={**greedy, "temperature": 0, "cache_salt": "b"})
-    seeds = [httpx.post(f"{server.url}{COMPLETIONS}", json={**greedy, "seed": s}) for s in (2**64 - 1, -(2**63))]
+    # beside three streams on a loaded machine these may take longer than httpx's default 5 s: wait for them
+    url = f"{server.url}{COMPLETIONS}"
+    tiny = httpx.post(url, json={**greedy, "temperature": 1e-38, "cache_salt": "a"}, timeout=60)
+    zero = httpx.post(url, json={**greedy, "temperature": 0, "cache_salt": "b"}, timeout=60)
+    seeds = [httpx.post(url, json={**greedy, "seed": s}, timeout=60) for s in (2**64 - 1, -(2**63))]
     for thread in threads:
         thread.join(60)
 

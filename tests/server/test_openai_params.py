@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.server.harness import delta, random_prompt, scrape
+from tests.helpers import scrape
+from tests.server.harness import delta, random_prompt
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 

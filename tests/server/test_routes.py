@@ -68,7 +68,15 @@ def test_cache_config_says_how_the_cache_is_keyed_by_the_settings():
     keyed = app_with(cache.router, engine(kv_events=events), ServerSettings(("tiny",), api_keys=("k",)))
     answer = get(keyed, "/v1/cache/config").json()
     assert answer["tenant_salt"] == "api_key"
-    assert answer["kv_events"] == {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}
+    assert answer["kv_events"] == {
+        "endpoint": "tcp://*:5557",
+        "endpoint_bound": True,
+        "replay_endpoint": "tcp://*:5558",
+        "topic": "",
+    }
+    connecting = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://10.0.0.9:5557")
+    answer = get(app_with(cache.router, engine(kv_events=connecting), ServerSettings(("tiny",))), "/v1/cache/config")
+    assert answer.json()["kv_events"]["endpoint_bound"] is False
     shared = ServerSettings(("tiny",), api_keys=("k",), share_cache_across_keys=True)
     assert get(app_with(cache.router, engine(), shared), "/v1/cache/config").json()["tenant_salt"] is None
 

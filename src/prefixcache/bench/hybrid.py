@@ -110,6 +110,7 @@ def make_engine(loaded: LoadedModel, config: HybridBenchConfig, disable_hybrid: 
         max_num_seqs=256,
         disable_hybrid_kv_cache_manager=disable_hybrid,
         seed=config.seed,
+        dtype="float32",  # the random model's weights
     )
     return EngineCore(EngineConfig(**(fields | overrides)), loaded=loaded)
 
@@ -264,7 +265,7 @@ def register(bench: argparse._SubParsersAction) -> None:
     defaults = HybridBenchConfig()
     p = bench.add_parser(
         "hybrid", help="KV memory, concurrency and hits: hybrid KV cache groups against the mask-only layout",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__,
     )  # fmt: skip
     p.add_argument("--kv-cache-memory", default=defaults.kv_cache_memory, help="the pool of both layouts")
     p.add_argument("--sliding-window", type=positive_int, default=defaults.sliding_window)

@@ -39,7 +39,8 @@ import httpx
 from prefixcache.argtypes import positive_int
 from prefixcache.bench.live import Process, RedisServer, scrape, warm_up
 from prefixcache.bench.serve import RequestResult, Target, run_point, send_request, summarize
-from prefixcache.config import parse_memory
+from prefixcache.config import DTYPES, EngineConfig, parse_memory
+from prefixcache.engine.args import config_default
 from prefixcache.offload.connector import OFFLOAD_MODES, WRITE_BACK
 
 PARTS = ("host", "disk", "redis")
@@ -351,6 +352,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         config = read_config(model_dir)
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(str(exc)) from None
+    engine = EngineConfig(dtype=args.dtype)  # the servers run this machine's resolution of auto too
+    args = argparse.Namespace(**{**vars(args), "dtype": engine.dtype})
     cores = os.cpu_count() or 0
     machine = {"cores": cores, "python": platform.python_version(), "torch": torch.__version__}
     work, seconds = estimate(args, config.vocab_size)
@@ -358,6 +361,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"offload live: {model_name}, {args.dtype}, blocks of {args.block_size} tokens, {args.output_len} output "
         f"tokens a request, seed {args.seed}; {cores} cores, python {machine['python']}, torch {machine['torch']}"
     )
+    print(f"dtype {engine.dtype_reason}")
     print(f"work: {work}; about {seconds / 60:.0f} min on SmolLM2-135M and 2 cores")
     runners = {"host": run_host, "disk": run_disk, "redis": run_redis}
     parts: dict[str, Any] = {}
@@ -437,11 +441,10 @@ def register(bench: argparse._SubParsersAction) -> None:
         "offload",
         help="KV offload tiers on live servers: host tier on a multi-turn chat, disk restart, shared Redis",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--parts", type=_parts, default=list(PARTS), help="comma-separated parts (default: all)")
     p.add_argument("--model", help="HF checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=config_default("dtype"), choices=DTYPES, help="as prefixcache serve --dtype")
     p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--output-len", type=positive_int, default=16, help="generated tokens per request (ignore_eos)")
     p.add_argument("--seed", type=int, default=0, help="the prompts depend only on it")

@@ -35,7 +35,9 @@ from prefixcache.bench.trace import (
     load_trace,
     trace_request,
 )
+from prefixcache.config import DTYPES
 from prefixcache.core import KVCacheManager, hittable_blocks
+from prefixcache.engine.args import config_default
 from prefixcache.replay import CostModel
 from prefixcache.router.index import IndexListener, PrefixIndex
 from prefixcache.router.policy import (
@@ -297,7 +299,9 @@ def _add_live_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-rate", type=float, default=1.0, help="requests/s, Poisson")
     parser.add_argument("--block-size", type=positive_int, help="default 16 (vLLM backends: 32)")
     parser.add_argument("--num-blocks", type=positive_int, help="KV blocks per engine (default: share + 1 tenant)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--dtype", default=config_default("dtype"), choices=DTYPES, help="as prefixcache serve --dtype (both kinds)"
+    )
     parser.add_argument("--policy", type=_policy_list, default=list(POLICIES), help="comma-separated policies")
     parser.add_argument("--prefix-weight", type=float, default=DEFAULT_PREFIX_WEIGHT, help="the prefix cost weight")
     parser.add_argument("--affinity-balance", type=float, default=DEFAULT_AFFINITY_BALANCE, help="ours' affinity bound")

@@ -48,6 +48,7 @@ import httpx
 
 from prefixcache.bench.live import ExternalProcess, Process, free_port, running, scrape, warm_up
 from prefixcache.bench.serve import RequestResult, Target, reset_prefix_cache, send_request, summarize
+from prefixcache.config import EngineConfig
 from prefixcache.core import Request, hittable_blocks
 from prefixcache.core.hashing import root_hash
 
@@ -435,6 +436,7 @@ def resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
     if args.backend_kind == "vllm" and args.backend_offload_cpu:
         raise SystemExit("--backend-offload-cpu is for prefixcache backends")
     resolved = {
+        "dtype": EngineConfig(dtype=args.dtype).dtype,  # auto as this machine resolves it, for vLLM's script too
         "turns": args.turns or (3 if fleet else 1),
         "replicas": args.replicas or (2 if fleet else 1),
         "block_size": args.block_size or (32 if args.backend_kind == "vllm" else 16),

@@ -9,6 +9,12 @@ is the server's own (sum of ``cached_tokens`` / sum of prompt tokens in the usag
 ``--sweep-shared-fractions`` runs one point per shared fraction of the input, like the upstream
 prefix-caching table, each with a fresh prefix and (where the server allows it) a cache reset first.
 Result keys follow vLLM's benchmark, so ``--plot`` can draw runs of both side by side.
+
+So that the sweep cannot flatter the cache: a warm-up request runs first; ``--rounds`` repeats the sweep
+in alternating order (forward, then backward, ...), so no point always runs first or last, and a point's
+numbers are over all its rounds; and against the unshared point (fraction 0), a point whose mean TTFT fell
+by more than its prefill ceiling ``1/(1 - hit_rate)`` is reported as a measurement error (the unshared
+point queued, so the ratio measures queueing, not the cache).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from prefixcache.argtypes import positive_int
 
 if TYPE_CHECKING:
     import httpx
@@ -198,6 +206,26 @@ def summarize(results: list[RequestResult], duration: float, percentiles: Sequen
     return summary
 
 
+def sweep_order(num_points: int, rounds: int) -> list[tuple[int, int]]:
+    """(round, point) in the order they run: the points forward, then backward, alternating."""
+    forward = list(range(num_points))
+    return [(r, p) for r in range(rounds) for p in (forward if r % 2 == 0 else forward[::-1])]
+
+
+def check_ceilings(rows: list[dict[str, Any]]) -> None:
+    """Against the unshared point, each shared point's mean TTFT speedup and its ceiling ``1/(1 - hit_rate)``
+    (prefill is all a cache saves); a speedup above it is marked a measurement error. Rows gain
+    ``ttft_speedup``, ``ttft_ceiling`` and ``measurement_error`` (None where nothing compares)."""
+    reference = next((r for r in rows if r["shared_fraction"] == 0 and r["completed"]), None)
+    for row in rows:
+        row["ttft_speedup"] = row["ttft_ceiling"] = row["measurement_error"] = None
+        if reference is None or row is reference or not row["completed"] or row["hit_rate"] is None:
+            continue
+        speedup = reference["mean_ttft_ms"] / row["mean_ttft_ms"] if row["mean_ttft_ms"] else math.inf
+        ceiling = 1 / (1 - row["hit_rate"]) if row["hit_rate"] < 1 else math.inf
+        row.update(ttft_speedup=speedup, ttft_ceiling=ceiling, measurement_error=speedup > ceiling)
+
+
 def print_summary(summary: dict[str, Any]) -> None:
     hit_rate = summary["hit_rate"]
     print(
@@ -209,6 +237,19 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"{summary['output_throughput']:.1f} out tok/s, {summary['total_token_throughput']:.1f} tok/s | hit rate "
         + ("n/a" if hit_rate is None else f"{hit_rate:.3f}")
     )
+    if summary.get("rounds", 1) > 1:
+        rounds = ", ".join(f"{ms:.1f}" for ms in summary["mean_ttft_ms_by_round"])
+        print(f"  mean TTFT by round (ms, alternating order): {rounds}")
+    if summary.get("ttft_speedup") is not None:
+        speedup, ceiling = summary["ttft_speedup"], summary["ttft_ceiling"]
+        if summary["measurement_error"]:
+            print(
+                f"  MEASUREMENT ERROR: TTFT {speedup:.2f}x lower than unshared, above its prefill ceiling "
+                f"{ceiling:.2f}x (1/(1 - hit rate)), which no cache can give: the unshared point queued (requests "
+                "waited for earlier ones), so this ratio measures queueing, not the cache; lower --request-rate"
+            )
+        else:
+            print(f"  TTFT {speedup:.2f}x lower than unshared; prefill ceiling {ceiling:.2f}x")
     for error in summary["errors"]:
         print(f"  error: {error}")
 
@@ -278,14 +319,19 @@ async def benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
         if not warmup.success:
             raise SystemExit(f"the warm-up request failed: {warmup.error}")
         can_reset = True
-        results = []
-        for point, fraction in enumerate(fractions):
+        outcomes: dict[int, list[RequestResult]] = {point: [] for point in range(len(fractions))}
+        durations = dict.fromkeys(outcomes, 0.0)
+        round_ttfts: dict[int, list[float]] = {point: [] for point in outcomes}
+        resets = dict.fromkeys(outcomes, True)
+        for round_number, point in sweep_order(len(fractions), args.rounds):
             reset = await reset_prefix_cache(client, base_url, headers) if can_reset else None
             can_reset = reset is not None
-            prefix_len = round(fraction * args.input_len)
-            point_rng = random.Random(f"{args.seed}-{point}")  # a fresh prefix per point, cache reset or not
+            resets[point] = resets[point] and bool(reset)
+            prefix_len = round(fractions[point] * args.input_len)
+            # A fresh prefix per point and round, cache reset or not; the first round keeps the seeds of old runs.
+            point_rng = random.Random(f"{args.seed}-{point}" + (f"-{round_number}" if round_number else ""))
             prompts = make_prompts(point_rng, vocab, args.num_prompts, args.input_len, prefix_len)
-            outcomes, duration = await run_point(
+            results_of_round, duration = await run_point(
                 client,
                 target,
                 prompts,
@@ -295,21 +341,30 @@ async def benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
                 point_rng,
                 not args.disable_tqdm,
             )
+            outcomes[point] += results_of_round
+            durations[point] += duration
+            round_ttfts[point].append(summarize(results_of_round, duration)["mean_ttft_ms"])
+        results = []
+        for point, fraction in enumerate(fractions):
             summary = {
                 "label": args.label or base_url,
                 "model": target.model,
                 "shared_fraction": fraction,
                 "num_prompts": args.num_prompts,
                 "input_len": args.input_len,
-                "prefix_len": prefix_len,
+                "prefix_len": round(fraction * args.input_len),
                 "output_len": args.output_len,
                 "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
                 "max_concurrency": args.max_concurrency,
-                "cache_reset": bool(reset),
-                **summarize(outcomes, duration),
+                "cache_reset": resets[point],
+                "rounds": args.rounds,
+                "mean_ttft_ms_by_round": round_ttfts[point],
+                **summarize(outcomes[point], durations[point]),
             }
-            print_summary(summary)
             results.append(summary)
+        check_ceilings(results)
+        for summary in results:
+            print_summary(summary)
     return results
 
 
@@ -377,7 +432,13 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", help="bearer token (default: $OPENAI_API_KEY)")
     p.add_argument("--tokenizer", help="HF tokenizer whose non-special ids make the prompts (else --vocab-size)")
     p.add_argument("--vocab-size", type=int, help="draw prompt ids from [0, N) (default: what the server reports)")
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--num-prompts", type=positive_int, default=100, help="requests per point")
+    p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="run the sweep this many times, alternating forward and backward; each point over all its rounds",
+    )
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens per request")
     p.add_argument("--prefix-len", type=int, default=0, help="leading prompt tokens shared by every request")
     p.add_argument("--output-len", type=int, default=16, help="generated tokens per request (ignore_eos)")

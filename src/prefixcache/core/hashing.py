@@ -133,11 +133,19 @@ def hash_block_tokens(
 
 
 def warn_if_unsafe(algo: str) -> None:
-    """xxhash is fast but not collision-resistant: a crafted prompt could alias another tenant's KV."""
+    """xxhash is fast but not collision-resistant: a crafted prompt could alias another tenant's KV.
+
+    Said once per process (a benchmark builds many managers; the first unsafe one is enough to name the risk)."""
+    global _warned_unsafe
     _check_algo(algo)
-    if algo in UNSAFE_ACROSS_TENANTS:
+    if algo in UNSAFE_ACROSS_TENANTS and not _warned_unsafe:
+        _warned_unsafe = True
         logger.warning(
-            "prefix-cache hash %r is not cryptographic: a tenant could craft a collision and read another "
-            "tenant's cached KV; use sha256 when tenants do not trust each other",
+            "prefix-cache hash %r is not cryptographic (nor is any of %s): a tenant could craft a collision and "
+            "read another tenant's cached KV; use sha256 when tenants do not trust each other",
             algo,
+            ", ".join(sorted(UNSAFE_ACROSS_TENANTS)),
         )
+
+
+_warned_unsafe = False

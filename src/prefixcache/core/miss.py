@@ -21,6 +21,9 @@ minus the tokens it reused (shared blocks plus sub-block copies):
 ``skipped``
     Every prompt token of a request that does not read the cache (prefix caching off, or prompt
     logprobs asked for, which need every position computed).
+
+``prefixcache explain`` splits each reason finer (``explain/analysis.py``: ``REFINES``); summed by these
+reasons, its counts are the ones defined here.
 """
 
 from __future__ import annotations

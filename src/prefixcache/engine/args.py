@@ -1,15 +1,29 @@
-"""Engine options on the command line, named like vLLM's flags, shared by every command that runs a model."""
+"""Engine options on the command line, named like vLLM's flags, shared by every command that runs a model.
+
+Every default is the ``EngineConfig`` field's own default, read from the dataclass: one source of truth.
+"""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from typing import Any
 
-from prefixcache.config import EngineConfig
+from prefixcache.config import DTYPES, EngineConfig
 from prefixcache.core import HASH_ALGOS
 from prefixcache.core.eviction import EVICTION_POLICIES
 from prefixcache.kv_events.config import KVEventsConfig
+from prefixcache.offload.connector import OFFLOAD_MODES
+
+_FIELDS = {f.name: f for f in fields(EngineConfig)}
+
+
+def config_default(name: str) -> Any:
+    """The default of the ``EngineConfig`` field ``name``."""
+    default = _FIELDS[name].default
+    if default is MISSING:
+        raise KeyError(f"EngineConfig.{name} has no default")
+    return default
 
 
 def _kv_events_config(text: str) -> KVEventsConfig:
@@ -20,64 +34,90 @@ def _kv_events_config(text: str) -> KVEventsConfig:
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    model_help = "HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct, bundled)"
     if model_positional:
-        parser.add_argument("model", nargs="?", default=None, help="HF checkpoint dir or .gguf (default: SmolLM2)")
+        parser.add_argument("model", nargs="?", default=config_default("model"), help=model_help)
     else:
-        parser.add_argument("--model", default=None, help="HF checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
+        parser.add_argument("--model", default=config_default("model"), help=model_help)
     group = parser.add_argument_group("engine")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    group.add_argument(
+
+    def option(*flags: str, field: str, **kwargs: Any) -> None:
+        group.add_argument(*flags, dest=field, default=config_default(field), **kwargs)
+
+    option("--block-size", field="block_size", type=int, help="tokens per KV block")
+    option(
         "--sub-block-size",
+        field="sub_block_size",
         type=int,
-        default=None,
         help="also reuse partial-block prefixes at this granularity (a divisor of --block-size; default off)",
     )
-    group.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 2GiB")
-    group.add_argument(
+    option("--kv-cache-memory", field="kv_cache_memory", help="KV cache budget, e.g. 2GiB")
+    option(
         "--num-gpu-blocks-override",
         "--num-blocks",
-        dest="num_blocks",
+        field="num_blocks",
         type=int,
-        default=None,
         help="exact number of KV blocks (overrides --kv-cache-memory)",
     )
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    group.add_argument("--prefix-caching-hash-algo", dest="hash_algo", default="sha256", choices=HASH_ALGOS)
-    group.add_argument("--eviction-policy", default="lru", choices=sorted(EVICTION_POLICIES))
-    group.add_argument(
+    option(
+        "--enable-prefix-caching",
+        field="enable_prefix_caching",
+        action=argparse.BooleanOptionalAction,
+        help="reuse the KV cache of shared prompt prefixes",
+    )
+    option("--prefix-caching-hash-algo", field="hash_algo", choices=HASH_ALGOS, help="block hash function")
+    option(
+        "--eviction-policy",
+        field="eviction_policy",
+        choices=sorted(EVICTION_POLICIES),
+        help="which free block goes first",
+    )
+    option(
         "--disable-hybrid-kv-cache-manager",
+        field="disable_hybrid_kv_cache_manager",
         action="store_true",
         help="one KV cache group for all layers: sliding-window layers keep every block and mask their window",
     )
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    group.add_argument("--max-num-seqs", type=int, default=64)
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    group.add_argument("--device", default="cpu", help="cpu or cuda")
-    group.add_argument("--seed", type=int, default=0)
-    group.add_argument(
+    option("--max-num-batched-tokens", field="max_num_batched_tokens", type=int, help="tokens computed per step")
+    option("--max-num-seqs", field="max_num_seqs", type=int, help="requests running at once")
+    option("--max-model-len", field="max_model_len", type=int, help="context length (default: the model's)")
+    option(
+        "--dtype",
+        field="dtype",
+        choices=DTYPES,
+        help="weights and KV cache; auto: bfloat16 on a GPU or a CPU with native bfloat16 instructions "
+        "(avx512_bf16, amx_bf16, aarch64 bf16), else float32",
+    )
+    option("--device", field="device", help="cpu or cuda")
+    option("--seed", field="seed", type=int, help="sampling seed of requests that set none")
+    option(
         "--kv-events-config",
+        field="kv_events_config",
         type=_kv_events_config,
-        default=None,
         metavar="JSON",
         help='publish KV cache events like vLLM, e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'',
     )
     offload = parser.add_argument_group("KV offload tiers (searched in this order after the device cache)")
-    offload.add_argument("--kv-offload-cpu", default=None, metavar="SIZE", help="host memory tier, e.g. 8GiB")
     offload.add_argument(
-        "--kv-offload-disk", default=None, metavar="PATH[:SIZE]", help="local disk tier, kept across restarts (10GiB)"
+        "--kv-offload-cpu", default=config_default("kv_offload_cpu"), metavar="SIZE", help="host memory tier, e.g. 8GiB"
+    )
+    offload.add_argument(
+        "--kv-offload-disk",
+        default=config_default("kv_offload_disk"),
+        metavar="PATH[:SIZE]",
+        help="local disk tier, kept across restarts (SIZE defaults to 10GiB)",
     )
     offload.add_argument(
         "--kv-offload-redis",
-        default=None,
+        default=config_default("kv_offload_redis"),
         metavar="URL",
-        help="Redis tier shared by engines: redis://HOST:PORT[/DB][?capacity=SIZE] (4GiB)",
+        help="Redis tier shared by engines: redis://HOST:PORT[/DB][?capacity=SIZE] (capacity defaults to 4GiB)",
     )
     offload.add_argument(
         "--kv-offload-mode",
-        default="write_back",
-        choices=["write_back", "write_through"],
-        help="fill the host tier on eviction from the device (default) or as blocks are computed",
+        default=config_default("kv_offload_mode"),
+        choices=OFFLOAD_MODES,
+        help="fill the host tier on eviction from the device (write_back) or as blocks are computed",
     )
     offload.add_argument(
         "--kv-offload-secret-file",
@@ -90,4 +130,4 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The parsed options that are ``EngineConfig`` fields, as keyword arguments for ``LLM`` / ``EngineConfig``."""
-    return {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    return {name: getattr(args, name) for name in _FIELDS if hasattr(args, name)}

@@ -38,6 +38,12 @@ class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.loaded = loaded or load_model(config.model, dtype=config.dtype, device=config.device)
+        weights_dtype = str(next(self.loaded.model.parameters()).dtype).removeprefix("torch.")
+        if weights_dtype != config.dtype:
+            raise ValueError(
+                f"the loaded model is {weights_dtype} but the engine runs {config.dtype} ({config.dtype_reason}): "
+                f"pass dtype={weights_dtype!r} or load the model in {config.dtype}"
+            )
         model_config = self.loaded.config
         self.vocab_size = model_config.vocab_size
         self.max_model_len = min(
@@ -101,7 +107,12 @@ class EngineCore:
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self._recent: deque[tuple[int, int]] = deque(maxlen=ROLLING_WINDOW)
         logger.info(
-            "KV cache: %d blocks of %d tokens, %d KV cache group(s) (%s), requests up to %d tokens, prefix caching %s",
+            "engine: %s on %s in %s (%s); KV cache: %d blocks of %d tokens, %d KV cache group(s) (%s), "
+            "requests up to %d tokens, prefix caching %s",
+            self.loaded.name,
+            config.device,
+            config.dtype,
+            config.dtype_reason,
             num_blocks,
             config.block_size,
             len(groups),

@@ -60,6 +60,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    # Where KV events are published, and who can read them, is told at start-up like the server's own address.
+    logging.getLogger("prefixcache.kv_events").setLevel(min(logging.INFO, log_level))
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
     inputs.connect(input_address)

@@ -27,14 +27,9 @@ class InputProcessor:
             text, token_ids = None, token_ids[-keep_last:]
         if not token_ids:
             raise ValueError("the prompt is empty")
-        vocab_size = self.info.vocab_size
-        if any(t < 0 or t >= vocab_size for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        check_vocabulary(token_ids, self.info.vocab_size)
         if len(token_ids) > self.info.max_model_len:
-            raise ValueError(
-                f"prompt ({len(token_ids)} tokens) exceeds the model's context length of "
-                f"{self.info.max_model_len} tokens"
-            )
+            raise ValueError(prompt_too_long(len(token_ids), self.info.max_model_len))
         return text, token_ids
 
     def process(
@@ -81,6 +76,11 @@ class InputProcessor:
         return tokenize_prompt(self.tokenizer, prompt)
 
 
+def prompt_too_long(num_tokens: int | str, max_model_len: int) -> str:
+    """The error for a prompt the context cannot hold, in the words of the server and of the router."""
+    return f"prompt ({num_tokens} tokens) exceeds the model's context length of {max_model_len} tokens"
+
+
 def tokenize_prompt(tokenizer: Any, prompt: PromptInput) -> tuple[str | None, list[int]]:
     """The prompt text (None for token ids) and its token ids; the router tokenizes through here too."""
     if isinstance(prompt, str):
@@ -94,6 +94,12 @@ def tokenize_prompt(tokenizer: Any, prompt: PromptInput) -> tuple[str | None, li
     if isinstance(prompt, list | tuple):
         return None, _check_token_ids(prompt)
     raise ValueError(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}")
+
+
+def check_vocabulary(token_ids: list[int], vocab_size: int) -> None:
+    """ValueError unless every id is in the vocabulary; ``explain`` refuses what the server refuses with it."""
+    if any(t < 0 or t >= vocab_size for t in token_ids):
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
 
 
 def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -21,12 +22,22 @@ class LLM:
     """Generate for a list of prompts, batching them all through one engine.
 
     ``LLM(model=None)`` loads the default model, SmolLM2-135M-Instruct. Keyword arguments are the
-    fields of :class:`~prefixcache.config.EngineConfig`; ``loaded`` reuses weights already in memory
-    (benchmarks build several engines on one model).
+    fields of :class:`~prefixcache.config.EngineConfig` (or pass ``config``, one already built);
+    ``loaded`` reuses weights already in memory (benchmarks build several engines on one model), which
+    must be in the config's dtype.
     """
 
-    def __init__(self, model: str | None = None, *, loaded: LoadedModel | None = None, **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), loaded)
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        loaded: LoadedModel | None = None,
+        config: EngineConfig | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if config is not None and (model is not None or kwargs):
+            raise ValueError("pass either config or engine settings (model and keyword arguments), not both")
+        self.engine = LLMEngine(config or EngineConfig(model=model, **kwargs), loaded)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -35,7 +46,7 @@ class LLM:
         self,
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``. Every prompt is validated before any runs."""
@@ -58,7 +69,7 @@ class LLM:
         self,
         messages: Messages | Sequence[Messages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         add_generation_prompt: bool = True,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
@@ -85,13 +96,25 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
+        """Step until every request finished. The bar counts tokens (prompt tokens computed or read from the
+        cache, then output tokens), so it moves during a long prefill and its ETA follows the real work; a
+        request that ends before ``max_tokens`` counts as done. ``use_tqdm`` may be a tqdm factory (as in vLLM, say
+        ``functools.partial(tqdm, desc="run 1")``)."""
         finished: dict[str, RequestOutput] = {}
-        wanted = set(request_ids)
-        with tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+        totals = {i: self.engine.progress(i)[1] for i in request_ids}
+        pending = set(request_ids)
+        done_tokens = 0
+        make_bar = use_tqdm if callable(use_tqdm) else functools.partial(tqdm, desc="generate", disable=not use_tqdm)
+        with make_bar(total=sum(totals.values()), unit="tok", unit_scale=True) as bar:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
-                    if output.finished and output.request_id in wanted:
+                    if output.finished and output.request_id in pending:
                         finished[output.request_id] = output
-                        bar.update(1)
+                        pending.discard(output.request_id)
+                        done_tokens += totals[output.request_id]
+                if use_tqdm:
+                    in_flight = sum(self.engine.progress(i)[0] for i in pending)
+                    bar.set_postfix_str(f"{len(finished)}/{len(request_ids)} requests", refresh=False)
+                    bar.update(max(0, done_tokens + in_flight - bar.n))  # a preempted request recomputes
         return [finished[i] for i in request_ids]

@@ -59,6 +59,16 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def progress(self, request_id: str) -> tuple[int, int]:
+        """How far a request in flight is, in tokens: (prompt tokens computed or cached plus output tokens,
+        prompt tokens plus ``max_tokens``); (0, 0) when it is not in flight."""
+        request = self.core.requests.get(request_id)
+        if request is None:
+            return 0, 0
+        prompt = request.num_prompt_tokens
+        done = min(request.num_computed_tokens, prompt) + request.num_output_tokens
+        return done, prompt + request.sampling_params.max_tokens
+
     def step(self) -> list[RequestOutput]:
         """Run one batch; an output for every request that advanced."""
         outputs, stopped = self.output_processor.process_outputs(self.core.step().outputs)

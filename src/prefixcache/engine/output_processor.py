@@ -54,9 +54,6 @@ class OutputProcessor:
         """Forget a request; False when it was not in flight."""
         return self._states.pop(request_id, None) is not None
 
-    def has_unfinished_requests(self) -> bool:
-        return bool(self._states)
-
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """The request outputs, and the ids that a stop string finished (still running in the core).
 

@@ -27,9 +27,5 @@ class EngineRequest(Request):
     prompt_logprobs: list[dict[int, float] | None] | None = field(default=None, init=False)
 
     @property
-    def is_finished(self) -> bool:
-        return self.status in (RequestStatus.FINISHED, RequestStatus.ABORTED)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)

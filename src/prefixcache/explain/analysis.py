@@ -12,13 +12,21 @@ cached (generated tokens are not in the log). For every request:
   replayed through it; what an infinite cache would have reused beyond that was evicted;
 * where it parts from that earlier prompt, the text on both sides, and whether the prompts agree
   again after a short span (a varying field such as a time stamp or a request id), after one side's
-  extra tokens (a section added or reordered), or not at all nearby (their own content).
+  extra tokens (a section added or reordered), or not at all nearby (their own content); the text
+  around the differing span, marked ``…before ⟦span⟧ after…`` so a prompt author can find it, and for
+  a chat, which message it is in.
 
-Missed prompt tokens get one reason each: ``new`` (no earlier request of the namespace had them),
-``different_salt`` (an earlier request with another salt or LoRA had the next block),
-``shorter_than_block`` (the prompt does not fill one block beyond its last token),
-``partial_block`` (the tail after the last whole block a lookup may return, as
-:mod:`prefixcache.core.miss` defines it), and ``evicted`` (with a capacity).
+Missed prompt tokens get one reason each, a refinement of one of the engine's own reasons
+(:mod:`prefixcache.core.miss`, which ``/metrics`` and ``/v1/cache/lookup`` report), so the totals by core
+reason are what the engine would count replaying the log:
+
+* ``new`` splits into ``never_seen`` (no earlier request had the next block) and ``different_salt``
+  (an earlier request with another salt or LoRA had it);
+* ``evicted`` (with a capacity: the first missing block was cached before and evicted) splits into
+  ``evicted`` (what an infinite cache would have reused) and ``after_evicted`` (the hittable tokens after
+  those, never seen: a larger cache serves the evicted part only);
+* ``partial_block`` splits into ``shorter_than_block`` (the prompt does not fill one block beyond its last
+  token) and ``tail`` (after the last whole block a lookup may return).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import numpy as np
 
 from prefixcache.core import EVICTION_POLICIES, FULL_ATTENTION, HASH_ALGOS, KVCacheGroupSpec, KVCacheManager, Request
 from prefixcache.core.kv_cache_groups import check_groups
-from prefixcache.core.miss import hittable_tokens
+from prefixcache.core.miss import MISS_REASONS, hittable_tokens
 from prefixcache.explain.log import Decode, Prompt
 from prefixcache.replay import HeldCache
 
@@ -45,14 +53,31 @@ MAX_RESYNC_PROMPTS = 200
 CLUSTER_TOKENS = 16
 TEXT_CHARS = 40
 
-REASONS = ("new", "different_salt", "shorter_than_block", "partial_block", "evicted")
-REASON_LABELS = {
-    "new": "new (never seen)",
-    "different_salt": "different salt or LoRA",
-    "shorter_than_block": "shorter than one block",
-    "partial_block": "partial block (tail, last token)",
-    "evicted": "evicted (capacity)",
+# Each of explain's reasons and the core reason it refines, in the order the report lists them.
+REFINES = {
+    "never_seen": "new",
+    "different_salt": "new",
+    "evicted": "evicted",  # the same name: what an infinite cache would have reused
+    "after_evicted": "evicted",
+    "shorter_than_block": "partial_block",
+    "tail": "partial_block",
 }
+REASONS = tuple(REFINES)
+CORE_REASON_LABELS = {
+    "new": "new: a larger cache would not help",
+    "evicted": "evicted: a larger cache would help",
+    "partial_block": "partial_block: smaller blocks help",
+    "skipped": "skipped: the cache is not read",
+}
+REASON_LABELS = {
+    "never_seen": "never seen",
+    "different_salt": "different salt or LoRA",
+    "evicted": "an infinite cache would reuse",
+    "after_evicted": "never seen, after evicted blocks",
+    "shorter_than_block": "shorter than one block",
+    "tail": "tail after the last whole block",
+}
+assert set(REFINES.values()) <= set(MISS_REASONS) == set(CORE_REASON_LABELS)
 KINDS = {
     "varying": "a short span differs, then the prompts agree again",
     "inserted": "one prompt has extra tokens (a section added, dropped or reordered), then they agree again",
@@ -91,7 +116,9 @@ class Divergence:
     """Where a prompt parts from the earlier prompt it shares most with (token ``index`` differs).
 
     For ``varying`` and ``inserted`` the differing tokens are ``[index, span_end)`` in this prompt and
-    ``[index, other_span_end)`` in the other; after them the two agree again.
+    ``[index, other_span_end)`` in the other; after them the two agree again. ``this_context`` and
+    ``other_context`` show that span in its surroundings (``…text before ⟦span⟧ text after…``; for
+    ``differs``, the first tokens that differ); ``message_index`` is the chat message (from 0) holding it.
     """
 
     index: int
@@ -101,6 +128,10 @@ class Divergence:
     other_text: str
     span_end: int | None = None
     other_span_end: int | None = None
+    this_context: str = ""
+    other_context: str = ""
+    message_index: int | None = None
+    message_role: str | None = None
 
 
 @dataclass(slots=True)
@@ -122,11 +153,12 @@ class RequestExplanation:
     @property
     def reason(self) -> str:
         """The reason of the first missed token (every prompt misses at least its last token)."""
-        return next(r for r in _BY_POSITION if self.missed[r])
+        return next(r for r in REASONS if self.missed[r])  # REASONS lie in this order in a prompt
 
-
-# Missed tokens lie in this order in a prompt: evicted, then new or salted, then the tail.
-_BY_POSITION = ("evicted", "new", "different_salt", "shorter_than_block", "partial_block")
+    @property
+    def core_reason(self) -> str:
+        """The engine's reason of the first missed token (``first_miss_reason`` of ``/v1/cache/lookup``)."""
+        return REFINES[self.reason]
 
 
 @dataclass(slots=True)
@@ -143,6 +175,11 @@ class DivergenceSummary:
     shared_text: str
     this_text: str
     other_text: str
+    this_context: str
+    other_context: str
+    message_index: int | None
+    message_role: str | None
+    num_messages: int | None
     fix: str
     varying_span: tuple[int, int] | None = None  # in the example prompt
     varying_text: str | None = None
@@ -161,6 +198,14 @@ class Explanation:
     divergence: DivergenceSummary | None
     capacity_hit_rate: float | None = None
     live_hit_rate: float | None = None
+
+    @property
+    def missed_by_core_reason(self) -> dict[str, int]:
+        """``missed`` summed by the engine's reasons: what its ``missed_tokens`` counters would show."""
+        totals = dict.fromkeys(MISS_REASONS, 0)
+        for reason, count in self.missed.items():
+            totals[REFINES[reason]] += count
+        return totals
 
     @property
     def alignment_loss(self) -> float:
@@ -200,7 +245,7 @@ def explain(
             live_cached=None if live_cached is None else live_cached[i],
         )
         if match is not None and shared < min(num_tokens, len(prompts[match].token_ids)):
-            explanation.divergence = _divergence(prompt.token_ids, prompts[match].token_ids, shared, config, decode)
+            explanation.divergence = _divergence(prompt, prompts[match].token_ids, shared, config, decode)
         requests.append(explanation)
     total = sum(r.prompt_tokens for r in requests)
     return Explanation(
@@ -261,14 +306,17 @@ def _longest_shared_prefixes(
 def _missed(
     num_tokens: int, block_size: int, block_hit: int, shared_anywhere: int, capacity_hit: int | None
 ) -> dict[str, int]:
+    """The request's missed tokens by reason (see the module docstring), split as the engine splits them: the
+    hittable tokens after the reused prefix by the first missing block, then the partial block."""
     missed = dict.fromkeys(REASONS, 0)
     hittable_end = hittable_tokens(num_tokens, block_size)
-    if block_hit < hittable_end:
-        other_namespace_has_next_block = shared_anywhere >= block_hit + block_size
-        missed["different_salt" if other_namespace_has_next_block else "new"] = hittable_end - block_hit
-    missed["shorter_than_block" if hittable_end == 0 else "partial_block"] = num_tokens - max(block_hit, hittable_end)
-    if capacity_hit is not None:
+    if capacity_hit is not None and capacity_hit < block_hit:  # the first missing block was cached, then evicted
         missed["evicted"] = block_hit - capacity_hit
+        missed["after_evicted"] = hittable_end - block_hit
+    elif block_hit < hittable_end:
+        other_namespace_has_next_block = shared_anywhere >= block_hit + block_size
+        missed["different_salt" if other_namespace_has_next_block else "never_seen"] = hittable_end - block_hit
+    missed["shorter_than_block" if hittable_end == 0 else "tail"] = num_tokens - max(block_hit, hittable_end)
     return missed
 
 
@@ -306,23 +354,65 @@ def _resync(a: Sequence[int], b: Sequence[int], start: int) -> tuple[int, int] |
     return None
 
 
-def _divergence(tokens: list[int], other: list[int], index: int, config: ExplainConfig, decode: Decode) -> Divergence:
+def _divergence(prompt: Prompt, other: list[int], index: int, config: ExplainConfig, decode: Decode) -> Divergence:
+    tokens = prompt.token_ids
     window = config.window_tokens
     offsets = _resync(tokens, other, index)
     kind = "differs" if offsets is None else "varying" if min(offsets) > 0 else "inserted"
+    span_end = None if offsets is None else index + offsets[0]
+    other_span_end = None if offsets is None else index + offsets[1]
+    before = decode(tokens[max(0, index - window) : index])
+    span = decode(tokens[index : span_end if span_end is not None else index + window])
+    message_index = locate_message(prompt.messages, before, span)
     return Divergence(
         index=index,
         kind=kind,
-        shared_text=_clip(decode(tokens[max(0, index - window) : index]), from_end=True),
+        shared_text=_clip(before, from_end=True),
         this_text=_clip(decode(tokens[index : index + window])),
         other_text=_clip(decode(other[index : index + window])),
-        span_end=None if offsets is None else index + offsets[0],
-        other_span_end=None if offsets is None else index + offsets[1],
+        span_end=span_end,
+        other_span_end=other_span_end,
+        this_context=_context(tokens, index, span_end, window, decode),
+        other_context=_context(other, index, other_span_end, window, decode),
+        message_index=message_index,
+        message_role=None if message_index is None else prompt.messages[message_index].get("role"),
     )
 
 
+def _context(tokens: Sequence[int], start: int, end: int | None, window: int, decode: Decode) -> str:
+    """``…before ⟦tokens[start:end]⟧ after…`` with ``window`` tokens each side; without an ``end`` (the prompts do
+    not agree again) the first ``window`` tokens from ``start`` are marked."""
+    stop = end if end is not None else min(len(tokens), start + window)
+    after_stop = min(len(tokens), stop + window) if end is not None else stop
+    text = "…" if start > window else ""
+    text += _escape(decode(tokens[max(0, start - window) : start]))
+    text += f"⟦{_escape(decode(tokens[start:stop]))}⟧{_escape(decode(tokens[stop:after_stop]))}"
+    return text + ("…" if after_stop < len(tokens) else "")
+
+
+def locate_message(messages: Sequence[dict[str, str]] | None, before: str, span: str) -> int | None:
+    """The message whose content holds ``span`` right after the end of ``before`` (as much of it as a message
+    holds: the start of the window may be template markup); None for a prompt without messages, or a span in the
+    template's own text."""
+    if not messages:
+        return None
+    contents = [m.get("content") or "" for m in messages]
+    for cut in range(len(before) + 1):  # the longest stretch of text before the span first
+        needle = before[cut:] + span
+        if not needle:
+            break
+        for i, content in enumerate(contents):
+            if needle in content:
+                return i
+    return None
+
+
+def _escape(text: str) -> str:
+    return text.replace("\r", "\\r").replace("\n", "\\n").replace("\t", "\\t")
+
+
 def _clip(text: str, from_end: bool = False) -> str:
-    text = text.replace("\r", "\\r").replace("\n", "\\n").replace("\t", "\\t")
+    text = _escape(text)
     if len(text) <= TEXT_CHARS:
         return text
     return "…" + text[-TEXT_CHARS:] if from_end else text[:TEXT_CHARS] + "…"
@@ -360,6 +450,11 @@ def _summarize_divergences(
         shared_text=example.divergence.shared_text,
         this_text=example.divergence.this_text,
         other_text=example.divergence.other_text,
+        this_context=example.divergence.this_context,
+        other_context=example.divergence.other_context,
+        message_index=example.divergence.message_index,
+        message_role=example.divergence.message_role,
+        num_messages=None if prompts[example.index].messages is None else len(prompts[example.index].messages),
         fix=_FIXES[kind],
     )
     if fix is not None:

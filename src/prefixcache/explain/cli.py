@@ -11,6 +11,7 @@ count evictions; ``--base-url`` tokenizes through a running server and adds what
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -43,15 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def register(commands: argparse._SubParsersAction) -> None:
     """Add ``explain`` to the ``prefixcache`` subcommands."""
     parser = commands.add_parser("explain", help="why the prompts of a request log miss the prefix cache",
-                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+                                 description=__doc__)  # fmt: skip
     add_arguments(parser)
     parser.set_defaults(func=lambda args: run(parser, args))
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="prefixcache explain", description=__doc__)
-    add_arguments(parser)
-    run(parser, parser.parse_args(argv))
 
 
 def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -59,42 +54,51 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     from prefixcache.explain.analysis import ExplainConfig, explain
     from prefixcache.explain.log import read_log
     from prefixcache.explain.report import format_report, to_json, write_plot
-    from prefixcache.explain.sources import through_server, through_tokenizer
+    from prefixcache.explain.sources import server_client, server_groups, through_server, through_tokenizer
 
+    for output in (args.json, args.plot):  # before the work, not after it
+        if output is not None and not output.parent.is_dir():
+            parser.error(f"cannot write {output}: {output.parent} is not a directory")
     try:
         bodies, errors = read_log(args.log)
     except OSError as exc:
-        parser.error(f"cannot read {args.log}: {exc}")
-    if args.base_url:
-        prompts, token_errors, decode, live_cached, server_block_size, groups = through_server(
-            bodies, args.base_url, args.api_key
-        )
-        source = f"{args.log} (tokenized by {args.base_url})"
-    else:
-        prompts, token_errors, decode, name, groups = through_tokenizer(bodies, args.model)
-        live_cached, server_block_size = None, None
-        source = f"{args.log} (tokenizer: {name})"
-    if args.block_size and server_block_size and args.block_size != server_block_size:
-        parser.error(f"--block-size {args.block_size} differs from the server's block size {server_block_size}")
-    errors = sorted(errors + token_errors, key=lambda e: e.line)
-    if not prompts:
-        for error in errors:
-            print(f"line {error.line}: {error.message}")
-        raise SystemExit(f"prefixcache explain: {args.log} holds no usable request")
-    try:
-        config = ExplainConfig(
-            block_size=args.block_size or server_block_size or DEFAULT_BLOCK_SIZE,
-            capacity_tokens=args.capacity_tokens,
-            eviction_policy=args.eviction_policy,
-            hash_algo=args.hash_algo,
-            window_tokens=args.window,
-            kv_cache_groups=groups,
-        )
-        explanation = explain(prompts, config, decode, live_cached)
-    except ValueError as exc:  # a bad setting, or a prompt larger than --capacity-tokens
-        parser.error(str(exc))
-    print(format_report(explanation, source, errors, args.rows))
-    if args.json is not None:
-        args.json.write_text(json.dumps(to_json(explanation, source, errors), indent=2, ensure_ascii=False) + "\n")
-    if args.plot is not None:
-        write_plot(explanation, args.plot, str(args.log.name))
+        parser.error(f"cannot read {args.log}: {exc.strerror or exc}")
+    with contextlib.ExitStack() as stack:
+        if args.base_url:  # the server also decodes text for the report, so its client lives as long as the command
+            client = server_client(args.base_url, args.api_key)
+            stack.callback(client.close)
+            prompts, token_errors, decode, live_cached, server_block_size = through_server(bodies, client)
+            source = f"{args.log} (tokenized by {args.base_url})"
+            groups = server_groups(client)
+        else:
+            prompts, token_errors, decode, name, groups = through_tokenizer(bodies, args.model)
+            live_cached, server_block_size = None, None
+            source = f"{args.log} (tokenizer: {name})"
+        if args.block_size and server_block_size and args.block_size != server_block_size:
+            parser.error(f"--block-size {args.block_size} differs from the server's block size {server_block_size}")
+        errors = sorted(errors + token_errors, key=lambda e: e.line)
+        if not prompts:
+            for error in errors:
+                print(f"line {error.line}: {error.message}")
+            raise SystemExit(f"prefixcache explain: {args.log} holds no usable request")
+        try:
+            config = ExplainConfig(
+                block_size=args.block_size or server_block_size or DEFAULT_BLOCK_SIZE,
+                capacity_tokens=args.capacity_tokens,
+                eviction_policy=args.eviction_policy,
+                hash_algo=args.hash_algo,
+                window_tokens=args.window,
+                kv_cache_groups=groups,
+            )
+            explanation = explain(prompts, config, decode, live_cached)
+        except ValueError as exc:  # a bad setting, or a prompt larger than --capacity-tokens
+            parser.error(str(exc))
+        print(format_report(explanation, source, errors, args.rows))
+        try:
+            if args.json is not None:
+                text = json.dumps(to_json(explanation, source, errors), indent=2, ensure_ascii=False)
+                args.json.write_text(text + "\n", encoding="utf-8", errors="backslashreplace")
+            if args.plot is not None:
+                write_plot(explanation, args.plot, str(args.log.name))
+        except OSError as exc:
+            raise SystemExit(f"prefixcache explain: cannot write {exc.filename}: {exc.strerror or exc}") from None

@@ -4,7 +4,8 @@ A line is an OpenAI completion body (``prompt``: a string or a list of token ids
 (``messages``, turned into tokens by the model's chat template, as the server does), or an offline
 prompt (``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``). ``cache_salt`` and ``lora_name`` name the
 cache namespace a request reads; every other field is ignored. A line that cannot be read is reported
-with its number and skipped.
+with its number and skipped, whatever it holds: JSON nested deeper than the parser goes, text with a lone
+surrogate (not Unicode), token ids outside the model's vocabulary (refused as the server refuses them).
 """
 
 from __future__ import annotations
@@ -16,10 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
-from prefixcache.engine.input_processor import chat_token_ids, tokenize_prompt
-from prefixcache.server.protocol import ChatMessage
+from prefixcache.engine.input_processor import chat_token_ids, check_vocabulary, tokenize_prompt
+from prefixcache.server.protocol import ChatMessage, Text
+
+# The largest token id any server accepts (vLLM's bound; ids are int64 in the analysis).
+MAX_TOKEN_ID = 2**63 - 1
+_TEXT = TypeAdapter(Text)  # the server's own check of a string: valid Unicode
 
 # Token ids to readable text: the tokenizer's decode, or the texts a server returned for each token.
 Decode = Callable[[Sequence[int]], str]
@@ -41,12 +46,14 @@ class LineError:
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
-    """One request's prompt as the engine would see it, and the cache namespace it reads."""
+    """One request's prompt as the engine would see it, the cache namespace it reads, and for a chat body its
+    messages as the template took them (to tell which message a prompt differs in)."""
 
     line: int
     token_ids: list[int]
     cache_salt: str | None = None
     lora_name: str | None = None
+    messages: tuple[dict[str, str], ...] | None = None
 
     @property
     def namespace(self) -> tuple[str | None, str | None]:
@@ -66,6 +73,9 @@ def read_log(path: Path) -> tuple[list[LoggedBody], list[LineError]]:
             except json.JSONDecodeError as exc:
                 errors.append(LineError(number, f"not JSON: {exc.msg} (column {exc.colno})"))
                 continue
+            except RecursionError:
+                errors.append(LineError(number, "JSON nested too deeply to read"))
+                continue
             if not isinstance(body, dict):
                 errors.append(LineError(number, f"a JSON {type(body).__name__}, not a request object"))
                 continue
@@ -80,33 +90,65 @@ def namespace_of(body: dict[str, Any]) -> tuple[str | None, str | None]:
         value = body.get(field)
         if value is not None and (not isinstance(value, str) or not value):
             raise ValueError(f"{field} must be a non-empty string")
-        names.append(value)
+        names.append(None if value is None else valid_text(value, field))
     return names[0], names[1]
 
 
-def token_ids_of(body: dict[str, Any], tokenizer: Any) -> list[int]:
-    """The prompt's token ids: given ids, the encoded prompt text, or the templated conversation."""
+def valid_text(text: str, field: str) -> str:
+    """``text`` if the server would take it as a string (valid Unicode), else ValueError naming ``field``."""
+    try:
+        return _TEXT.validate_python(text)
+    except ValidationError as exc:
+        raise ValueError(f"{field}: {_first_error(exc)[1]}") from None
+
+
+def _first_error(exc: ValidationError) -> tuple[str, str]:
+    """Where pydantic's first error lies (field names and indexes, not its own validator names) and what it is."""
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or str(p).isidentifier())
+    return where, first["msg"].removeprefix("Value error, ")
+
+
+def chat_turns(body: dict[str, Any]) -> list[dict[str, str]] | None:
+    """A chat body's messages, validated as the server validates them, in the shape chat templates take; None
+    for a body without messages."""
+    messages = body.get("messages")
+    if messages is None:
+        return None
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    turns = []
+    for i, message in enumerate(messages):
+        try:
+            turns.append(ChatMessage.model_validate(message).template_dict())
+        except ValidationError as exc:
+            where, error = _first_error(exc)
+            raise ValueError(f"bad message (messages.{i}.{where}: {error})") from None
+    return turns
+
+
+def token_ids_of(body: dict[str, Any], tokenizer: Any, vocab_size: int | None = None) -> list[int]:
+    """The prompt's token ids: given ids, the encoded prompt text, or the templated conversation. With
+    ``vocab_size``, ids outside the vocabulary are refused, as the server refuses them."""
     kinds = [k for k in ("prompt_token_ids", "messages") if body.get(k) is not None]
     if "prompt" in body and body["prompt"] is not None and "messages" in kinds:
         raise ValueError("both prompt and messages: is this a completion or a chat body?")
     if "prompt_token_ids" in kinds:
-        return checked_token_ids(body["prompt_token_ids"], "prompt_token_ids")
-    if "messages" in kinds:
-        messages = body["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list")
-        try:
-            turns = [ChatMessage.model_validate(m).template_dict() for m in messages]
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise ValueError(f"bad message ({where}: {first['msg']})") from None
-        return chat_token_ids(tokenizer, turns)
-    prompt = body.get("prompt")
+        ids = checked_token_ids(body["prompt_token_ids"], "prompt_token_ids")
+    elif "messages" in kinds:
+        ids = chat_token_ids(tokenizer, chat_turns(body))
+    else:
+        ids = _prompt_token_ids(body.get("prompt"), tokenizer)
+    if vocab_size is not None:
+        check_vocabulary(ids, vocab_size)
+    return ids
+
+
+def _prompt_token_ids(prompt: Any, tokenizer: Any) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("the prompt is empty")
-        return tokenize_prompt(tokenizer, prompt)[1]
+        return tokenize_prompt(tokenizer, valid_text(prompt, "prompt"))[1]
     if isinstance(prompt, list):
         if prompt and isinstance(prompt[0], str | list):
             raise ValueError("a list of prompts: explain takes one prompt per logged request")
@@ -120,9 +162,9 @@ def checked_token_ids(value: Any, field: str) -> list[int]:
     if (
         not isinstance(value, list)
         or not value
-        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+        or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in value)
     ):
-        raise ValueError(f"{field} must be a non-empty list of token ids (integers >= 0)")
+        raise ValueError(f"{field} must be a non-empty list of token ids (integers in [0, 2^63))")
     return value
 
 
@@ -136,7 +178,9 @@ def tokenize_log(
     for logged in bodies:
         try:
             salt, lora = namespace_of(logged.body)
-            prompts.append(Prompt(logged.line, to_token_ids(logged.body), salt, lora))
+            turns = chat_turns(logged.body)
+            messages = None if turns is None else tuple(turns)
+            prompts.append(Prompt(logged.line, to_token_ids(logged.body), salt, lora, messages))
         except (ValueError, TemplateError) as exc:
             errors.append(LineError(logged.line, str(exc)))
     return prompts, errors

@@ -6,10 +6,19 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from prefixcache.explain.analysis import KINDS, REASON_LABELS, REASONS, Explanation, RequestExplanation
+from prefixcache.explain.analysis import (
+    CORE_REASON_LABELS,
+    KINDS,
+    REASON_LABELS,
+    REASONS,
+    REFINES,
+    DivergenceSummary,
+    Explanation,
+    RequestExplanation,
+)
 from prefixcache.explain.log import LineError
 
-LABEL_WIDTH = 34
+LABEL_WIDTH = 38
 
 
 def format_report(explanation: Explanation, source: str, errors: list[LineError], max_rows: int) -> str:
@@ -31,12 +40,14 @@ def format_report(explanation: Explanation, source: str, errors: list[LineError]
         lines.append(_rate_line(capacity, explanation.capacity_hit_rate) + "   (replayed through KVCacheManager)")
     if explanation.live_hit_rate is not None:
         lines.append(_rate_line("the server's cache now", explanation.live_hit_rate))
-    lines += ["", "missed prompt tokens by reason"]
-    for reason in REASONS:
-        if reason == "evicted" and explanation.capacity_hit_rate is None:
-            continue
-        count = explanation.missed[reason]
-        lines.append(f"  {REASON_LABELS[reason]:<{LABEL_WIDTH}}{count:>10,}  {count / explanation.prompt_tokens:6.1%}")
+    lines += ["", "missed prompt tokens by reason (the engine's reasons, as /metrics counts them, then split finer)"]
+    total_tokens = explanation.prompt_tokens
+    for core_reason, total in explanation.missed_by_core_reason.items():
+        if core_reason == "skipped" or (core_reason == "evicted" and explanation.capacity_hit_rate is None):
+            continue  # explain reads every prompt's cache; without a capacity nothing is evicted
+        lines.append(_count_line(CORE_REASON_LABELS[core_reason], total, total_tokens))
+        for reason in (r for r in REASONS if REFINES[r] == core_reason):
+            lines.append(_count_line("  " + REASON_LABELS[reason], explanation.missed[reason], total_tokens))
     lines += ["", "where prompts part from the earlier prompt they share most with"]
     lines += _divergence_lines(explanation)
     lines += ["", f"requests (first {min(max_rows, len(explanation.requests))} of {len(explanation.requests):,})"]
@@ -44,6 +55,10 @@ def format_report(explanation: Explanation, source: str, errors: list[LineError]
     if errors:
         lines += ["", "skipped lines"] + [f"  line {e.line}: {e.message}" for e in errors]
     return "\n".join(lines)
+
+
+def _count_line(label: str, count: int, total: int) -> str:
+    return f"  {label:<{LABEL_WIDTH}}{count:>10,}  {count / total:6.1%}"
 
 
 def _rate_line(label: str, rate: float) -> str:
@@ -58,9 +73,9 @@ def _divergence_lines(explanation: Explanation) -> list[str]:
     lines = [
         f"  {summary.count / summary.total:.0%} of divergences ({summary.count} of {summary.total}) start at {span}:"
         f" {KINDS[summary.kind]}",
-        f"    shared       `{summary.shared_text}`",
-        f"    line {summary.example_line:<7} `{summary.this_text}`",
-        f"    line {summary.other_line:<7} `{summary.other_text}`",
+        f"    {_where(summary)}",
+        f"    line {summary.example_line:<7} `{summary.this_context}`",
+        f"    line {summary.other_line:<7} `{summary.other_context}`",
         f"  fix: {summary.fix}",
     ]
     if summary.fixed_block_hit_rate is not None:
@@ -72,6 +87,18 @@ def _divergence_lines(explanation: Explanation) -> list[str]:
             f"(now {explanation.block_hit_rate:.3f})"
         )
     return lines
+
+
+def _where(summary: DivergenceSummary) -> str:
+    """Which part of the prompt the example parts in: a chat message, the chat template's own text, or the prompt."""
+    if summary.num_messages is None:
+        return f"in the prompt of line {summary.example_line} (⟦…⟧ marks what differs):"
+    if summary.message_index is None:
+        return f"in the chat template's text around the messages of line {summary.example_line} (⟦…⟧ marks it):"
+    return (
+        f"in message {summary.message_index + 1} of {summary.num_messages} ({summary.message_role}) of line "
+        f"{summary.example_line} (⟦…⟧ marks what differs):"
+    )
 
 
 def _request_rows(explanation: Explanation, max_rows: int) -> list[str]:
@@ -117,9 +144,10 @@ def to_json(explanation: Explanation, source: str, errors: list[LineError]) -> d
             "capacity": explanation.capacity_hit_rate,
             "server_now": explanation.live_hit_rate,
         },
-        "missed_tokens": explanation.missed,
+        "missed_tokens": explanation.missed_by_core_reason,
+        "missed_tokens_refined": explanation.missed,
         "divergence": None if explanation.divergence is None else asdict(explanation.divergence),
-        "requests": [{**asdict(r), "reason": r.reason} for r in explanation.requests],
+        "requests": [{**asdict(r), "reason": r.reason, "core_reason": r.core_reason} for r in explanation.requests],
         "errors": [asdict(e) for e in errors],
     }
 

@@ -1,76 +1,177 @@
-"""Where ``explain`` gets token ids and text: the model's tokenizer, or a running server's lookup endpoint."""
+"""Where ``explain`` gets token ids and text: the model's tokenizer, or a running server.
+
+A prefixcache server answers ``POST /v1/cache/lookup`` (its tokens, each token's text and what its cache
+holds now) and ``GET /v1/cache/config`` (its KV cache groups, for the replay). Any other server with vLLM's
+``/tokenize`` (vLLM itself: it takes a completion's ``prompt`` or a chat's ``messages``) gives the tokens it
+would run, and ``/detokenize`` their text; it reports no cache state, no block size and no KV cache groups
+(the replay assumes one full-attention group there).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import functools
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from prefixcache.core import KVCacheGroupSpec
-from prefixcache.core.kv_cache_groups import FULL_ATTENTION_KIND, spec_of_kind
-from prefixcache.explain.log import Decode, LineError, LoggedBody, Prompt, namespace_of, token_ids_of, tokenize_log
+from prefixcache.core import FULL_ATTENTION, KVCacheGroupSpec
+from prefixcache.core.kv_cache_groups import spec_of_kind
+from prefixcache.explain.log import (
+    Decode,
+    LineError,
+    LoggedBody,
+    Prompt,
+    chat_turns,
+    checked_token_ids,
+    namespace_of,
+    token_ids_of,
+    tokenize_log,
+)
 
 
 def through_tokenizer(
     bodies: Sequence[LoggedBody], model: str | None
 ) -> tuple[list[Prompt], list[LineError], Decode, str, tuple[KVCacheGroupSpec, ...]]:
-    """Tokenize with the model's own tokenizer (no weights loaded); also the KV cache groups an engine would
-    give the model, for the replay."""
+    """Tokenize with the model's own tokenizer (no weights loaded); ids outside its vocabulary are refused. Also
+    the KV cache groups an engine would give the model, for the replay."""
     from prefixcache.model.loader import load_tokenizer, read_config, resolve_model
 
     try:
         model_dir, name = resolve_model(model)
         tokenizer = load_tokenizer(model_dir)
-        groups = tuple(KVCacheGroupSpec(group.sliding_window) for group in read_config(model_dir).kv_cache_groups())
+        model_config = read_config(model_dir)
+        groups = tuple(KVCacheGroupSpec(group.sliding_window) for group in model_config.kv_cache_groups())
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"prefixcache explain: {exc}") from exc
-    prompts, errors = tokenize_log(bodies, lambda body: token_ids_of(body, tokenizer))
+    prompts, errors = tokenize_log(bodies, lambda body: token_ids_of(body, tokenizer, model_config.vocab_size))
     return prompts, errors, lambda ids: tokenizer.decode(list(ids)), name, groups
 
 
-def through_server(
-    bodies: Sequence[LoggedBody], base_url: str, api_key: str | None
-) -> tuple[list[Prompt], list[LineError], Decode, list[int], int | None, tuple[KVCacheGroupSpec, ...]]:
-    """Look every body up on the server: its tokens, each token's text, and what its cache holds now; also
-    the server's KV cache groups, for the replay.
-
-    A body the server refuses (400) is a bad line; anything else that fails stops the command.
-    """
+def server_client(base_url: str, api_key: str | None) -> Any:
+    """An HTTP client for ``--base-url`` (with the Bearer key); the caller closes it."""
     import httpx
 
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=60)
+
+
+def through_server(
+    bodies: Sequence[LoggedBody], client: Any
+) -> tuple[list[Prompt], list[LineError], Decode, list[int] | None, int | None]:
+    """Tokenize every body on the server: prompts, bad lines, the decoder (which asks the server while the client
+    is open), what its cache holds of each prompt now and its block size (the last two None for a server without
+    prefixcache's lookup, such as vLLM).
+
+    A body the server refuses (400, 422) is a bad line; anything else that fails stops the command.
+    """
+    with _reaching(client):
+        if bodies and client.post("/v1/cache/lookup", json=_lookup_body(bodies[0].body)).status_code in (404, 405):
+            return _through_tokenize(client, bodies)  # not a prefixcache server
+        return _through_lookup(client, bodies)
+
+
+def server_groups(client: Any) -> tuple[KVCacheGroupSpec, ...]:
+    """The KV cache groups the server reports at /v1/cache/config, for the replay to admit as it does; one
+    full-attention group for a server that reports none (one from before them, or not prefixcache)."""
+    path = "/v1/cache/config"
+    with _reaching(client):
+        response = client.get(path)
+    if response.status_code in (404, 405):
+        return (FULL_ATTENTION,)
+    groups = []
+    for group in _answer(client, response, path).get("kv_cache_groups") or []:
+        spec = spec_of_kind(group["kind"], group.get("sliding_window"))
+        if spec is None:
+            raise SystemExit(f"prefixcache explain: cannot replay a KV cache group of kind {group['kind']!r}")
+        groups.append(spec)
+    return tuple(groups) or (FULL_ATTENTION,)
+
+
+@contextlib.contextmanager
+def _reaching(client: Any) -> Iterator[None]:
+    """A server that cannot be reached stops the command in one line."""
+    import httpx
+
+    try:
+        yield
+    except httpx.HTTPError as exc:
+        raise SystemExit(f"prefixcache explain: cannot reach {client.base_url}: {exc}") from exc
+
+
+def _through_lookup(
+    client: Any, bodies: Sequence[LoggedBody]
+) -> tuple[list[Prompt], list[LineError], Decode, list[int], int | None]:
+    """prefixcache's lookup: tokens, their texts and the cache's hit for each body."""
     prompts: list[Prompt] = []
     errors: list[LineError] = []
     live_cached: list[int] = []
     texts: dict[int, str] = {}
     block_size = None
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    with httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=60) as client:
-        groups = _server_groups(client)
-        for logged in bodies:
-            try:
-                salt, lora = namespace_of(logged.body)
-                answer = _server_answer(client, "/v1/cache/lookup", _lookup_body(logged.body))
-            except ValueError as exc:
-                errors.append(LineError(logged.line, str(exc)))
-                continue
-            ids = answer["prompt_token_ids"]
-            texts.update(zip(ids, answer["prompt_token_texts"], strict=True))
-            prompts.append(Prompt(logged.line, ids, salt, lora))
-            live_cached.append(answer["cached_tokens"])
-            block_size = answer["block_size"]
-    return prompts, errors, lambda ids: "".join(texts.get(t, "") for t in ids), live_cached, block_size, groups
+    for logged in bodies:
+        try:
+            salt, lora = namespace_of(logged.body)
+            answer = _post(client, "/v1/cache/lookup", _lookup_body(logged.body))
+        except ValueError as exc:
+            errors.append(LineError(logged.line, str(exc)))
+            continue
+        ids = answer["prompt_token_ids"]
+        texts.update(zip(ids, answer["prompt_token_texts"], strict=True))
+        prompts.append(Prompt(logged.line, ids, salt, lora, _messages(logged.body)))
+        live_cached.append(answer["cached_tokens"])
+        block_size = answer["block_size"]
+    return prompts, errors, lambda ids: "".join(texts.get(t, "") for t in ids), live_cached, block_size
 
 
-def _server_groups(client: Any) -> tuple[KVCacheGroupSpec, ...]:
-    """The KV cache groups the server reports at /v1/cache/config, for the replay to admit as it does; one
-    full-attention group for a server that reports none (one from before them, or without the path)."""
-    answer = _server_answer(client, "/v1/cache/config", missing_ok=True)
-    groups = []
-    for group in (answer or {}).get("kv_cache_groups") or [{"kind": FULL_ATTENTION_KIND}]:
-        spec = spec_of_kind(group["kind"], group.get("sliding_window"))
-        if spec is None:
-            raise SystemExit(f"prefixcache explain: cannot replay a KV cache group of kind {group['kind']!r}")
-        groups.append(spec)
-    return tuple(groups)
+def _through_tokenize(
+    client: Any, bodies: Sequence[LoggedBody]
+) -> tuple[list[Prompt], list[LineError], Decode, None, None]:
+    """vLLM's /tokenize (a prompt string, or chat messages with the generation prompt, as its endpoints run them)
+    and /detokenize; token ids in the log are checked by /detokenize, so the server refuses what it would."""
+    prompts: list[Prompt] = []
+    errors: list[LineError] = []
+    for logged in bodies:
+        body = logged.body
+        try:
+            salt, lora = namespace_of(body)
+            if body.get("prompt_token_ids") is not None or isinstance(body.get("prompt"), list):
+                field = "prompt_token_ids" if body.get("prompt_token_ids") is not None else "prompt"
+                if body[field] and isinstance(body[field][0], str | list):
+                    raise ValueError("a list of prompts: explain takes one prompt per logged request")
+                ids = checked_token_ids(body[field], field)
+                _post(client, "/detokenize", {"tokens": ids})  # ids the server refuses are a bad line
+            elif body.get("messages") is not None:
+                ids = _post(client, "/tokenize", {"messages": body["messages"], "add_generation_prompt": True})[
+                    "tokens"
+                ]
+            elif isinstance(body.get("prompt"), str):
+                ids = _post(client, "/tokenize", {"prompt": body["prompt"]})["tokens"]
+            else:
+                raise ValueError("no prompt: expected prompt, prompt_token_ids or messages")
+            if not ids:
+                raise ValueError("the prompt is empty")
+        except ValueError as exc:
+            errors.append(LineError(logged.line, str(exc)))
+            continue
+        prompts.append(Prompt(logged.line, ids, salt, lora, _messages(body)))
+
+    @functools.lru_cache(maxsize=4096)
+    def detokenize(ids: tuple[int, ...]) -> str:
+        try:
+            with _reaching(client):
+                return _post(client, "/detokenize", {"tokens": list(ids)})["prompt"]
+        except ValueError:  # ids the server cannot decode: shown as nothing rather than losing the report
+            return ""
+
+    return prompts, errors, lambda ids: detokenize(tuple(ids)), None, None
+
+
+def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...] | None:
+    """The chat messages, to tell which one a prompt differs in; None when they are not text the server took."""
+    try:
+        turns = chat_turns(body)
+    except ValueError:
+        return None
+    return None if turns is None else tuple(turns)
 
 
 def _lookup_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -84,25 +185,32 @@ def _lookup_body(body: dict[str, Any]) -> dict[str, Any]:
     return {**prompt, "cache_salt": body.get("cache_salt"), "return_token_ids": True}
 
 
-def _server_answer(
-    client: Any, path: str, body: dict[str, Any] | None = None, missing_ok: bool = False
-) -> dict[str, Any] | None:
-    """The JSON answer to a GET (``body`` None) or a POST of ``body``; None for a 404 when ``missing_ok``.
+def _post(client: Any, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    return _answer(client, client.post(path, json=body), path)
 
-    Raises ValueError when the server refuses the body (400); anything else that fails stops the command.
-    """
-    import httpx
 
-    try:
-        response = client.get(path) if body is None else client.post(path, json=body)
-    except httpx.HTTPError as exc:
-        raise SystemExit(f"prefixcache explain: cannot reach {client.base_url}: {exc}") from exc
-    if response.status_code == 400 and body is not None:
-        raise ValueError(f"the server refused it: {response.json()['error']['message']}")
-    if response.status_code == 404 and missing_ok:
-        return None
+def _answer(client: Any, response: Any, path: str) -> dict[str, Any]:
+    """The JSON of a 200; ValueError with the server's message for a refused body (400, 422), else SystemExit."""
+    if response.status_code in (400, 422):
+        raise ValueError(f"the server refused it: {_error_message(response)}")
     if response.status_code != 200:
         raise SystemExit(
             f"prefixcache explain: {client.base_url}{path} answered {response.status_code}: {response.text[:200]}"
         )
     return response.json()
+
+
+def _error_message(response: Any) -> str:
+    """OpenAI's ``{"error": {"message": ...}}``, vLLM's older ``{"message": ...}``, FastAPI's ``{"detail": ...}``."""
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text[:200]
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        for key in ("message", "detail"):
+            if key in data:
+                return str(data[key])
+    return response.text[:200]

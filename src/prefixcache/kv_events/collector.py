@@ -6,9 +6,10 @@ never routes to K/V that does not exist yet.
 
 Extra keys map onto vLLM's ``extra_keys`` shape, one tuple (or None) per block, in vLLM's order:
 the LoRA name, then one ``(mm identifier, offset of the item from the block start)`` pair per
-multimodal item the block overlaps, then the cache salt (first block only). Our hashes keep the tags
-(``("lora", name)``, ``("mm", id, offset)``, ``("salt", s)``); on the wire a string is the LoRA name
-when ``lora_name`` is set and the salt otherwise, as in vLLM.
+multimodal item the block overlaps. Our hashes keep the tags (``("lora", name)``, ``("mm", id, offset)``,
+``("salt", s)``). Unlike vLLM, the cache salt is never published: it names a tenant (with API keys, the
+tenant salt of its key) or is a client's secret, and the block hashes, which it went into, are all a
+router needs. Token ids are published (as vLLM does) unless the config's ``publish_token_ids`` is off.
 
 KV cache groups are told apart as vLLM tells them: every event names its group (``group_idx``), and a
 ``BlockStored`` also the group's attention (``kv_cache_spec_kind``: ``full_attention`` or
@@ -36,15 +37,16 @@ from prefixcache.kv_events.events import (
 )
 from prefixcache.offload.store import TierEventListener
 
-_VLLM_ORDER = {LORA_TAG: 0, MM_TAG: 1, SALT_TAG: 2}
+_VLLM_ORDER = {LORA_TAG: 0, MM_TAG: 1}
 
 
 def vllm_extra_keys(keys: ExtraKeys | None) -> tuple[Any, ...] | None:
-    """One block's tagged extra keys in vLLM's untagged order (LoRA, multimodal, salt); None when none."""
-    if not keys:
+    """One block's tagged extra keys in vLLM's untagged order (LoRA, multimodal), the salt left out; None when
+    none are left."""
+    published = sorted((key for key in keys or () if key[0] != SALT_TAG), key=lambda key: _VLLM_ORDER[key[0]])
+    if not published:
         return None
-    ordered = sorted(keys, key=lambda key: _VLLM_ORDER[key[0]])
-    return tuple(tuple(key[1:]) if key[0] == MM_TAG else key[1] for key in ordered)
+    return tuple(tuple(key[1:]) if key[0] == MM_TAG else key[1] for key in published)
 
 
 class KVEventCollector(BlockPoolListener, TierEventListener):
@@ -54,7 +56,8 @@ class KVEventCollector(BlockPoolListener, TierEventListener):
     device (vLLM's convention). As a ``TierEventListener`` it also hears the offload tiers, whose events carry
     their own medium (``"CPU"``, ``"DISK"``, ``"REDIS"``) and, like vLLM's offloading connector's when it has
     no token metadata, no tokens or parent: a router needs only which hashes each engine can load.
-    ``groups`` are the KV cache groups of the pool (default: one full-attention group).
+    ``groups`` are the KV cache groups of the pool (default: one full-attention group). With ``token_ids``
+    false the engine's own ``BlockStored`` events leave the tokens out too.
     """
 
     def __init__(
@@ -62,10 +65,12 @@ class KVEventCollector(BlockPoolListener, TierEventListener):
         medium: str = MEDIUM_GPU,
         block_hash_encoding: str = "uint64",
         groups: Sequence[KVCacheGroupSpec] = (FULL_ATTENTION,),
+        token_ids: bool = True,
     ) -> None:
         self.medium = medium
         self.block_hash_encoding = block_hash_encoding
         self.groups = check_groups(groups)
+        self.token_ids = token_ids
         self._events: list[KVCacheEvent] = []
 
     def take(self) -> list[KVCacheEvent]:
@@ -80,7 +85,7 @@ class KVEventCollector(BlockPoolListener, TierEventListener):
             BlockStored(
                 block_hashes=[encode_block_hash(h, encoding) for h in stored.block_hashes],
                 parent_block_hash=None if parent is None else encode_block_hash(parent, encoding),
-                token_ids=stored.token_ids,
+                token_ids=stored.token_ids if self.token_ids else [],
                 block_size=stored.block_size,
                 lora_id=None,
                 medium=self.medium,

@@ -5,11 +5,16 @@ Each batch goes out on a PUB socket as three frames: topic, sequence number (8-b
 gets ``[identity, "", seq, payload]`` for every buffered batch with ``seq >= start_seq``, then the end
 marker ``[identity, "", -1 as 8 signed bytes, ""]``. A batch dropped because the queue was full still
 uses up its sequence number, so consumers see the gap (and that replay cannot fill it: resync).
+
+The payloads carry block hashes and, unless ``publish_token_ids`` is off, the prompts' token ids: whoever
+can read the sockets reads what every tenant sends. So the factory logs at start-up where each socket is
+bound or what it connects to, and who can reach it, and warns when token ids go to every interface.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import queue
 import threading
@@ -18,7 +23,7 @@ from collections import deque
 import msgspec
 import zmq
 
-from prefixcache.kv_events.config import KVEventsConfig
+from prefixcache.kv_events.config import KVEventsConfig, binds
 from prefixcache.kv_events.events import EventBatch
 
 logger = logging.getLogger(__name__)
@@ -40,14 +45,59 @@ class NullEventPublisher:
         """Nothing to release."""
 
 
-def _open_socket(context: zmq.Context, kind: int, endpoint: str, hwm: int | None = None) -> tuple[zmq.Socket, str]:
-    """A socket bound (wildcard, ipc, inproc: vLLM's rule) or connected; returns it and its resolved address."""
+def _tcp_host(endpoint: str) -> str | None:
+    """The host of a tcp:// address without IPv6 brackets (``*`` for the wildcard); None for other schemes."""
+    scheme, _, address = endpoint.partition("://")
+    return address.rpartition(":")[0].strip("[]") if scheme == "tcp" else None
+
+
+def reach(endpoint: str) -> str:
+    """Who can reach a bound endpoint (as resolved: ``tcp://*:5557`` reads ``tcp://0.0.0.0:5557``)."""
+    scheme, _, address = endpoint.partition("://")
+    if scheme == "inproc":
+        return "this process only"
+    if scheme == "ipc":
+        return f"this host only, as far as the permissions of {address} allow"
+    host = _tcp_host(endpoint) or ""
+    if host == "*":
+        return "every interface"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return f"the interface {host} only"
+    if ip.is_unspecified:
+        return "every interface"
+    if ip.is_loopback:
+        return "loopback only (this host)"
+    if ip.is_private:
+        return f"{ip} only (a private address)"
+    return f"{ip} only (a public address, reachable from other networks)"
+
+
+def exposed(endpoint: str) -> bool:
+    """Whether a bound endpoint can be read from other networks: every interface, or a public address."""
+    host = _tcp_host(endpoint)
+    if host is None:
+        return False
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host == "*"
+    return ip.is_unspecified or ip.is_global
+
+
+def _open_socket(
+    context: zmq.Context, kind: int, endpoint: str, bind: bool, hwm: int | None = None
+) -> tuple[zmq.Socket, str]:
+    """A socket bound to ``endpoint`` or connected to it; returns it and its resolved address."""
     sock = context.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     if hwm is not None:
         sock.set_hwm(hwm)
+    if ":" in (_tcp_host(endpoint) or ""):
+        sock.setsockopt(zmq.IPV6, 1)
     try:
-        if kind == zmq.ROUTER or "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+        if bind:
             sock.bind(endpoint)
             return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
         sock.connect(endpoint)
@@ -63,7 +113,8 @@ class ZmqEventPublisher:
     ``publish`` only numbers the batch and puts it on a bounded queue; a background thread encodes and
     sends it, keeps the last ``buffer_steps`` payloads and answers replays. When ``max_queue_size``
     batches are waiting, new ones are dropped and counted in ``num_dropped``.
-    ``endpoint`` / ``replay_endpoint`` hold the resolved addresses (``tcp://127.0.0.1:*`` picks a free port).
+    ``endpoint`` / ``replay_endpoint`` hold the resolved addresses (``tcp://127.0.0.1:*`` picks a free port);
+    ``endpoint_bound`` says whether ``endpoint`` was bound (``endpoint_mode``, as in ``KVEventsConfig``).
     """
 
     def __init__(
@@ -75,8 +126,10 @@ class ZmqEventPublisher:
         max_queue_size: int = 100_000,
         topic: str = "",
         data_parallel_rank: int = 0,
+        endpoint_mode: str = "auto",
     ) -> None:
         self.data_parallel_rank = data_parallel_rank
+        self.endpoint_bound = binds(endpoint, endpoint_mode)
         self.num_dropped = 0
         self._topic = topic.encode()
         self._queue: queue.Queue[tuple[int, EventBatch] | None] = queue.Queue(max_queue_size)
@@ -88,10 +141,10 @@ class ZmqEventPublisher:
         self._context = zmq.Context()
         self._replay: zmq.Socket | None = None
         try:
-            self._pub, self.endpoint = _open_socket(self._context, zmq.PUB, endpoint, hwm)
+            self._pub, self.endpoint = _open_socket(self._context, zmq.PUB, endpoint, self.endpoint_bound, hwm)
             self.replay_endpoint = None
             if replay_endpoint is not None:
-                self._replay, self.replay_endpoint = _open_socket(self._context, zmq.ROUTER, replay_endpoint)
+                self._replay, self.replay_endpoint = _open_socket(self._context, zmq.ROUTER, replay_endpoint, True)
         except ValueError:
             self._context.destroy(linger=0)
             raise
@@ -173,10 +226,10 @@ EventPublisher = NullEventPublisher | ZmqEventPublisher
 
 
 def make_publisher(config: KVEventsConfig, data_parallel_rank: int = 0) -> EventPublisher:
-    """The publisher ``config.publisher`` names."""
+    """The publisher ``config.publisher`` names; a ZeroMQ one logs where it publishes and who can read it."""
     if config.publisher == "null":
         return NullEventPublisher()
-    return ZmqEventPublisher(
+    publisher = ZmqEventPublisher(
         endpoint=config.endpoint,
         replay_endpoint=config.replay_endpoint,
         buffer_steps=config.buffer_steps,
@@ -184,4 +237,31 @@ def make_publisher(config: KVEventsConfig, data_parallel_rank: int = 0) -> Event
         max_queue_size=config.max_queue_size,
         topic=config.topic,
         data_parallel_rank=data_parallel_rank,
+        endpoint_mode=config.endpoint_mode,
     )
+    if publisher.endpoint_bound:
+        logger.info("KV events: bound at %s, reachable from %s", publisher.endpoint, reach(publisher.endpoint))
+    else:
+        logger.info(
+            "KV events: connecting to %s (only a subscriber bound there receives them; bind one address with "
+            '"endpoint_mode": "bind")',
+            publisher.endpoint,
+        )
+    bound = [publisher.endpoint] if publisher.endpoint_bound else []
+    if publisher.replay_endpoint is not None:
+        logger.info(
+            "KV event replays: bound at %s, reachable from %s",
+            publisher.replay_endpoint,
+            reach(publisher.replay_endpoint),
+        )
+        bound.append(publisher.replay_endpoint)
+    for endpoint in bound:
+        if config.publish_token_ids and exposed(endpoint):
+            logger.warning(
+                "KV events at %s carry the prompts' token ids to %s: whoever reaches the port reads what every "
+                'tenant sends. Bind one private or loopback address ("endpoint_mode": "bind", e.g. '
+                'tcp://10.0.0.2:5557), use ipc:// on one host, or set "publish_token_ids": false',
+                endpoint,
+                reach(endpoint),
+            )
+    return publisher

@@ -27,7 +27,7 @@ class KVEventSink:
         medium: str = MEDIUM_GPU,
         data_parallel_rank: int = 0,
     ) -> None:
-        self.collector = KVEventCollector(medium, config.block_hash_encoding, groups)
+        self.collector = KVEventCollector(medium, config.block_hash_encoding, groups, config.publish_token_ids)
         self.publisher: EventPublisher = make_publisher(config, data_parallel_rank)
         self.data_parallel_rank = data_parallel_rank
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from prefixcache.config import parse_memory
 from prefixcache.offload.connector import OFFLOAD_MODES, WRITE_BACK
 from prefixcache.offload.record import RecordKey
+from prefixcache.units import parse_memory
 
 DEFAULT_DISK_BYTES = 10 * 2**30
 DEFAULT_REDIS_BYTES = 4 * 2**30

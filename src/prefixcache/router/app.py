@@ -20,6 +20,8 @@ from prefixcache.router.proxy import Proxy
 from prefixcache.router.routing import Router
 from prefixcache.router.subscriber import EventSource
 from prefixcache.router.wire import DEFAULT_CONTENT_BLOCK_SIZE
+from prefixcache.server.middleware import BodyLimitMiddleware, RequestContextMiddleware
+from prefixcache.server.settings import DEFAULT_MAX_REQUEST_BYTES
 from prefixcache.server.tenants import valid_api_key
 
 
@@ -28,7 +30,8 @@ class RouterSettings:
     """``request_timeout`` bounds each read from a backend (None: wait as long as generation takes).
     ``backend_api_key`` authenticates the router's own calls to the backends; it is kept out of the repr.
     ``event_sources`` names where backends without ``/v1/cache/config`` publish KV events (backend URL ->
-    source), whose blocks must hold ``kv_event_block_size`` tokens."""
+    source), whose blocks must hold ``kv_event_block_size`` tokens.
+    ``max_request_bytes`` caps a request body as the server's ``--max-request-bytes`` does (413 before parsing)."""
 
     backends: tuple[str, ...]
     policy: str = "prefix"
@@ -39,6 +42,7 @@ class RouterSettings:
     event_sources: tuple[tuple[str, EventSource], ...] = ()
     kv_event_block_size: int = DEFAULT_CONTENT_BLOCK_SIZE
     affinity_balance: float = DEFAULT_AFFINITY_BALANCE
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -62,10 +66,17 @@ class RouterSettings:
             raise ValueError(f"the KV event block size must be positive, got {self.kv_event_block_size}")
         if self.affinity_balance != 0 and not self.affinity_balance >= 1:
             raise ValueError(f"the affinity balance must be >= 1 (or 0: off), got {self.affinity_balance}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
 
 
 def build_app(settings: RouterSettings, tokenizer: Any) -> FastAPI:
-    """The app; its lifespan probes the backends (raising BackendRefusedError on a hashing mismatch)."""
+    """The app; its lifespan probes the backends (raising BackendRefusedError on a hashing mismatch).
+
+    The server's own middleware bounds what one client can make it do: a body over ``max_request_bytes`` is
+    refused before it is parsed, every request gets an id (the backend sees it too), and an unexpected
+    failure is an OpenAI-shaped 500, never a bare one. Per-request log lines are uvicorn's access log.
+    """
     index = PrefixIndex()
     metrics = RouterMetrics()
 
@@ -96,20 +107,22 @@ def build_app(settings: RouterSettings, tokenizer: Any) -> FastAPI:
                 router.close()
 
     app = FastAPI(title="prefixcache router", lifespan=lifespan)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)  # innermost first
+    app.add_middleware(RequestContextMiddleware, log_requests=False)
     app.state.index = index
     app.state.metrics = metrics
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await app.state.proxy.forward("/v1/completions", await request.body(), request.headers, chat=False)
+        return await app.state.proxy.forward("/v1/completions", request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await app.state.proxy.forward("/v1/chat/completions", await request.body(), request.headers, chat=True)
+        return await app.state.proxy.forward("/v1/chat/completions", request, chat=True)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        return await app.state.proxy.get("/v1/models", request.headers)
+        return await app.state.proxy.get("/v1/models", request)
 
     @app.get("/health")
     async def health() -> Response:

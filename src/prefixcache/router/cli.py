@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from prefixcache.router.policy import DEFAULT_AFFINITY_BALANCE, DEFAULT_PREFIX_WEIGHT, POLICIES
 from prefixcache.router.wire import DEFAULT_CONTENT_BLOCK_SIZE
+from prefixcache.server.cli import add_max_request_bytes
 
 if TYPE_CHECKING:
     from prefixcache.router.subscriber import EventSource
@@ -100,6 +101,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="bearer token for the router's own calls to backends started with --api-key (default: "
         f"${BACKEND_API_KEY_ENV}); client requests keep their own Authorization header",
     )
+    add_max_request_bytes(parser)
     parser.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
     parser.set_defaults(func=run)
 
@@ -165,6 +167,7 @@ def run(args: argparse.Namespace) -> None:
             event_sources=event_sources(args.kv_event_source, args.kv_event_replay_source),
             kv_event_block_size=args.kv_event_block_size,
             affinity_balance=args.affinity_balance,
+            max_request_bytes=args.max_request_bytes,
         )
         tokenizer = load_tokenizer(resolve_model(args.tokenizer)[0]) if args.policy == "prefix" else None
     except (FileNotFoundError, ValueError) as exc:

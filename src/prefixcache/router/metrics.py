@@ -23,6 +23,9 @@ class RouterMetrics:
 
         self.requests = counter("requests", "Requests sent to each backend (retried attempts included).")
         self.retries = counter("retries", "Attempts that failed before any byte was sent and were retried.")
+        self.broken_responses = counter(
+            "broken_responses", "Responses the backend broke off after bytes reached the client (not retried)."
+        )
         self.unrouted = counter("unrouted", "Requests answered 503 because no backend could take them.", ())
         self.predicted_cached_tokens = counter(
             "predicted_cached_tokens", "Prompt tokens the router expected the backend to hold (reported requests)."

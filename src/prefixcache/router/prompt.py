@@ -7,6 +7,11 @@ the generation prompt) and hashed with the engine's algorithm and seed. For cont
 unless the body says ``add_special_tokens: false``; chat and token ids alike) and hashed with the
 router's own content hash (:mod:`prefixcache.router.blocks`). Both go through ``Request.hash_blocks``
 (chained, with the cache salt and LoRA keys), then into the integer form the KV events carry.
+
+What one request costs here is bounded by the context where the router knows it (the ``max_model_len``
+``prefixcache serve`` backends report): a prompt that cannot fit it is refused (``PromptTooLong``) before
+it is hashed, and a text too long to fit it whatever its tokens before it is tokenized, so a client cannot
+make the router tokenize megabytes that every backend would refuse.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from pydantic import ValidationError
 
 from prefixcache.core import Request, hittable_blocks
 from prefixcache.core.hashing import root_hash
-from prefixcache.engine.input_processor import chat_token_ids, tokenize_prompt
+from prefixcache.engine.input_processor import chat_token_ids, prompt_too_long, tokenize_prompt
 from prefixcache.router.backend_config import CacheConfig
 from prefixcache.router.blocks import CONTENT_HASH_ALGO, CONTENT_ROOT
 from prefixcache.router.wire import external_block_hash
@@ -38,9 +43,25 @@ class PromptKey:
     block_hashes: list[int]
 
 
+class PromptTooLong(ValueError):
+    """A prompt the backends' context cannot hold: the router answers 400 itself, as the server would."""
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters of text one token can stand for: the longest entry of the vocabulary.
+
+    A vocabulary entry is written with at least one character per character it covers (byte-level entries
+    with one per byte, SentencePiece ones with ``▁`` for a space, byte fallbacks as ``<0xNN>``), so a text
+    longer than ``n`` times this has more than ``n`` tokens.
+    """
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
 class PromptHasher:
     """``keyed``: the backends salt each request by its API key's tenant, which the caller must add.
-    ``text_special_tokens``: a text completion prompt gets the tokenizer's special tokens (vLLM's default)."""
+    ``text_special_tokens``: a text completion prompt gets the tokenizer's special tokens (vLLM's default).
+    ``max_model_len``: the backends' context, where known (None: not checked); ``max_text_chars`` is then the
+    longest text that may still fit it (None also without a tokenizer, when only token ids can be read)."""
 
     def __init__(
         self,
@@ -50,6 +71,7 @@ class PromptHasher:
         block_size: int,
         keyed: bool = False,
         text_special_tokens: bool = False,
+        max_model_len: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.hash_algo = hash_algo
@@ -57,12 +79,17 @@ class PromptHasher:
         self.block_size = block_size
         self.keyed = keyed
         self.text_special_tokens = text_special_tokens
+        self.max_model_len = max_model_len
+        known = max_model_len is not None and tokenizer is not None
+        self.max_text_chars = max_model_len * longest_token_chars(tokenizer) if known else None
 
     @classmethod
     def for_engine(cls, tokenizer: Any, config: CacheConfig) -> PromptHasher:
-        """Keys a ``prefixcache serve`` backend's events carry, from the hashing it reports."""
+        """Keys a ``prefixcache serve`` backend's events carry, from the hashing and the context it reports."""
         root = root_hash(config.hash_algo, config.hash_seed)
-        return cls(tokenizer, config.hash_algo, root, config.block_size, keyed=config.keyed)
+        return cls(
+            tokenizer, config.hash_algo, root, config.block_size, keyed=config.keyed, max_model_len=config.max_model_len
+        )
 
     @classmethod
     def by_content(cls, tokenizer: Any, block_size: int) -> PromptHasher:
@@ -70,21 +97,40 @@ class PromptHasher:
         return cls(tokenizer, CONTENT_HASH_ALGO, CONTENT_ROOT, block_size, text_special_tokens=True)
 
     def token_ids(self, body: dict[str, Any], chat: bool) -> list[int] | None:
-        """The prompt's token ids as the backend makes them, or None when it would refuse the body."""
+        """The prompt's token ids as the backend makes them, or None when it would refuse the body for another
+        reason than its length (it answers that in its own words); raises PromptTooLong."""
         try:
             if chat:
                 messages = body.get("messages")
                 if not isinstance(messages, list):
                     return None
                 conversation = [ChatMessage.model_validate(m).template_dict() for m in messages]
-                return chat_token_ids(self.tokenizer, conversation)
-            prompt = body.get("prompt")
-            if isinstance(prompt, str) and self.text_special_tokens:
-                special = body.get("add_special_tokens", True)
-                return self.tokenizer.encode(prompt, add_special_tokens=special is not False)
-            return tokenize_prompt(self.tokenizer, prompt)[1] if isinstance(prompt, str | list) else None
+                if self.max_text_chars is not None:  # rendered first: the template's text is what is tokenized
+                    self._check_text(self.tokenizer.apply_chat_template(conversation, tokenize=False))
+                token_ids = chat_token_ids(self.tokenizer, conversation)
+            else:
+                prompt = body.get("prompt")
+                if not isinstance(prompt, str | list):
+                    return None
+                if isinstance(prompt, str):
+                    self._check_text(prompt)
+                if isinstance(prompt, str) and self.text_special_tokens:
+                    special = body.get("add_special_tokens", True)
+                    token_ids = self.tokenizer.encode(prompt, add_special_tokens=special is not False)
+                else:
+                    token_ids = tokenize_prompt(self.tokenizer, prompt)[1]
+        except PromptTooLong:
+            raise
         except (ValidationError, TemplateError, ValueError, TypeError):
             return None
+        if self.max_model_len is not None and len(token_ids) > self.max_model_len:
+            raise PromptTooLong(prompt_too_long(len(token_ids), self.max_model_len))
+        return token_ids
+
+    def _check_text(self, text: str) -> None:
+        """Refuses a text too long for the context whatever its tokens, without tokenizing it."""
+        if self.max_text_chars is not None and len(text) > self.max_text_chars:
+            raise PromptTooLong(prompt_too_long(f"more than {self.max_model_len}", self.max_model_len))
 
     def key(self, token_ids: list[int], cache_salt: str | None = None, lora_name: str | None = None) -> PromptKey:
         """Raises ValueError for ids the engine would refuse (empty, negative, too large)."""

@@ -1,10 +1,14 @@
 """Forwarding one request to the chosen backend, and once more elsewhere if it fails before any byte.
 
 The body goes to the backend as received and the response comes back as sent: an SSE stream chunk by
-chunk, unchanged (``X-Prefixcache-Backend`` names the backend in the headers). A request is retried
-once on another backend when the backend cannot be reached, drops the connection before the first
-byte, or answers 5xx; after the first byte reached the client nothing can be retried. Whatever the
-backend reports in ``usage`` is compared with the router's prediction.
+chunk, unchanged (``X-Prefixcache-Backend`` names the backend in the headers; the backend gets the router's
+``X-Request-Id``, so one id names the request in both logs). A request is retried once on another backend
+when the backend cannot be reached, drops the connection before the first byte, or answers 5xx; after the
+first byte reached the client nothing can be retried. A backend that breaks off later ends an SSE stream
+with an OpenAI error event and ``[DONE]``, as the server does when its engine dies, or, in the middle of an
+event or of a JSON body, drops the client's connection: the client sees the failure either way. A client
+that leaves before its response starts has its backend request cancelled. Whatever the backend reports in
+``usage`` is compared with the router's prediction.
 """
 
 from __future__ import annotations
@@ -15,40 +19,59 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from prefixcache.router.backends import Backend, BackendPool
 from prefixcache.router.metrics import RouterMetrics
 from prefixcache.router.policy import Candidate
 from prefixcache.router.routing import Lease, Router
-from prefixcache.server.protocol import error_body
+from prefixcache.server.middleware import REQUEST_ID_HEADER, record_of
+from prefixcache.server.protocol import error_body, error_response
+from prefixcache.server.streaming import unless_disconnected
 
 logger = logging.getLogger(__name__)
 
 BACKEND_HEADER = "x-prefixcache-backend"
 ATTEMPTS = 2
 _HOP_BY_HOP = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade"})
+_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
 
 
 def forwarded_headers(headers: Any) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP}
 
 
+class BackendBrokeOff(Exception):
+    """Raised into the client's response when the backend failed after bytes reached the client, where no
+    error can be appended that the client would parse: the server then drops the client's connection."""
+
+
 class UsageScanner:
-    """Finds the ``usage`` object in an SSE stream as its bytes pass by (a line may span chunks)."""
+    """Finds the ``usage`` object in an SSE stream as its bytes pass by (a line may span chunks), and tells
+    whether the stream so far ends between events and whether ``[DONE]`` went by."""
 
     def __init__(self) -> None:
         self.usage: dict[str, Any] | None = None
+        self.done = False
         self._partial = b""
+        self._tail = b""
+
+    @property
+    def between_events(self) -> bool:
+        return not self._tail or self._tail.endswith(_EVENT_ENDS)
 
     def feed(self, chunk: bytes) -> None:
+        self._tail = (self._tail + chunk)[-4:]
         lines = (self._partial + chunk).split(b"\n")
         self._partial = lines.pop()
         for line in lines:
-            if line.startswith(b"data:") and b'"usage"' in line:
+            if line.rstrip(b"\r") == b"data: [DONE]":
+                self.done = True
+            elif line.startswith(b"data:") and b'"usage"' in line:
                 try:
                     usage = json.loads(line[5:]).get("usage")
-                except (ValueError, AttributeError):
+                except (ValueError, AttributeError, RecursionError):
                     continue
                 if isinstance(usage, dict):
                     self.usage = usage
@@ -61,15 +84,22 @@ class Proxy:
         self.client = client
         self.metrics = metrics
 
-    async def forward(self, path: str, raw_body: bytes, headers: Any, chat: bool) -> Response:
-        """Route and forward a POST; 503 when no backend can take it, 502 when both attempts failed."""
+    async def forward(self, path: str, request: Request, chat: bool) -> Response:
+        """Route and forward a POST; 400 for a prompt too long for the context, 503 when no backend can take
+        it, 502 when both attempts failed; 499 (to nobody) when the client left before its response started."""
+        raw_body = await request.body()
+        response = await unless_disconnected(request, self._route(path, raw_body, _backend_headers(request), chat))
+        return Response(status_code=499) if response is None else response
+
+    async def _route(self, path: str, raw_body: bytes, request_headers: dict[str, str], chat: bool) -> Response:
         try:
             parsed = json.loads(raw_body)
-        except ValueError:  # the backend will answer the error in its own words
+        except (ValueError, RecursionError):  # the backend will answer the error in its own words
             parsed = None
         body = parsed if isinstance(parsed, dict) else None
-        plan = await self.router.plan(body, chat, headers.get("authorization"))
-        request_headers = forwarded_headers(headers)
+        plan = await self.router.plan(body, chat, request_headers.get("authorization"))
+        if plan.refusal is not None:
+            return error_response(400, plan.refusal)
         tried: list[str] = []
         failure = ""
         for attempt in range(ATTEMPTS):
@@ -89,11 +119,11 @@ class Proxy:
         self.metrics.unrouted.inc()
         return JSONResponse(error_body("no backend is available", type="server_error"), status_code=503)
 
-    async def get(self, path: str, headers: Any) -> Response:
+    async def get(self, path: str, request: Request) -> Response:
         """A GET (e.g. /v1/models) answered by the first backend in the rotation."""
         for backend in self.pool.routable():
             try:
-                upstream = await self.client.get(f"{backend.url}{path}", headers=forwarded_headers(headers))
+                upstream = await self.client.get(f"{backend.url}{path}", headers=_backend_headers(request))
             except httpx.TransportError as exc:
                 await self.pool.take_down(backend, f"{type(exc).__name__}: {exc}")
                 continue
@@ -113,6 +143,7 @@ class Proxy:
         """The response to return, or (None, why) when this attempt failed and may be retried."""
         request = self.client.build_request("POST", f"{backend.url}{path}", content=raw_body, headers=headers)
         upstream: httpx.Response | None = None
+        relayed = False
         try:
             upstream = await self.client.send(request, stream=True)
             if upstream.status_code >= 500 and attempt + 1 < ATTEMPTS:
@@ -120,15 +151,18 @@ class Proxy:
                 raise _Retry(f"{backend.url} answered {upstream.status_code}")
             chunks = upstream.aiter_raw()
             first = await anext(chunks, None)
+            relayed = True
         except (httpx.TransportError, _Retry) as exc:
-            lease.release()
-            if upstream is not None:
-                await upstream.aclose()
             why = str(exc) if isinstance(exc, _Retry) else f"{backend.url}: {type(exc).__name__}: {exc}"
             if isinstance(exc, httpx.TransportError):
                 await self.pool.take_down(backend, why)
             logger.warning("attempt %d failed before any byte was sent: %s", attempt + 1, why)
             return None, why
+        finally:  # also when the client left and this attempt is cancelled: the backend request is closed
+            if not relayed:
+                lease.release()
+                if upstream is not None:
+                    await upstream.aclose()
         body = self._relay(first, chunks, upstream, lease, backend, chosen)
         return StreamingResponse(body, upstream.status_code, headers=self._response_headers(upstream, backend)), ""
 
@@ -145,6 +179,7 @@ class Proxy:
         streaming = upstream.headers.get("content-type", "").startswith("text/event-stream")
         scanner = UsageScanner()
         body = bytearray()
+        failure: str | None = None
         try:
             if first is not None:
                 async for chunk in _prepend(first, chunks):
@@ -154,10 +189,18 @@ class Proxy:
                         body += chunk
                     yield chunk
         except httpx.TransportError as exc:  # too late to retry: the client has bytes already
-            logger.warning("backend %s failed mid-response: %s", backend.url, exc)
+            failure = f"{type(exc).__name__}: {exc}"
         finally:
             lease.release()
             await upstream.aclose()
+        if failure is not None and not scanner.done:
+            logger.warning("backend %s failed mid-response: %s", backend.url, failure)
+            self.metrics.broken_responses.labels(backend.url).inc()
+            if not (streaming and scanner.between_events):
+                raise BackendBrokeOff(f"backend {backend.url} failed mid-response: {failure}")
+            error = error_body(f"the backend failed mid-response: {failure}", type="server_error")
+            yield f"data: {json.dumps(error, separators=(',', ':'))}\n\ndata: [DONE]\n\n".encode()
+            return
         usage = scanner.usage if streaming else _json_usage(bytes(body))
         self._observe(backend, chosen, usage)
 
@@ -171,7 +214,14 @@ class Proxy:
 
     @staticmethod
     def _response_headers(upstream: httpx.Response, backend: Backend) -> dict[str, str]:
-        return {**forwarded_headers(upstream.headers), BACKEND_HEADER: backend.url}
+        """The backend's headers but its request id, the router's own (the same one: the router sent it)."""
+        headers = {k: v for k, v in forwarded_headers(upstream.headers).items() if k.lower() != REQUEST_ID_HEADER}
+        return {**headers, BACKEND_HEADER: backend.url}
+
+
+def _backend_headers(request: Request) -> dict[str, str]:
+    """The client's end-to-end headers, with the request id the router gave the request."""
+    return {**forwarded_headers(request.headers), REQUEST_ID_HEADER: record_of(request.scope).request_id}
 
 
 async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -187,6 +237,6 @@ class _Retry(Exception):
 def _json_usage(body: bytes) -> dict[str, Any] | None:
     try:
         usage = json.loads(body).get("usage")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return None
     return usage if isinstance(usage, dict) else None

@@ -31,6 +31,7 @@ from prefixcache.router.policy import Candidate, RoutingPolicy
 from prefixcache.router.prompt import (
     PromptHasher,
     PromptKey,
+    PromptTooLong,
     cache_salt,
     prompt_cache_key,
     requested_output_tokens,
@@ -44,12 +45,14 @@ AFFINITY_BLOCKS = 4
 class RoutePlan:
     """A key is None where the router did not read the prompt (load-only policy, a body it cannot parse, no
     backend of that kind): ``engine_key`` for prefixcache backends, ``content_key`` for the others.
-    ``affinity`` is the request's affinity key (None: none)."""
+    ``affinity`` is the request's affinity key (None: none). ``refusal`` is the error the router answers itself
+    (400) instead of routing: a prompt too long for the context of every backend in the rotation."""
 
     engine_key: PromptKey | None
     content_key: PromptKey | None
     affinity: bytes | None
     output_tokens: int
+    refusal: str | None = None
 
     def key_for(self, backend: Backend) -> PromptKey | None:
         """The key ``backend``'s index entries are matched by; None when it has no events."""
@@ -94,7 +97,8 @@ class Router:
         self.tokenizer = tokenizer
         self._engine_hasher: PromptHasher | None = None
         self._content_hasher = PromptHasher.by_content(tokenizer, pool.content_block_size)
-        # One worker: requests are tokenized in turn, never by two threads sharing the tokenizer at once.
+        # One worker: requests are tokenized in turn, never by two threads sharing the tokenizer at once (the
+        # tokenizer lets go of the GIL while it works, so the event loop keeps serving meanwhile).
         self._tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="router-tokenize")
 
     def close(self) -> None:
@@ -126,7 +130,11 @@ class Router:
             content = (self._content_hasher, cache_salt(body), lora)
         # Tokenizing a long prompt or a chat template takes milliseconds: keep the event loop serving.
         loop = asyncio.get_running_loop()
-        engine_key, content_key = await loop.run_in_executor(self._tokenize, _prompt_keys, body, chat, engine, content)
+        try:
+            keys = await loop.run_in_executor(self._tokenize, _prompt_keys, body, chat, engine, content)
+        except PromptTooLong as exc:
+            return RoutePlan(None, None, None, output_tokens, str(exc))
+        engine_key, content_key = keys
         return RoutePlan(engine_key, content_key, _affinity(body, content_key or engine_key), output_tokens)
 
     def choose(self, plan: RoutePlan, exclude: Collection[str] = ()) -> tuple[Backend, Candidate] | None:
@@ -170,13 +178,23 @@ def _prompt_keys(
     content: tuple[PromptHasher, str | None, str | None] | None,
 ) -> tuple[PromptKey | None, PromptKey | None]:
     """The engine key (hasher, salt) and the content key (hasher, salt, LoRA) asked for; token ids are shared
-    unless the two tokenize differently (a text completion prompt: vLLM adds special tokens)."""
-    engine_ids = engine[0].token_ids(body, chat) if engine is not None else None
+    unless the two tokenize differently (a text completion prompt: vLLM adds special tokens).
+
+    A prompt too long for the engines' context raises PromptTooLong when they are all there is; beside
+    content-keyed backends, whose context the router does not know, it is only left unhashed for the engines."""
+    engine_ids, too_long = None, False
+    if engine is not None:
+        try:
+            engine_ids = engine[0].token_ids(body, chat)
+        except PromptTooLong:
+            if content is None:
+                raise
+            too_long = True
     engine_key = _prompt_key(engine[0], engine_ids, engine[1]) if engine is not None else None
     if content is None:
         return engine_key, None
     hasher, salt, lora = content
-    shared = engine is not None and (chat or not isinstance(body.get("prompt"), str))
+    shared = engine is not None and not too_long and (chat or not isinstance(body.get("prompt"), str))
     content_ids = engine_ids if shared else hasher.token_ids(body, chat)
     return engine_key, _prompt_key(hasher, content_ids, salt, lora)
 

@@ -27,6 +27,16 @@ def _default(name: str) -> Any:
     return next(f.default for f in fields(ServerSettings) if f.name == name)
 
 
+def add_max_request_bytes(parser: argparse._ActionsContainer) -> None:
+    """``--max-request-bytes``, which the server and the router both enforce (``BodyLimitMiddleware``)."""
+    parser.add_argument(
+        "--max-request-bytes",
+        type=parse_memory,
+        default=_default("max_request_bytes"),
+        help="refuse request bodies larger than this with 413, e.g. 8MiB (default 8MiB)",
+    )
+
+
 def register(commands: argparse._SubParsersAction) -> None:
     """Add the ``serve`` subcommand to the ``prefixcache`` command's subparsers."""
     parser = commands.add_parser(
@@ -64,12 +74,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="let requests of different API keys share cached prefixes (faster, but each tenant can then tell "
         "from cached_tokens and latency what the others sent; see the README's Security section)",
     )
-    group.add_argument(
-        "--max-request-bytes",
-        type=parse_memory,
-        default=_default("max_request_bytes"),
-        help="refuse request bodies larger than this with 413, e.g. 8MiB (default 8MiB)",
-    )
+    add_max_request_bytes(group)
     group.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     group.add_argument(
         "--enable-reset-prefix-cache",

@@ -32,7 +32,8 @@ def startup_lines(info: EngineInfo, config: EngineConfig) -> list[str]:
     events = config.kv_events_config
     if events is not None and events.enable_kv_cache_events and events.publisher == "zmq":
         replay = f", replay on {events.replay_endpoint}" if events.replay_endpoint else ""
-        published = f"published on {events.endpoint}{replay}"
+        how = "bound at" if events.binds_endpoint else "connecting to"  # the core's log says who can reach it
+        published = f"published, {how} {events.endpoint}{replay}"
     else:
         published = "off"
     return [

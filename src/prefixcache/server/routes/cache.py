@@ -53,7 +53,8 @@ async def cache_config(engine: Engine, settings: Settings) -> dict[str, Any]:
     ``tenant_salt`` is ``"api_key"`` when each API key is a tenant (the engine's salt is ``engine_salt`` of
     the key's ``tenant_salt`` and the body's ``cache_salt``), null when only ``cache_salt`` salts.
     ``kv_cache_groups`` are the KV cache groups in the shape vLLM gives its event consumers (index, kind,
-    block size, window), so that a router predicts a hybrid model's hits before any event arrives."""
+    block size, window), so that a router predicts a hybrid model's hits before any event arrives.
+    ``kv_events.endpoint_bound`` false: the publisher connects to ``endpoint``, where a subscriber must bind."""
     info = engine.info
     keyed = bool(settings.api_keys) and not settings.share_cache_across_keys
     events = engine.config.kv_events_config
@@ -71,7 +72,12 @@ async def cache_config(engine: Engine, settings: Settings) -> dict[str, Any]:
             for g, spec in enumerate(info.kv_cache_groups)
         ],
         "kv_events": (
-            {"endpoint": events.endpoint, "replay_endpoint": events.replay_endpoint, "topic": events.topic}
+            {
+                "endpoint": events.endpoint,
+                "endpoint_bound": events.binds_endpoint,
+                "replay_endpoint": events.replay_endpoint,
+                "topic": events.topic,
+            }
             if publishing
             else None
         ),
