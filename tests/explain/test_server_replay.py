@@ -4,13 +4,17 @@ admits through the server's KV cache groups, so with the server's capacity it re
 import json
 
 import httpx
+import pytest
+from fastapi import FastAPI
 
 from prefixcache.cli import main
 from prefixcache.core import FULL_ATTENTION
 from prefixcache.explain.analysis import ExplainConfig, explain
 from prefixcache.explain.log import Prompt
+from prefixcache.explain.sources import server_client, server_groups
 from tests.explain.conftest import decode_ids
 from tests.helpers import hybrid_workload
+from tests.router.fakes import ThreadedServer
 from tests.server.harness import ServerProcess
 
 BLOCK_SIZE = 16
@@ -45,3 +49,17 @@ def test_explain_replays_a_hybrid_servers_cache_hit_for_hit(tiny_gemma3_dir, tmp
     one_group = ExplainConfig(BLOCK_SIZE, NUM_BLOCKS * BLOCK_SIZE, kv_cache_groups=(FULL_ATTENTION,))
     logged = [Prompt(line, p) for line, p in enumerate(prompts, start=1)]
     assert [r.capacity_hit for r in explain(logged, one_group, decode_ids).requests] != served
+
+
+def test_a_group_explain_cannot_replay_stops_it_with_the_kind():
+    app = FastAPI()
+    groups = [{"group_idx": 0, "kind": "mamba", "block_size": 16, "sliding_window": None}]
+    app.get("/v1/cache/config")(lambda: {"kv_cache_groups": groups})
+    server = ThreadedServer(app)
+    client = server_client(server.url, None)
+    try:
+        with pytest.raises(SystemExit, match="cannot replay a KV cache group of kind 'mamba'"):
+            server_groups(client)
+    finally:
+        client.close()
+        server.stop()
