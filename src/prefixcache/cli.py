@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -146,9 +147,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run a subcommand. What the user got wrong (a missing file, a bad model path or value) is one line on
-    stderr and exit status 1; ``--log-level DEBUG`` shows its traceback."""
+    stderr and exit status 1; ``--log-level DEBUG`` shows its traceback. SIGTERM (``kill``, a CI timeout)
+    unwinds like Ctrl-C, so a benchmark stops the servers it started instead of leaving them running;
+    ``serve`` and ``router`` put uvicorn's own handlers in place while they serve."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

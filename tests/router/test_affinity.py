@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from prefixcache.router.policy import Candidate, PrefixAware
 from tests.helpers import wait_until
-from tests.router.fakes import complete, served_by
+from tests.router.fakes import complete, index_blocks, served_by
 
 
 def test_one_key_goes_to_one_backend_and_keys_spread(vllm, router):
@@ -59,6 +59,40 @@ def test_bounded_affinity_follows_the_order_until_the_bound():
         .name
         == "a"
     )  # off: the least loaded
+
+
+def test_new_prefixes_go_to_the_emptier_cache_until_the_caches_are_about_as_full():
+    """Rendezvous order alone would put every key below on "b"; the cache bound deals them out instead."""
+    policy = PrefixAware(weight=1.0, affinity_balance=1.25)
+
+    def pick(held_a, held_b, prompt=1000, a_requests=0):
+        candidates = [Candidate("a", prompt, 0, 0, a_requests, 1, held_a), Candidate("b", prompt, 0, 0, 0, 0, held_b)]
+        return policy.choose(candidates).name
+
+    assert pick(0, 0) == "b"  # empty caches: the order
+    assert pick(0, 1000) == "a"  # 2000 > 1.25 * 2000 / 2
+    assert pick(1000, 1000) == "b"  # neither within the bound (2000 > 1500): the one holding least, a tie: the order
+    assert pick(3000, 5000) == "a"  # 6000 > 1.25 * 9000 / 2 = 5625
+    assert pick(4000, 5000) == "b"  # 6000 <= 1.25 * 10000 / 2: about as full, the order again
+    assert pick(5000, 5000) == "b"  # full caches alike: the key keeps its backend
+    assert pick(0, 5000, a_requests=3) == "b"  # the bound on requests still holds first: 4 > ceil(1.25 * 4 / 2)
+
+
+def test_tenants_deal_out_over_two_backends_by_what_their_caches_hold(vllm, router):
+    """8 tenants' first requests, one after the other, each stored before the next: 4 per backend, whatever
+    the rendezvous order of their keys (with 2 backends, 8 keys fall 6:2 or worse 29% of the time)."""
+    a, b = vllm("a", auto_store=True), vllm("b", auto_store=True)
+    r = router([a, b], event_sources=[a.source(), b.source()])
+    a.wait_subscribed(r)
+    b.wait_subscribed(r)
+    homes = []
+    for tenant in range(8):
+        prompt = [100 + tenant] * 64 + [1, 2]
+        home = served_by(complete(r, prompt=prompt))
+        backend = a if home == a.url else b
+        wait_until(lambda x=backend: index_blocks(r, x) == len(x.blocks), what="the stored prompt in the index")
+        homes.append(home)
+    assert sorted(homes.count(x.url) for x in (a, b)) == [4, 4], homes
 
 
 def test_two_replicas_send_a_split_burst_of_a_new_prefix_to_one_backend(vllm, router):

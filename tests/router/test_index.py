@@ -61,6 +61,27 @@ def test_clearing_one_medium_keeps_what_other_media_hold():
     assert index.num_blocks("a") == 2 and len(index) == 2
 
 
+def test_gpu_blocks_count_each_hash_held_on_gpu_once_whatever_its_groups_and_tiers():
+    index = PrefixIndex()
+    index.store("a", [1, 2, 3], group=0)
+    index.store("a", [2, 3], group=1)  # a second group's copies of the same hashes
+    index.store("a", [3, 4], "CPU")
+    index.store("b", [1])
+    assert index.gpu_blocks("a") == 3 and index.gpu_blocks("b") == 1 and index.gpu_blocks("c") == 0
+    index.remove("a", [3], group=0)
+    assert index.gpu_blocks("a") == 3  # group 1 still holds 3
+    index.remove("a", [3], group=1)
+    index.remove("a", [9])  # unknown: nothing changes
+    assert index.gpu_blocks("a") == 2
+    index.hold("a", [7, 8])  # in flight: not in the cache yet
+    assert index.gpu_blocks("a") == 2
+    index.clear("a", "GPU")
+    assert index.gpu_blocks("a") == 0 and index.num_blocks("a") == 2  # the tier keeps 3 and 4
+    index.store("a", [5])
+    index.clear("a")
+    assert index.gpu_blocks("a") == 0 and index.gpu_blocks("b") == 1
+
+
 def test_hashes_of_requests_in_flight_count_as_held_until_each_is_released():
     index = PrefixIndex()
     index.store("a", [1])

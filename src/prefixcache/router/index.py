@@ -60,6 +60,7 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._holders: dict[int, dict[str, set[Copy]]] = {}  # hash -> backend -> copies holding it
         self._by_backend: dict[str, set[int]] = {}
+        self._on_gpu: Counter[str] = Counter()  # backend -> distinct hashes it holds on GPU, in some group
         self._in_flight: dict[str, Counter[int]] = {}  # backend -> hashes of requests routed there, counted
         self._groups: dict[str, _Groups] = {}
 
@@ -70,6 +71,11 @@ class PrefixIndex:
     def num_blocks(self, backend: str) -> int:
         """Distinct hashes ``backend`` holds in some medium and group."""
         return len(self._by_backend.get(backend, ()))
+
+    def gpu_blocks(self, backend: str) -> int:
+        """Distinct hashes ``backend`` holds on ``GPU`` by events: how much of its own cache is in use, the same
+        number in every router replica fed by the same events."""
+        return self._on_gpu[backend]
 
     def holds(self, backend: str, block_hash: int) -> bool:
         """Whether any medium and group of ``backend`` holds ``block_hash`` by events."""
@@ -95,8 +101,12 @@ class PrefixIndex:
     def store(self, backend: str, block_hashes: Iterable[int], medium: str = MEDIUM_GPU, group: int = 0) -> None:
         owned = self._by_backend.setdefault(backend, set())
         copy = (medium, group)
+        on_gpu = medium == MEDIUM_GPU
         for block_hash in block_hashes:
-            self._holders.setdefault(block_hash, {}).setdefault(backend, set()).add(copy)
+            copies = self._holders.setdefault(block_hash, {}).setdefault(backend, set())
+            if on_gpu and not _any_on_gpu(copies):
+                self._on_gpu[backend] += 1
+            copies.add(copy)
             owned.add(block_hash)
 
     def remove(self, backend: str, block_hashes: Iterable[int], medium: str = MEDIUM_GPU, group: int = 0) -> None:
@@ -128,6 +138,7 @@ class PrefixIndex:
 
             self._forget(backend, list(self._by_backend.get(backend, ())), drop_medium)
             return
+        self._on_gpu.pop(backend, None)
         for block_hash in self._by_backend.pop(backend, ()):
             holders = self._holders[block_hash]
             del holders[backend]
@@ -192,12 +203,19 @@ class PrefixIndex:
             copies = holders.get(backend) if holders else None
             if copies is None:
                 continue
+            was_on_gpu = _any_on_gpu(copies)
             drop(copies)
+            if was_on_gpu and not _any_on_gpu(copies):
+                self._on_gpu[backend] -= 1
             if not copies:
                 del holders[backend]
                 owned.discard(block_hash)
                 if not holders:
                     del self._holders[block_hash]
+
+
+def _any_on_gpu(copies: set[Copy]) -> bool:
+    return any(medium == MEDIUM_GPU for medium, _ in copies)
 
 
 class IndexListener(BlockPoolListener):

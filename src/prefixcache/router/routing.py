@@ -148,9 +148,18 @@ class Router:
             key = plan.key_for(b)
             matched = self.index.matched_blocks(key.block_hashes, [b.url])[b.url] if key is not None else 0
             prompt_tokens = key.num_tokens if key is not None else plan.num_tokens
-            cached = matched * self._block_size(b)
+            block_size = self._block_size(b)
+            held = self.index.gpu_blocks(b.url) * block_size
             candidates.append(
-                Candidate(b.url, prompt_tokens, cached, b.tokens_in_flight, b.requests_in_flight, ranks.get(b.url))
+                Candidate(
+                    b.url,
+                    prompt_tokens,
+                    matched * block_size,
+                    b.tokens_in_flight,
+                    b.requests_in_flight,
+                    ranks.get(b.url),
+                    held,
+                )
             )
         chosen = self.policy.choose(candidates)
         return backends[candidates.index(chosen)], chosen
