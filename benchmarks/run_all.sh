@@ -60,6 +60,13 @@ if want route; then
   OMP_NUM_THREADS=1 $pc bench route live --workload fleet --replicas 1 --policy prefix --engines 2 --tenants 16 \
     --system-len 1024 --turns 3 --phases 4 --num-requests 96 --request-rate 0.25 --backend-offload-cpu 64MiB \
     --dtype float32 --json "$out/route-fleet-one.json"
+  stage "route: the fleet workload with caches the tenants in use outgrow (240 blocks per backend), 0.5 requests/s"
+  small_fleet="--workload fleet --engines 2 --tenants 16 --system-len 1024 --turns 3 --phases 4 --num-requests 96
+    --request-rate 0.5 --num-blocks 240 --backend-offload-cpu 64MiB --dtype float32"
+  # shellcheck disable=SC2086
+  OMP_NUM_THREADS=1 $pc bench route live $small_fleet --policy prefix --compare-peers --json "$out/route-fleet-small.json"
+  # shellcheck disable=SC2086
+  OMP_NUM_THREADS=1 $pc bench route live $small_fleet --replicas 1 --policy prefix --json "$out/route-fleet-small-one.json"
   stage "route: two vLLM CPU servers with KV events behind each router, 8 tenants"
   $pc bench route live --backend-kind vllm --vllm-serve "$peers/serve.sh" --engines 2 --tenants 8 --system-len 1024 \
     --request-rate 0.25 --dtype float32 --compare-peers --json "$out/route-vllm.json" --plot "$out/route-vllm.png"
