@@ -128,10 +128,8 @@ class PrefixAware(RoutingPolicy):
         ordered = sorted((c for c in candidates if c.requests_in_flight + 1 <= capacity), key=lambda c: c.affinity_rank)
         new = candidates[0].tokens_to_compute  # the same everywhere: no cached prefix decides
         room = balance * (sum(c.held_tokens for c in candidates) + new) / n
-        return next(
-            (c for c in ordered if c.held_tokens + new <= room),
-            min(ordered, key=lambda c: (c.held_tokens, c.affinity_rank)),
-        )
+        within = next((c for c in ordered if c.held_tokens + new <= room), None)
+        return within if within is not None else min(ordered, key=lambda c: (c.held_tokens, c.affinity_rank))
 
 
 def make_policy(
