@@ -1,0 +1,53 @@
+"""Retention directives: which of a request's tokens it asks the cache to keep, at what priority, for how long.
+
+The API side turns every way a user can say it (Anthropic's ``cache_control`` breakpoints, a ``retention`` list of
+token ranges, OpenAI's ``prompt_cache_retention``) into ``RetentionRange`` values on the core request; the cache
+manager gives each full block the priority and expiry of the ranges that cover it, and the block pool evicts free
+blocks expired first, then by lowest priority, least recently used within a priority (TensorRT-LLM's semantics:
+when a TTL ends the block falls back to the default priority).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MIN_PRIORITY = 0
+MAX_PRIORITY = 100
+# Every block without a directive has this priority (TensorRT-LLM's default), so a range can also lower one.
+DEFAULT_PRIORITY = 35
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionRange:
+    """Tokens ``start`` .. ``end`` (exclusive; None: to the end of the request, generated tokens included) are
+    kept at ``priority`` for ``ttl_s`` seconds after their block was last used (None: as long as the priority
+    lets them stay)."""
+
+    start: int
+    end: int | None = None
+    priority: int = DEFAULT_PRIORITY
+    ttl_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.start, bool) or not isinstance(self.start, int) or self.start < 0:
+            raise ValueError(f"retention start must be a token index >= 0, got {self.start!r}")
+        if self.end is not None and (
+            isinstance(self.end, bool) or not isinstance(self.end, int) or self.end <= self.start
+        ):
+            raise ValueError(f"retention end must be a token index > start ({self.start}) or None, got {self.end!r}")
+        if (
+            isinstance(self.priority, bool)
+            or not isinstance(self.priority, int)
+            or not (MIN_PRIORITY <= self.priority <= MAX_PRIORITY)
+        ):
+            raise ValueError(
+                f"retention priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {self.priority!r}"
+            )
+        if self.ttl_s is not None and (
+            isinstance(self.ttl_s, bool)
+            or not isinstance(self.ttl_s, int | float)
+            or not math.isfinite(self.ttl_s)
+            or self.ttl_s <= 0
+        ):
+            raise ValueError(f"retention ttl_s must be a positive number of seconds or None, got {self.ttl_s!r}")
