@@ -71,3 +71,17 @@ def test_a_copy_keeps_the_reason_unless_its_dtype_changes(monkeypatch):
 def test_an_unknown_dtype_is_refused():
     with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16, float16"):
         EngineConfig(dtype="int8")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("max_retained_fraction", 1.5, "max_retained_fraction must be in"),
+        ("max_retained_fraction", -0.1, "max_retained_fraction must be in"),
+        ("max_retention_ttl_s", 0, "max_retention_ttl_s must be positive"),
+        ("max_tenant_retained_fraction", 2.0, "max_tenant_retained_fraction must be in"),
+    ],
+)
+def test_retention_bounds_out_of_range_are_refused(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**{field: value})

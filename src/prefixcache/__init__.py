@@ -6,10 +6,14 @@ the engine on first use.
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "RetentionRange", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "RetentionRange":
+        from prefixcache.core.retention import RetentionRange
+
+        return RetentionRange
     if name in __all__:
         from prefixcache import engine
 

@@ -83,6 +83,12 @@ class EngineConfig:
     device) or ``write_through`` (as blocks are computed); disk and Redis are always written through.
     ``kv_offload_secret_file`` (else ``$PREFIXCACHE_KV_OFFLOAD_SECRET``) holds a deployment secret that
     authenticates disk and Redis records (HMAC-SHA256); every engine sharing a store needs the same one.
+
+    Retention directives (``prefixcache.core.retention``) are bounded by the operator: ``max_retained_fraction``
+    is the share of the KV blocks that retained blocks (priority above the default) may hold, past which the
+    oldest retained are demoted; ``max_retention_ttl_s`` the longest TTL (a longer one is clamped to it; the
+    default is OpenAI's ``24h``); ``max_tenant_retained_fraction`` (None: no quota but the share) the share one
+    tenant's retained blocks may hold. Without directives none of them changes anything.
     """
 
     model: str | None = None
@@ -107,6 +113,9 @@ class EngineConfig:
     kv_offload_redis: str | None = None
     kv_offload_mode: str = "write_back"
     kv_offload_secret_file: str | None = None
+    max_retained_fraction: float = 0.5
+    max_retention_ttl_s: float = 86400.0
+    max_tenant_retained_fraction: float | None = None
     dtype_reason: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -134,6 +143,14 @@ class EngineConfig:
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(
                 f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction_policy!r}"
+            )
+        if not 0.0 <= self.max_retained_fraction <= 1.0:
+            raise ValueError(f"max_retained_fraction must be in [0, 1], got {self.max_retained_fraction}")
+        if not self.max_retention_ttl_s > 0:
+            raise ValueError(f"max_retention_ttl_s must be positive, got {self.max_retention_ttl_s}")
+        if self.max_tenant_retained_fraction is not None and not 0.0 <= self.max_tenant_retained_fraction <= 1.0:
+            raise ValueError(
+                f"max_tenant_retained_fraction must be in [0, 1] or None, got {self.max_tenant_retained_fraction}"
             )
         self.offload_config()
 

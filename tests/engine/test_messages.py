@@ -3,6 +3,7 @@
 import msgspec
 import pytest
 
+from prefixcache.core.retention import RetentionRange
 from prefixcache.engine.messages import (
     AbortRequests,
     EngineCoreFailure,
@@ -52,6 +53,13 @@ INPUTS = [
         SamplingParams(seed=2**64 - 1, logprobs=5, presence_penalty=-2, frequency_penalty=0.5, repetition_penalty=1.2),
     ),
     EngineCoreRequest("req-4", [4], SamplingParams(seed=-(2**63))),
+    EngineCoreRequest(
+        "req-5",
+        list(range(40)),
+        SamplingParams(),
+        retention=(RetentionRange(0, 32, priority=90, ttl_s=3600.0), RetentionRange(32, priority=10)),
+        tenant="acme",
+    ),
     AbortRequests(["req-1", "req-2"]),
     UtilityCall(3, "reset_prefix_cache"),
     Shutdown(),
@@ -63,6 +71,9 @@ OUTPUTS = [
             EngineCoreOutput("req-2", [2], 0, finish_reason="stop", stop_reason=2),
             EngineCoreOutput("req-3", [8], 4, finish_reason="length", logprobs=[{8: -0.5, 3: -0.25}]),
             EngineCoreOutput("req-4", [], 0, finish_reason="abort", error="sampling failed: boom"),
+            EngineCoreOutput(
+                "req-5", [3], 32, num_retained_written_tokens=16, num_retained_read_tokens=32, retention_clamped="ttl"
+            ),
         ],
         timestamp=12.5,
         stats=STATS,
@@ -98,3 +109,13 @@ def test_invalid_sampling_params_are_refused_on_decode():
 def test_an_output_message_is_not_accepted_as_input():
     with pytest.raises(msgspec.ValidationError):
         input_decoder.decode(encoder.encode(OUTPUTS[0]))
+
+
+def test_a_retention_directive_out_of_range_is_refused_on_decode():
+    request = EngineCoreRequest("r", [1, 2], SamplingParams(), retention=(RetentionRange(0, priority=90),))
+    raw = msgspec.msgpack.encode(msgspec.to_builtins(request))
+    assert input_decoder.decode(raw) == request
+    bad = msgspec.to_builtins(request)
+    bad[6][0]["priority"] = 101
+    with pytest.raises(msgspec.ValidationError, match="priority"):
+        input_decoder.decode(msgspec.msgpack.encode(bad))

@@ -7,8 +7,10 @@ from prefixcache.core.kv_cache_groups import FULL_ATTENTION, KVCacheGroupSpec, l
 from prefixcache.core.kv_cache_manager import KVCacheManager, KVConnector, PrefixCacheStats, PrefixHit
 from prefixcache.core.miss import MISS_REASONS, EvictedHashes, PrefixLookup, hittable_blocks
 from prefixcache.core.request import MultiModalFeature, Request
+from prefixcache.core.retention import DEFAULT_PRIORITY, RetentionRange
 
 __all__ = [
+    "DEFAULT_PRIORITY",
     "EVICTION_POLICIES",
     "FULL_ATTENTION",
     "HASH_ALGOS",
@@ -25,6 +27,7 @@ __all__ = [
     "PrefixHit",
     "PrefixLookup",
     "Request",
+    "RetentionRange",
     "hash_block_tokens",
     "hittable_blocks",
     "longest_common_hit",

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prefixcache.core.hashing import LORA_TAG, MM_TAG, SALT_TAG, BlockHash, ExtraKeys, hash_blocks, pack_token_ids
+from prefixcache.core.retention import RetentionRange, check_retention
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +35,8 @@ class Request:
 
     ``num_computed_tokens`` counts the tokens whose KV slots the manager has allocated (the cached
     prefix plus everything scheduled); ``block_hashes`` grows as blocks fill, so every block is hashed
-    once per request however often it is looked up.
+    once per request however often it is looked up. ``retention`` are the request's retention directives (ranges of
+    its tokens to keep at a priority, for a TTL) and ``tenant`` the API key's tenant whose quota bounds them.
     """
 
     request_id: str
@@ -43,6 +45,8 @@ class Request:
     lora_name: str | None = None
     mm_features: Sequence[MultiModalFeature] = ()
     skip_reading_prefix_cache: bool = False
+    retention: Sequence[RetentionRange] = ()
+    tenant: str | None = None
     output_token_ids: list[int] = field(default_factory=list, init=False)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = field(default=0, init=False)
@@ -60,6 +64,12 @@ class Request:
             raise ValueError(f"request {self.request_id!r}: cache_salt must be a non-empty string or None")
         if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
             raise ValueError(f"request {self.request_id!r}: lora_name must be a non-empty string or None")
+        if self.tenant is not None and (not isinstance(self.tenant, str) or not self.tenant):
+            raise ValueError(f"request {self.request_id!r}: tenant must be a non-empty string or None")
+        try:
+            self.retention = check_retention(self.retention, len(self.prompt_token_ids))
+        except ValueError as exc:
+            raise ValueError(f"request {self.request_id!r}: {exc}") from None
         self.packed_token_ids = pack_token_ids(self.prompt_token_ids)
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.all_token_ids = list(self.prompt_token_ids)

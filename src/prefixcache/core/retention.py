@@ -10,6 +10,7 @@ when a TTL ends the block falls back to the default priority).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 MIN_PRIORITY = 0
@@ -51,3 +52,17 @@ class RetentionRange:
             or self.ttl_s <= 0
         ):
             raise ValueError(f"retention ttl_s must be a positive number of seconds or None, got {self.ttl_s!r}")
+
+
+def check_retention(ranges: Sequence[RetentionRange], num_prompt_tokens: int) -> tuple[RetentionRange, ...]:
+    """The ranges as a tuple; ValueError for one that is not a ``RetentionRange`` or reaches past the prompt (the
+    input processor refuses it before the core sees it, and the core's request checks again: misuse)."""
+    for directive in ranges:
+        if not isinstance(directive, RetentionRange):
+            raise ValueError(f"retention holds RetentionRange values, not {directive!r}")
+        if directive.start >= num_prompt_tokens or (directive.end is not None and directive.end > num_prompt_tokens):
+            end = "the end" if directive.end is None else directive.end
+            raise ValueError(
+                f"retention range {directive.start}..{end} is past the prompt of {num_prompt_tokens} tokens"
+            )
+    return tuple(ranges)

@@ -78,6 +78,25 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         action="store_true",
         help="one KV cache group for all layers: sliding-window layers keep every block and mask their window",
     )
+    option(
+        "--max-retained-fraction",
+        field="max_retained_fraction",
+        type=float,
+        help="share of the KV blocks that retention directives may keep above the default priority",
+    )
+    option(
+        "--max-retention-ttl",
+        field="max_retention_ttl_s",
+        type=float,
+        metavar="SECONDS",
+        help="longest retention TTL a request may ask for; longer ones are clamped",
+    )
+    option(
+        "--max-tenant-retained-fraction",
+        field="max_tenant_retained_fraction",
+        type=float,
+        help="share of the KV blocks one API key's tenant may keep retained (default: only the overall share)",
+    )
     option("--max-num-batched-tokens", field="max_num_batched_tokens", type=int, help="tokens computed per step")
     option("--max-num-seqs", field="max_num_seqs", type=int, help="requests running at once")
     option("--max-model-len", field="max_model_len", type=int, help="context length (default: the model's)")

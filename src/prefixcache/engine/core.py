@@ -155,6 +155,8 @@ class EngineCore:
             prompt_token_ids=token_ids,
             cache_salt=request.cache_salt,
             lora_name=request.lora_name,
+            retention=request.retention,
+            tenant=request.tenant,
             skip_reading_prefix_cache=params.prompt_logprobs is not None,
             sampling_params=params,
         )

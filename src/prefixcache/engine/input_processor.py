@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from prefixcache.core.retention import RetentionRange, check_retention
 from prefixcache.engine.messages import EngineCoreRequest, EngineInfo
 from prefixcache.engine.sampling_params import SamplingParams
 
@@ -39,8 +40,12 @@ class InputProcessor:
         request_id: str,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        retention: tuple[RetentionRange, ...] = (),
+        tenant: str | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
-        """The core request and the prompt text (None when the prompt came as token ids or was truncated)."""
+        """The core request and the prompt text (None when the prompt came as token ids or was truncated).
+
+        ``retention`` ranges index the prompt as it is after truncation; one past it is a ValueError."""
         vocab_size = self.info.vocab_size
         max_model_len = self.info.max_model_len
         keep_last = params.truncate_prompt_tokens
@@ -60,12 +65,15 @@ class InputProcessor:
             )
         if params.stop_token_ids and max(params.stop_token_ids) >= vocab_size:
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
+        retention = check_retention(retention, len(token_ids))
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling_params=params,
             cache_salt=cache_salt,
             lora_name=lora_name,
+            retention=retention,
+            tenant=tenant,
         )
         return request, text
 

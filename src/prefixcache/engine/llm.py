@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from prefixcache.config import EngineConfig
 from prefixcache.core import PrefixLookup
+from prefixcache.core.retention import RetentionRange
 from prefixcache.engine.llm_engine import EngineStats, LLMEngine, PromptInput
 from prefixcache.engine.outputs import RequestOutput
 from prefixcache.engine.sampling_params import SamplingParams
@@ -48,17 +49,27 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
         cache_salt: str | None = None,
+        retention: Sequence[RetentionRange] | Sequence[Sequence[RetentionRange]] = (),
     ) -> list[RequestOutput]:
-        """Outputs in the order of ``prompts``. Every prompt is validated before any runs."""
+        """Outputs in the order of ``prompts``. Every prompt is validated before any runs.
+
+        ``retention`` asks the cache to keep token ranges of the prompts at a priority for a TTL: one list of
+        ``RetentionRange`` for every prompt, or a list of them, one per prompt (as ``sampling_params``)."""
         if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        if retention and not isinstance(retention[0], RetentionRange):
+            directives = [tuple(r) for r in retention]
+            if len(directives) != len(prompts):
+                raise ValueError(f"{len(directives)} retention lists for {len(prompts)} prompts")
+        else:
+            directives = [tuple(retention)] * len(prompts)
         request_ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
-                request_ids.append(self.engine.add_request(prompt, p, cache_salt=cache_salt))
+            for prompt, p, r in zip(prompts, params, directives, strict=True):
+                request_ids.append(self.engine.add_request(prompt, p, cache_salt=cache_salt, retention=r))
         except ValueError:
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
@@ -72,14 +83,15 @@ class LLM:
         use_tqdm: bool | Callable[..., tqdm] = True,
         add_generation_prompt: bool = True,
         cache_salt: str | None = None,
+        retention: Sequence[RetentionRange] | Sequence[Sequence[RetentionRange]] = (),
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation, then generate (``retention`` as there)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             {"prompt": None, "prompt_token_ids": self.apply_chat_template(c, add_generation_prompt)}
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt, retention=retention)
 
     def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
         return self.engine.apply_chat_template(messages, add_generation_prompt)

@@ -8,10 +8,12 @@ it in a loop. ``prefixcache serve`` uses the same three parts with the core in i
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from typing import Any
 
 from prefixcache.config import EngineConfig
 from prefixcache.core import PrefixLookup
+from prefixcache.core.retention import RetentionRange
 from prefixcache.engine.core import EngineCore
 from prefixcache.engine.input_processor import InputProcessor, PromptInput
 from prefixcache.engine.messages import EngineStats
@@ -39,13 +41,17 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        retention: Sequence[RetentionRange] = (),
+        tenant: str | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id. Raises ValueError for input the engine cannot serve."""
+        """Validate and queue a request; returns its id. Raises ValueError for input the engine cannot serve.
+
+        ``retention``: token ranges of the prompt to keep cached at a priority, for a TTL (``RetentionRange``)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.core.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         request, text = self.input_processor.process(
-            prompt, sampling_params or SamplingParams(), request_id, cache_salt, lora_name
+            prompt, sampling_params or SamplingParams(), request_id, cache_salt, lora_name, tuple(retention), tenant
         )
         self.core.add_request(request)
         self.output_processor.add_request(request, text)

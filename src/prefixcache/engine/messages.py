@@ -12,6 +12,7 @@ from typing import Any, Literal
 import msgspec
 
 from prefixcache.core.kv_cache_groups import FULL_ATTENTION, KVCacheGroupSpec
+from prefixcache.core.retention import RetentionRange
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.offload.store import TierStats
 
@@ -19,13 +20,19 @@ FinishReason = Literal["stop", "length", "abort"]
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, tag=True, frozen=True):
-    """A validated request in token ids, as the input processor hands it to the core."""
+    """A validated request in token ids, as the input processor hands it to the core.
+
+    ``retention`` holds the request's retention directives (token ranges with a priority and a TTL, from any of
+    the API shapes); ``tenant`` is the API key's tenant (None without API keys), whose quota bounds them.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     cache_salt: str | None = None
     lora_name: str | None = None
+    retention: tuple[RetentionRange, ...] = ()
+    tenant: str | None = None
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag=True, frozen=True):
@@ -85,6 +92,12 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True):
     decided (the request failed alone, e.g. its sampling raised) carries ``error``. ``logprobs`` has one
     ``{token id: log-probability}`` per new token (the sampled token first, then the top-k) when the request
     asked for them. ``prompt_logprobs`` comes once, with the first token.
+
+    On the output that carries ``num_cached_tokens`` (every one, as it is fixed at first admission):
+    ``num_retained_written_tokens`` / ``num_retained_read_tokens`` are the prompt tokens this request wrote into /
+    read from blocks that it or another request marked retained (priority above the default), Anthropic's
+    ``cache_creation_input_tokens`` / ``cache_read_input_tokens``; ``retention_clamped`` says why a directive was
+    clamped (the largest TTL, the retained share, the tenant's quota), for the response.
     """
 
     request_id: str
@@ -95,6 +108,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True):
     prompt_logprobs: list[dict[int, float] | None] | None = None
     logprobs: list[dict[int, float]] | None = None
     error: str | None = None
+    num_retained_written_tokens: int = 0
+    num_retained_read_tokens: int = 0
+    retention_clamped: str | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True, frozen=True):

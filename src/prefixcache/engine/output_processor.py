@@ -134,4 +134,7 @@ def _request_output(
         prompt_logprobs=state.prompt_logprobs,
         new_token_ids=list(output.new_token_ids),
         new_text=new_text,
+        num_retained_written_tokens=output.num_retained_written_tokens,
+        num_retained_read_tokens=output.num_retained_read_tokens,
+        retention_clamped=output.retention_clamped,
     )

@@ -18,7 +18,10 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """One request's state after a step. ``num_cached_tokens``: prompt tokens served by the prefix cache."""
+    """One request's state after a step. ``num_cached_tokens``: prompt tokens served by the prefix cache.
+
+    With retention directives: ``num_retained_written_tokens`` / ``num_retained_read_tokens`` are the prompt tokens
+    written into / read from retained blocks, and ``retention_clamped`` says why a directive was clamped."""
 
     request_id: str
     prompt: str | None
@@ -29,3 +32,6 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    num_retained_written_tokens: int = 0
+    num_retained_read_tokens: int = 0
+    retention_clamped: str | None = None
