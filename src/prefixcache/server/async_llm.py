@@ -23,6 +23,8 @@ import msgspec
 
 from prefixcache.config import EngineConfig
 from prefixcache.core import PrefixLookup
+from prefixcache.core.retention import RetentionRange
+from prefixcache.engine.chat_breakpoints import Breakpoint, chat_prompt
 from prefixcache.engine.core_process import EngineCoreProcess
 from prefixcache.engine.input_processor import InputProcessor, PromptInput
 from prefixcache.engine.messages import (
@@ -160,8 +162,12 @@ class AsyncLLM:
         request_id: str,
         cache_salt: str | None = None,
         n: int = 1,
+        retention: tuple[RetentionRange, ...] = (),
+        tenant: str | None = None,
     ) -> RequestStream:
         """Validate and queue ``n`` choices per prompt; ValueError (nothing queued) for input the engine cannot serve.
+
+        ``retention`` (the same ranges for every prompt) and ``tenant`` go on each core request as they are.
 
         Choice ``p * n + i`` is the i-th sample of prompt p. The n copies of a prompt are queued together, so
         the later ones share the blocks the first one fills (prefix caching makes n > 1 nearly free); with a
@@ -173,7 +179,7 @@ class AsyncLLM:
         core_ids = [f"{request_id}-{index}" for index in range(len(prompts) * n)]
         if any(core_id in self._streams for core_id in core_ids):
             raise ValueError(f"a request with id {request_id!r} is already in flight")
-        processed = await self._on_worker(self._process, prompts, params, core_ids, cache_salt, n)
+        processed = await self._on_worker(self._process, prompts, params, core_ids, cache_salt, n, retention, tenant)
         self._check_accepting()  # the core may have died while the prompt was tokenized
         if any(core_id in self._streams for core_id in core_ids):  # taken while this one was tokenized
             raise ValueError(f"a request with id {request_id!r} is already in flight")
@@ -201,6 +207,14 @@ class AsyncLLM:
     ) -> list[int]:
         self._check_accepting()
         return await self._on_worker(self._input_processor.apply_chat_template, messages, add_generation_prompt)
+
+    async def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, breakpoints: list[Breakpoint]
+    ) -> tuple[list[int], list[int]]:
+        """The conversation's prompt token ids (with ``tools`` for the template) and the token position of each
+        breakpoint (``engine/chat_breakpoints.py``)."""
+        self._check_accepting()
+        return await self._on_worker(chat_prompt, self.tokenizer, messages, tools, breakpoints)
 
     async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """The token ids of ``text``; the default is what the completions endpoint feeds the model."""
@@ -263,11 +277,15 @@ class AsyncLLM:
         core_ids: list[str],
         cache_salt: str | None,
         n: int,
+        retention: tuple[RetentionRange, ...],
+        tenant: str | None,
     ) -> list[tuple[EngineCoreRequest, str | None]]:
         """Every choice's core request (each prompt tokenized and validated once); runs on the worker thread."""
         processed = []
         for p, prompt in enumerate(prompts):
-            request, text = self._input_processor.process(prompt, params, core_ids[p * n], cache_salt)
+            request, text = self._input_processor.process(
+                prompt, params, core_ids[p * n], cache_salt, retention=retention, tenant=tenant
+            )
             processed.append((request, text))
             for i in range(1, n):
                 child_params = params if params.seed is None else replace(params, seed=(params.seed + i) % 2**64)

@@ -16,13 +16,15 @@ name. Strings holding a lone surrogate (the JSON escape ``"\\ud800"`` is not Uni
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, StrictBool, StrictInt, field_validator, model_validator
 from starlette.responses import JSONResponse
 
 from prefixcache.engine import RequestOutput, SamplingParams
+from prefixcache.engine.chat_breakpoints import Breakpoint
+from prefixcache.server.retention import CacheControl, PromptCacheRetention, TokenRangeRetention, check_breakpoint_count
 
 MAX_CACHE_SALT_LEN = 128
 MAX_PROMPT_CACHE_KEY_LEN = 1024
@@ -38,7 +40,6 @@ UNSUPPORTED_FIELD_HINTS = {
     "response_format": "structured (JSON) output is not implemented",
     "structured_outputs": "structured (JSON) output is not implemented",
     "guided_json": "structured (JSON) output is not implemented",
-    "tools": "tool calling is not implemented",
     "tool_choice": "tool calling is not implemented",
     "functions": "tool calling is not implemented",
     "function_call": "tool calling is not implemented",
@@ -128,6 +129,9 @@ class _GenerationRequest(_Body):
     ) = False
     cache_salt: Text | None = None
     prompt_cache_key: Text | None = None
+    # Retention directives (server/retention.py): token ranges, and OpenAI's prompt_cache_retention.
+    retention: list[TokenRangeRetention] | None = None
+    prompt_cache_retention: PromptCacheRetention | None = None
 
     @field_validator("n")
     @classmethod
@@ -156,6 +160,11 @@ class _GenerationRequest(_Body):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    @property
+    def has_directives(self) -> bool:
+        """Whether the request says what to retain (its usage then reports the retained tokens)."""
+        return bool(self.retention) or self.prompt_cache_retention is not None
 
     @property
     def include_usage(self) -> bool:
@@ -230,12 +239,31 @@ class CompletionRequest(_GenerationRequest):
 class TextPart(_Body):
     type: Literal["text"]
     text: Text
+    cache_control: CacheControl | None = None
 
 
 class ChatMessage(_Body):
+    """``cache_control`` on the message, or on its content parts, is a retention breakpoint
+    (``server/retention.py``)."""
+
     role: Text
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    cache_control: CacheControl | None = None
+
+    def breakpoints(self, index: int) -> list[tuple[Breakpoint, CacheControl]]:
+        """This message's breakpoints, as message ``index`` of the conversation: one at the end of each marked
+        content part (in the joined content string), one after the message when it is marked itself."""
+        marks: list[tuple[Breakpoint, CacheControl]] = []
+        if isinstance(self.content, list):
+            end = 0
+            for part in self.content:
+                end += len(part.text)
+                if part.cache_control is not None:
+                    marks.append((Breakpoint("content", index, end), part.cache_control))
+        if self.cache_control is not None:
+            marks.append((Breakpoint("message", index), self.cache_control))
+        return marks
 
     def template_dict(self) -> dict[str, str]:
         """The message as chat templates expect it: content parts joined into one string."""
@@ -248,14 +276,37 @@ class ChatMessage(_Body):
         return message
 
 
+class FunctionDefinition(_Body):
+    name: Text
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    """An OpenAI tool definition, with Anthropic's ``cache_control`` as a breakpoint after it."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+    cache_control: CacheControl | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The definition as chat templates take ``tools``."""
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
 class ChatCompletionRequest(_GenerationRequest):
     """``continue_final_message`` (vLLM's and SGLang's) is accepted as false only: the reply always starts a new
     assistant message. The reasoning switches, SGLang's ``separate_reasoning`` and ``stream_reasoning`` and
     vLLM's ``include_reasoning``, act only with a reasoning parser, which this server, like either of them
     started without ``--reasoning-parser``, does not have: the model's text comes back whole in ``content``
-    whatever their value (sglang-router and vllm-router send them with every chat request)."""
+    whatever their value (sglang-router and vllm-router send them with every chat request).
+
+    ``tools`` go to the chat template, which renders them for the model to read (a template that does not is a
+    400); a call the model writes comes back as its text in ``content``, not parsed into ``tool_calls``."""
 
     messages: list[ChatMessage]
+    tools: list[ChatTool] | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: StrictBool = False
@@ -277,6 +328,33 @@ class ChatCompletionRequest(_GenerationRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs is only allowed when logprobs is true")
         return self
+
+    @model_validator(mode="after")
+    def _bounded_breakpoints(self) -> ChatCompletionRequest:
+        marks = self.breakpoints()
+        check_breakpoint_count(len(marks))
+        if marks and self.truncate_prompt_tokens is not None:
+            raise ValueError(
+                "cache_control breakpoints mark the whole prompt; they cannot be combined with truncate_prompt_tokens"
+            )
+        return self
+
+    @property
+    def has_directives(self) -> bool:
+        return super().has_directives or bool(self.breakpoints())
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [message.template_dict() for message in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return None if not self.tools else [tool.template_dict() for tool in self.tools]
+
+    def breakpoints(self) -> list[tuple[Breakpoint, CacheControl]]:
+        """Every ``cache_control`` of the request, tools first, then the messages in order."""
+        marks = [(Breakpoint("tool", i), t.cache_control) for i, t in enumerate(self.tools or ()) if t.cache_control]
+        for index, message in enumerate(self.messages):
+            marks.extend(message.breakpoints(index))
+        return marks
 
     @property
     def num_logprobs(self) -> int | None:
@@ -334,11 +412,14 @@ def lookup_request(body: dict[str, Any]) -> CompletionLookupRequest | ChatLookup
     return model.model_validate(body)
 
 
-def usage(outputs: Mapping[int, RequestOutput], n: int) -> dict[str, Any]:
+def usage(outputs: Mapping[int, RequestOutput], n: int, retention: bool = False) -> dict[str, Any]:
     """OpenAI's usage block over the choices seen so far, keyed by choice index (``n`` choices per prompt).
 
     A prompt counts once however many choices it has; its ``cached_tokens`` is the least any of its copies
-    read from the prefix cache (the copies after the first usually read all of it).
+    read from the prefix cache (the copies after the first usually read all of it). With ``retention`` (the
+    request gave directives) ``prompt_tokens_details`` also has ``retained_written_tokens`` (the most any copy
+    wrote into retained blocks) and ``retained_read_tokens`` (the least any copy read from them), and
+    ``retention_clamped`` says why the engine clamped a directive, when it did.
     """
     per_prompt: dict[int, list[RequestOutput]] = {}
     for index, output in outputs.items():
@@ -346,11 +427,27 @@ def usage(outputs: Mapping[int, RequestOutput], n: int) -> dict[str, Any]:
     prompt_tokens = sum(len(copies[0].prompt_token_ids) for copies in per_prompt.values())
     cached_tokens = sum(min(o.num_cached_tokens for o in copies) for copies in per_prompt.values())
     completion_tokens = sum(len(o.outputs[0].token_ids) for o in outputs.values())
-    return {
+    counts = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+    if retention:
+        counts["prompt_tokens_details"].update(retained_usage(per_prompt.values()))
+        clamped = next((o.retention_clamped for o in outputs.values() if o.retention_clamped), None)
+        if clamped is not None:
+            counts["retention_clamped"] = clamped
+    return counts
+
+
+def retained_usage(per_prompt: Iterable[Sequence[RequestOutput]]) -> dict[str, int]:
+    """Prompt tokens written into and read from retained blocks, summed over prompts; a prompt's copies (its
+    ``n`` choices) count as the one that wrote most and the one that read least."""
+    per_prompt = list(per_prompt)
+    return {
+        "retained_written_tokens": sum(max(o.num_retained_written_tokens for o in c) for c in per_prompt),
+        "retained_read_tokens": sum(min(o.num_retained_read_tokens for o in c) for c in per_prompt),
     }
 
 

@@ -61,10 +61,12 @@ async def sse_events(
     n: int,
     record: RequestRecord,
     continuous_usage: bool = False,
+    retention: bool = False,
 ) -> AsyncIterator[str]:
     """One chunk per choice and step, then the usage chunk (if asked) and ``[DONE]``. With
     ``continuous_usage`` every chunk also carries its choice's usage so far (vLLM's
-    ``continuous_usage_stats``: the choice's prompt and the tokens it generated up to this chunk).
+    ``continuous_usage_stats``: the choice's prompt and the tokens it generated up to this chunk). With
+    ``retention`` (the request gave directives) the usage reports the retained tokens too.
 
     A failure after the stream started (the engine died, the server shut down, the request failed in the
     engine, our bug) ends it with an error event, then ``[DONE]``.
@@ -79,7 +81,7 @@ async def sse_events(
                 break
             chunk = {**base, "choices": [shaper.delta(index, output)]}
             if continuous_usage:
-                chunk["usage"] = usage({index: output}, n)
+                chunk["usage"] = usage({index: output}, n, retention)
             yield _sse(chunk)
     except EngineDeadError as exc:
         failure = error_body(str(exc), type="server_error")
@@ -92,7 +94,7 @@ async def sse_events(
         record.error = failure["error"]["message"]
         yield _sse(failure)
     elif include_usage:
-        yield _sse({**base, "choices": [], "usage": usage(last, n)})
+        yield _sse({**base, "choices": [], "usage": usage(last, n, retention)})
     yield "data: [DONE]\n\n"
 
 

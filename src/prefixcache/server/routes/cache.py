@@ -13,7 +13,7 @@ from prefixcache.engine.input_processor import PromptInput
 from prefixcache.server.errors import APIError
 from prefixcache.server.middleware import tenant_of
 from prefixcache.server.protocol import ChatLookupRequest, lookup_request
-from prefixcache.server.routes.state import Engine, Settings, apply_chat_template, model_name
+from prefixcache.server.routes.state import Engine, Settings, chat_prompt, model_name
 from prefixcache.server.tenants import SALT_BY_API_KEY, engine_salt
 
 router = APIRouter()
@@ -32,7 +32,7 @@ async def cache_lookup(request: Request, raw: dict[str, Any], engine: Engine, se
         raise APIError(400, str(exc)) from exc
     model_name(settings, body.model)
     if isinstance(body, ChatLookupRequest):
-        prompt: PromptInput = await apply_chat_template(engine, body.messages)
+        prompt: PromptInput = (await chat_prompt(engine, body.template_messages(), body.template_tools()))[0]
     else:
         prompt = body.prompts[0]
     try:

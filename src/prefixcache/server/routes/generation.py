@@ -9,13 +9,15 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from prefixcache.core.retention import RetentionRange
 from prefixcache.engine.sampling_params import InvalidParameter, SamplingParams
-from prefixcache.server.async_llm import AsyncLLM
+from prefixcache.server.async_llm import AsyncLLM, RequestStream
 from prefixcache.server.errors import APIError
 from prefixcache.server.middleware import record_of, tenant_of
 from prefixcache.server.protocol import ChatCompletionRequest, CompletionRequest, usage
 from prefixcache.server.responses import CHAT, COMPLETION, ChoiceShaper, Endpoint
-from prefixcache.server.routes.state import Engine, Settings, apply_chat_template, model_name
+from prefixcache.server.retention import request_ranges
+from prefixcache.server.routes.state import Engine, Settings, chat_prompt, model_name
 from prefixcache.server.streaming import (
     RequestStreamingResponse,
     final_outputs,
@@ -35,7 +37,8 @@ async def create_completion(body: CompletionRequest, request: Request, engine: E
     name = model_name(settings, body.model)
     max_tokens, prompt_logprobs = _completion_limits(body)
     shaper = _shaper(engine, body, COMPLETION, body.logprobs, body.echo, body.prompt_only)
-    return await _generate(request, engine, body, name, body.prompts, max_tokens, shaper, prompt_logprobs)
+    retention = request_ranges(body.retention, body.prompt_cache_retention)
+    return await _generate(request, engine, body, name, body.prompts, max_tokens, shaper, retention, prompt_logprobs)
 
 
 @router.post("/v1/chat/completions")
@@ -43,9 +46,10 @@ async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, engine: Engine, settings: Settings
 ) -> Response:
     name = model_name(settings, body.model)  # an unknown model is a 404 before any template work
-    prompt, max_tokens = await _chat_prompt(engine, body)
+    prompt, max_tokens, breakpoints = await _chat_prompt(engine, body)
     shaper = _shaper(engine, body, CHAT, body.num_logprobs)
-    return await _generate(request, engine, body, name, [prompt], max_tokens, shaper)
+    retention = breakpoints + request_ranges(body.retention, body.prompt_cache_retention)
+    return await _generate(request, engine, body, name, [prompt], max_tokens, shaper, retention)
 
 
 @router.post("/v1/completions/render")
@@ -65,7 +69,7 @@ async def render_chat_completion(
 ) -> dict[str, Any]:
     """vLLM's: the token ids this chat request would run on (its messages through the chat template)."""
     name = model_name(settings, body.model)
-    prompt, max_tokens = await _chat_prompt(engine, body)
+    prompt, max_tokens, _ = await _chat_prompt(engine, body)
     [rendered] = await _render(request, engine, body, name, [prompt], max_tokens, CHAT)
     return rendered
 
@@ -79,9 +83,13 @@ def _completion_limits(body: CompletionRequest) -> tuple[int, int | None]:
     return max_tokens, body.logprobs if body.echo else None
 
 
-async def _chat_prompt(engine: AsyncLLM, body: ChatCompletionRequest) -> tuple[dict[str, Any], int]:
-    """The conversation as a prompt of token ids, and the engine's max_tokens for it."""
-    prompt_ids = await apply_chat_template(engine, body.messages)
+async def _chat_prompt(
+    engine: AsyncLLM, body: ChatCompletionRequest
+) -> tuple[dict[str, Any], int, list[RetentionRange]]:
+    """The conversation as a prompt of token ids, the engine's max_tokens for it and its breakpoints' ranges."""
+    prompt_ids, breakpoints = await chat_prompt(
+        engine, body.template_messages(), body.template_tools(), body.breakpoints()
+    )
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     # Unset: generate up to the context; at least 1, so an overlong prompt gets the context error (or, with
     # truncate_prompt_tokens -1, keeps all but one token of the context).
@@ -89,7 +97,7 @@ async def _chat_prompt(engine: AsyncLLM, body: ChatCompletionRequest) -> tuple[d
     if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens > 0:
         prompt_len = min(prompt_len, body.truncate_prompt_tokens)
     max_tokens = requested if requested is not None else max(1, engine.info.max_model_len - prompt_len)
-    return {"prompt": None, "prompt_token_ids": prompt_ids}, max_tokens
+    return {"prompt": None, "prompt_token_ids": prompt_ids}, max_tokens, breakpoints
 
 
 def _sampling_params(
@@ -158,21 +166,21 @@ async def _generate(
     prompts: list[Any],
     max_tokens: int,
     shaper: ChoiceShaper,
+    retention: list[RetentionRange],
     prompt_logprobs: int | None = None,
 ) -> Response:
-    """Queue the request and answer it, streamed or whole; bad sampling values or prompts are 400s."""
+    """Queue the request and answer it, streamed or whole; bad sampling values, prompts or retention ranges
+    (one past a prompt) are 400s."""
     record = record_of(request.scope)
     endpoint = shaper.endpoint
     response_id = f"{endpoint.id_prefix}-{record.request_id}"
     params = _sampling_params(body, max_tokens, shaper.num_logprobs, prompt_logprobs)
-    try:
-        salt = engine_salt(tenant_of(request.scope), body.cache_salt)
-        stream = await engine.add_request(prompts, params, response_id, salt, body.n)
-    except ValueError as exc:
-        raise APIError(400, str(exc)) from exc
+    stream = await queue_request(request, engine, prompts, params, response_id, body.cache_salt, body.n, retention)
     base = {"id": response_id, "object": endpoint.chunk_object, "created": int(time.time()), "model": name}
     if body.stream:
-        events = sse_events(stream, shaper, base, body.include_usage, body.n, record, body.continuous_usage)
+        events = sse_events(
+            stream, shaper, base, body.include_usage, body.n, record, body.continuous_usage, body.has_directives
+        )
         return RequestStreamingResponse(stream, events)
     try:
         finals = await unless_disconnected(request, final_outputs(stream))
@@ -186,4 +194,26 @@ async def _generate(
     if errors:
         raise APIError(500, errors[0], type="server_error")
     choices = [shaper.choice(index, output) for index, output in sorted(finals.items())]
-    return JSONResponse({**base, "object": endpoint.object, "choices": choices, "usage": usage(finals, body.n)})
+    counts = usage(finals, body.n, body.has_directives)
+    return JSONResponse({**base, "object": endpoint.object, "choices": choices, "usage": counts})
+
+
+async def queue_request(
+    request: Request,
+    engine: AsyncLLM,
+    prompts: list[Any],
+    params: SamplingParams,
+    response_id: str,
+    cache_salt: str | None,
+    n: int,
+    retention: list[RetentionRange],
+) -> RequestStream:
+    """Queue the request for its tenant (salted by its API key, which also bounds its retention); a prompt or a
+    retention range the engine refuses is a 400 (naming ``retention`` for a range past the prompt)."""
+    tenant = tenant_of(request.scope)
+    try:
+        return await engine.add_request(
+            prompts, params, response_id, engine_salt(tenant, cache_salt), n, tuple(retention), tenant
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="retention" if str(exc).startswith("retention") else None) from exc

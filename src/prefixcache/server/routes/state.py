@@ -1,4 +1,5 @@
-"""What handlers share: the engine and the settings on ``app.state``, the model-name check, the chat template."""
+"""What handlers share: the engine and the settings on ``app.state``, the model-name check, the chat template
+(with the token positions of ``cache_control`` breakpoints)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from jinja2 import TemplateError
 
+from prefixcache.core.retention import RetentionRange
+from prefixcache.engine.chat_breakpoints import Breakpoint, ChatTemplateError
 from prefixcache.server.async_llm import AsyncLLM
 from prefixcache.server.errors import APIError
+from prefixcache.server.retention import CacheControl, breakpoint_ranges
 from prefixcache.server.settings import ServerSettings
 
 
@@ -39,3 +43,21 @@ async def apply_chat_template(engine: AsyncLLM, messages: list[Any], add_generat
         return await engine.apply_chat_template([m.template_dict() for m in messages], add_generation_prompt)
     except (ValueError, TemplateError) as exc:
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+
+
+async def chat_prompt(
+    engine: AsyncLLM,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    marks: list[tuple[Breakpoint, CacheControl]] | None = None,
+) -> tuple[list[int], list[RetentionRange]]:
+    """The conversation's prompt token ids (``tools`` rendered by the template) and the retention ranges of its
+    ``cache_control`` breakpoints; a template that fails on them is the client's 400, naming the field."""
+    marks = marks or []
+    try:
+        token_ids, positions = await engine.chat_prompt(messages, tools, [point for point, _ in marks])
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
+    except (ValueError, TemplateError) as exc:
+        raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
+    return token_ids, breakpoint_ranges(positions, [control for _, control in marks])

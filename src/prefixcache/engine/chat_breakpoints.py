@@ -1,0 +1,103 @@
+"""Where a chat template puts the end of a marked part: the token positions of ``cache_control`` breakpoints.
+
+A breakpoint means "the prefix up to the end of this part" (a tool definition, a message, a content part). The
+template decides what surrounds each part, so the end is found by rendering, never by guessing the template's
+format: the conversation is rendered as it is and again with something different right after the part (a marker
+appended to the part's text; the conversation cut after the message; another tool after the tool), and the end is
+where the renders first differ. Taken against the real render it is always a prefix of the real prompt, so a
+template that trims or rewrites a part only moves the breakpoint earlier, never past what the prompt holds. The
+character position becomes a token position as the longest run of tokens the prefix's tokenization shares with
+the prompt's, so a token that straddles the end is left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from prefixcache.engine.input_processor import chat_token_ids
+
+# Two private-use characters: no text a template adds starts with either, so one of them diverges right at a part's end.
+_MARKERS = ("\ue000", "\ue001")
+_DUMMY_TOOL = {
+    "type": "function",
+    "function": {"name": "\ue000", "description": "\ue001", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+class ChatTemplateError(ValueError):
+    """A conversation this model's chat template cannot place (``param`` names the request field)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class Breakpoint:
+    """The end of a part: tool ``index`` (``kind="tool"``); message ``index`` with its closing tokens
+    (``"message"``); or ``chars`` characters into message ``index``'s content string, where a content part ends
+    (``"content"``: parts are joined into the one string templates take)."""
+
+    kind: Literal["tool", "message", "content"]
+    index: int
+    chars: int = 0
+
+
+def chat_prompt(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    breakpoints: Sequence[Breakpoint],
+    add_generation_prompt: bool = True,
+) -> tuple[list[int], list[int]]:
+    """The conversation's prompt token ids and each breakpoint's token position (the number of prompt tokens
+    before it). ``ChatTemplateError`` when the template drops the tools it was given."""
+    token_ids = chat_token_ids(tokenizer, messages, add_generation_prompt, tools)
+    if not breakpoints:
+        return token_ids, []
+
+    def render(msgs: list[dict[str, Any]], tool_list: list[dict[str, Any]] | None, generation: bool) -> str:
+        kwargs = {"tools": tool_list} if tool_list else {}
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=generation, tokenize=False, **kwargs)
+
+    text = render(messages, tools, add_generation_prompt)
+    if tools and text == render(messages, None, add_generation_prompt):
+        raise ChatTemplateError("this model's chat template does not render tools; send them without", "tools")
+
+    def variants(point: Breakpoint) -> list[str]:
+        if point.kind == "tool":
+            kept = tools[: point.index + 1]
+            return [render(messages, kept, add_generation_prompt), render(messages, [*kept, _DUMMY_TOOL], False)]
+        if point.kind == "message":
+            return [render(messages[: point.index + 1], tools, False)]
+        content = messages[point.index]["content"]
+        return [
+            render(
+                _with_content(messages, point.index, content[: point.chars] + marker + content[point.chars :]),
+                tools,
+                add_generation_prompt,
+            )
+            for marker in _MARKERS
+        ]
+
+    positions = []
+    for point in breakpoints:
+        end = min(_common_prefix(text, variant) for variant in variants(point))
+        prefix_ids = tokenizer(text[:end], add_special_tokens=False)["input_ids"]
+        positions.append(_common_prefix(prefix_ids, token_ids))
+    return token_ids, positions
+
+
+def _with_content(messages: list[dict[str, Any]], index: int, content: str) -> list[dict[str, Any]]:
+    return [*messages[:index], {**messages[index], "content": content}, *messages[index + 1 :]]
+
+
+def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading items ``a`` and ``b`` share."""
+    limit = min(len(a), len(b))
+    for i in range(limit):
+        if a[i] != b[i]:
+            return i
+    return limit
