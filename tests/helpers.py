@@ -5,7 +5,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+# Tool definitions, when a request has them, come first as JSON lines in a turn of their own (as Qwen's templates
+# put them); without tools the template renders what it always did.
 CHAT_TEMPLATE = (
+    "{% if tools %}<|tools|>{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}<|end|>"
+    "{% endif %}"
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )

@@ -84,7 +84,7 @@ UNSUPPORTED = [
     (COMPLETIONS, "logit_bias", {"50": 10}),
     (COMPLETIONS, "temprature", 0.5),
     (CHAT, "response_format", {"type": "json_object"}),
-    (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
+    (COMPLETIONS, "tools", [{"type": "function", "function": {"name": "f"}}]),
     (CHAT, "tool_choice", "auto"),
     (CHAT, "functions", [{"name": "f"}]),
     (CHAT, "logit_bias", {"50": 10}),

@@ -53,9 +53,10 @@ def chat_prompt(
     add_generation_prompt: bool = True,
 ) -> tuple[list[int], list[int]]:
     """The conversation's prompt token ids and each breakpoint's token position (the number of prompt tokens
-    before it). ``ChatTemplateError`` when the template drops the tools it was given."""
+    before it). ``ChatTemplateError`` when the template drops the tools it was given (with or without
+    breakpoints)."""
     token_ids = chat_token_ids(tokenizer, messages, add_generation_prompt, tools)
-    if not breakpoints:
+    if not breakpoints and not tools:
         return token_ids, []
 
     def render(msgs: list[dict[str, Any]], tool_list: list[dict[str, Any]] | None, generation: bool) -> str:
@@ -64,6 +65,7 @@ def chat_prompt(
 
     text = render(messages, tools, add_generation_prompt)
     if tools and text == render(messages, None, add_generation_prompt):
+        # Dropped silently, the model would answer without the tools the client believes it was given.
         raise ChatTemplateError("this model's chat template does not render tools; send them without", "tools")
 
     def variants(point: Breakpoint) -> list[str]:

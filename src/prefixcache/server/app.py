@@ -1,11 +1,12 @@
-"""The FastAPI app: OpenAI's completions and chat endpoints, vLLM's tokenize/detokenize, models, version,
-health, metrics, cache lookup and reset (one module each under ``server/routes/``).
+"""The FastAPI app: OpenAI's completions and chat endpoints, Anthropic's Messages API, vLLM's
+tokenize/detokenize, models, version, health, metrics, cache lookup and reset (one module each under
+``server/routes/``).
 
 The engine and the settings live on ``app.state``; handlers read them from there (``routes/state.py``).
 Every error, whatever raised it (pydantic, the engine, a bad route, auth, the body cap), leaves as OpenAI's
-``{"error": {"message", "type", "param", "code"}}``: a 4xx for bad input, a 500 only for our own bugs
-(logged with the traceback), and the server keeps serving. A request whose client goes away is aborted,
-so its KV blocks are freed at once.
+``{"error": {"message", "type", "param", "code"}}`` (on ``/v1/messages``, Anthropic's shape): a 4xx for bad
+input, a 500 only for our own bugs (logged with the traceback), and the server keeps serving. A request whose
+client goes away is aborted, so its KV blocks are freed at once.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from prefixcache.server.anthropic import AnthropicErrorMiddleware
 from prefixcache.server.async_llm import AsyncLLM
 from prefixcache.server.errors import install_error_handlers
 from prefixcache.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
-from prefixcache.server.routes import cache, generation, info, tokens
+from prefixcache.server.routes import cache, generation, info, messages, tokens
 from prefixcache.server.settings import ServerSettings
 from prefixcache.server.startup import startup_lines
 
@@ -61,8 +63,9 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
             metrics_key=settings.metrics_api_key,
         )
     app.add_middleware(RequestContextMiddleware, log_requests=settings.log_requests)
+    app.add_middleware(AnthropicErrorMiddleware)  # outermost: rewrites whatever error the others wrote
     install_error_handlers(app)
-    for module in (generation, tokens, cache, info):
+    for module in (generation, messages, tokens, cache, info):
         app.include_router(module.router)
     if settings.enable_reset_prefix_cache:
         app.include_router(cache.reset_router)

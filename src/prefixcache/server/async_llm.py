@@ -194,12 +194,15 @@ class AsyncLLM:
             raise
         return stream
 
-    async def render(self, prompts: Sequence[PromptInput], params: SamplingParams) -> list[list[int]]:
+    async def render(
+        self, prompts: Sequence[PromptInput], params: SamplingParams, retention: tuple[RetentionRange, ...] = ()
+    ) -> list[list[int]]:
         """The token ids each prompt would run on (tokenized, truncated, validated exactly as ``add_request``
-        does); ValueError for a request the engine would refuse. Queues nothing."""
+        does, ``retention`` included); ValueError for a request the engine would refuse. Queues nothing."""
         self._check_accepting()
+        process = self._input_processor.process
         return await self._on_worker(
-            lambda: [self._input_processor.process(p, params, "render")[0].prompt_token_ids for p in prompts]
+            lambda: [process(p, params, "render", retention=retention)[0].prompt_token_ids for p in prompts]
         )
 
     async def apply_chat_template(

@@ -129,7 +129,8 @@ def _error_message(body: bytes) -> str | None:
 
 
 class APIKeyMiddleware:
-    """Bearer auth on every path except /health, which load balancers probe without credentials.
+    """Bearer auth on every path except /health, which load balancers probe without credentials; a request
+    without ``Authorization`` may send the key as ``x-api-key`` (Anthropic's header, which its SDK sends).
 
     Each key is a tenant: its requests get the key's cache salt (``tenant_salt``), so tenants never share
     cached blocks, unless ``share_cache`` (``--share-cache-across-keys``). With ``metrics_key``
@@ -147,7 +148,7 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
-            given = _digest(Headers(scope=scope).get("authorization", ""))
+            given = _digest(_authorization(Headers(scope=scope)))
             if scope["path"] == "/metrics" and self._metrics is not None:
                 if not secrets.compare_digest(given, self._metrics):
                     await _unauthorized("/metrics needs the metrics key (--metrics-api-key)")(scope, receive, send)
@@ -155,11 +156,18 @@ class APIKeyMiddleware:
             elif self._tenants:
                 matches = [salt for digest, salt in self._tenants if secrets.compare_digest(given, digest)]
                 if not matches:
-                    message = "Incorrect or missing API key; send 'Authorization: Bearer <key>'."
+                    message = "Incorrect or missing API key; send 'Authorization: Bearer <key>' or 'x-api-key: <key>'."
                     await _unauthorized(message)(scope, receive, send)
                     return
                 scope.setdefault("state", {})["tenant"] = matches[0]
         await self.app(scope, receive, send)
+
+
+def _authorization(headers: Headers) -> str:
+    """The ``Authorization`` header, or Anthropic's ``x-api-key`` as the bearer token it stands for."""
+    if "authorization" in headers or "x-api-key" not in headers:
+        return headers.get("authorization", "")
+    return f"{BEARER}{headers['x-api-key']}"
 
 
 def _unauthorized(message: str) -> ASGIApp:

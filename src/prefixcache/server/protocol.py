@@ -40,6 +40,8 @@ UNSUPPORTED_FIELD_HINTS = {
     "response_format": "structured (JSON) output is not implemented",
     "structured_outputs": "structured (JSON) output is not implemented",
     "guided_json": "structured (JSON) output is not implemented",
+    "tools": "tool calling is not implemented; /v1/chat/completions and /v1/messages take tool definitions for the "
+    "chat template to render",
     "tool_choice": "tool calling is not implemented",
     "functions": "tool calling is not implemented",
     "function_call": "tool calling is not implemented",

@@ -130,3 +130,14 @@ def request_ranges(
     if prompt_cache_retention == "24h":
         ranges.append(RetentionRange(0, None, PERSISTENT_PRIORITY, PERSISTENT_TTL_S))
     return ranges
+
+
+def range_json(directive: RetentionRange) -> dict[str, int | None]:
+    """A range in the ``retention`` field's shape (what the render endpoints show a request would run with)."""
+    duration_ms = None if directive.ttl_s is None else round(directive.ttl_s * 1000)
+    return {
+        "token_start": directive.start,
+        "token_end": directive.end,
+        "priority": directive.priority,
+        "duration_ms": duration_ms,
+    }

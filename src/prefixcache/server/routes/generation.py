@@ -16,7 +16,7 @@ from prefixcache.server.errors import APIError
 from prefixcache.server.middleware import record_of, tenant_of
 from prefixcache.server.protocol import ChatCompletionRequest, CompletionRequest, usage
 from prefixcache.server.responses import CHAT, COMPLETION, ChoiceShaper, Endpoint
-from prefixcache.server.retention import request_ranges
+from prefixcache.server.retention import range_json, request_ranges
 from prefixcache.server.routes.state import Engine, Settings, chat_prompt, model_name
 from prefixcache.server.streaming import (
     RequestStreamingResponse,
@@ -60,17 +60,20 @@ async def render_completion(
     the sampling parameters it would get; runs no model (vllm-router calls it before routing)."""
     name = model_name(settings, body.model)
     max_tokens, prompt_logprobs = _completion_limits(body)
-    return await _render(request, engine, body, name, body.prompts, max_tokens, COMPLETION, prompt_logprobs)
+    retention = request_ranges(body.retention, body.prompt_cache_retention)
+    return await _render(request, engine, body, name, body.prompts, max_tokens, COMPLETION, retention, prompt_logprobs)
 
 
 @router.post("/v1/chat/completions/render")
 async def render_chat_completion(
     body: ChatCompletionRequest, request: Request, engine: Engine, settings: Settings
 ) -> dict[str, Any]:
-    """vLLM's: the token ids this chat request would run on (its messages through the chat template)."""
+    """vLLM's: the token ids this chat request would run on (its messages through the chat template), and the
+    retention ranges it would ask for (where its ``cache_control`` breakpoints landed)."""
     name = model_name(settings, body.model)
-    prompt, max_tokens, _ = await _chat_prompt(engine, body)
-    [rendered] = await _render(request, engine, body, name, [prompt], max_tokens, CHAT)
+    prompt, max_tokens, breakpoints = await _chat_prompt(engine, body)
+    retention = breakpoints + request_ranges(body.retention, body.prompt_cache_retention)
+    [rendered] = await _render(request, engine, body, name, [prompt], max_tokens, CHAT, retention)
     return rendered
 
 
@@ -120,14 +123,15 @@ async def _render(
     prompts: list[Any],
     max_tokens: int,
     endpoint: Endpoint,
+    retention: list[RetentionRange],
     prompt_logprobs: int | None = None,
 ) -> list[dict[str, Any]]:
     num_logprobs = body.logprobs if isinstance(body, CompletionRequest) else body.num_logprobs
     params = _sampling_params(body, max_tokens, num_logprobs, prompt_logprobs)
     try:
-        rendered = await engine.render(prompts, params)
+        rendered = await engine.render(prompts, params, tuple(retention))
     except ValueError as exc:
-        raise APIError(400, str(exc)) from exc
+        raise _refused(exc) from exc
     request_id = f"{endpoint.id_prefix}-{record_of(request.scope).request_id}"
     return [
         {
@@ -137,6 +141,7 @@ async def _render(
             "model": name,
             "stream": body.stream,
             "cache_salt": body.cache_salt,
+            "retention": [range_json(directive) for directive in retention],
         }
         for index, token_ids in enumerate(rendered)
     ]
@@ -216,4 +221,10 @@ async def queue_request(
             prompts, params, response_id, engine_salt(tenant, cache_salt), n, tuple(retention), tenant
         )
     except ValueError as exc:
-        raise APIError(400, str(exc), param="retention" if str(exc).startswith("retention") else None) from exc
+        raise _refused(exc) from exc
+
+
+def _refused(exc: ValueError) -> APIError:
+    """The 400 for a request the input processor refused; its retention errors name the field."""
+    message = str(exc)
+    return APIError(400, message, param="retention" if message.startswith("retention") else None)
