@@ -88,12 +88,14 @@ class Metadata(_Body):
 
 class CountTokensRequest(_Body):
     """The conversation of a Messages request (the body of ``POST /v1/messages/count_tokens``): the last message
-    is the user's (a final assistant message, Anthropic's prefill, is not implemented)."""
+    is the user's (a final assistant message, Anthropic's prefill, is not implemented). A top-level
+    ``cache_control`` marks the last block of the last message, as Anthropic's automatic caching does."""
 
     model: Text
     messages: list[InputMessage]
     system: Text | list[TextBlock] | None = None
     tools: list[Tool] | None = None
+    cache_control: CacheControl | None = None
 
     @field_validator("messages")
     @classmethod
@@ -122,6 +124,9 @@ class CountTokensRequest(_Body):
             text, message_marks = _joined(message.content, len(messages))
             messages.append({"role": message.role, "content": text})
             marks.extend(message_marks)
+        if self.cache_control is not None:
+            last = len(messages) - 1
+            marks.append((Breakpoint("content", last, len(messages[last]["content"])), self.cache_control))
         return messages, marks
 
     def template_tools(self) -> list[dict[str, Any]] | None:

@@ -1,0 +1,157 @@
+"""Retention directives on the OpenAI endpoints: where ``cache_control`` breakpoints land (shown by the render
+endpoints, the ranges the request runs with), ``retention`` and ``prompt_cache_retention`` as ranges, bad
+directives refused by name, and the retained tokens in the usage."""
+
+import json
+
+import httpx
+import pytest
+
+from prefixcache.server.retention import BREAKPOINT_PRIORITY, PERSISTENT_PRIORITY
+from tests.server.test_client_fields import CHAT, COMPLETIONS, post, refused
+
+SYSTEM = "You are a helpful assistant. Answer briefly and truthfully."
+EPHEMERAL_1H = {"type": "ephemeral", "ttl": "1h"}
+EPHEMERAL = {"type": "ephemeral"}
+TOOL = {"type": "function", "function": {"name": "lookup", "description": "Find a word", "parameters": {}}}
+
+
+def tokens(url: str, text: str) -> list[int]:
+    return post(url, "/tokenize", {"prompt": text})["tokens"]
+
+
+def rendered_chat(url: str, body: dict) -> dict:
+    return post(url, f"{CHAT}/render", {"max_tokens": 2, **body})
+
+
+def test_breakpoints_land_after_system_part_message_and_tool(server):
+    """The tiny template: ``<|tools|>`` JSON lines ``<|end|>``, then ``<|role|>content<|end|>`` per message."""
+    body = {
+        "tools": [{**TOOL, "cache_control": EPHEMERAL_1H}],
+        "messages": [
+            {"role": "system", "content": SYSTEM, "cache_control": EPHEMERAL_1H},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "The quick brown fox.", "cache_control": EPHEMERAL},
+                    {"type": "text", "text": " Jumps over"},
+                ],
+            },
+        ],
+    }
+    answer = rendered_chat(server.url, body)
+    tools = "<|tools|>\n" + json.dumps(TOOL) + "\n"
+    system = tools + f"<|end|><|system|>{SYSTEM}<|end|>"
+    part = system + "<|user|>The quick brown fox."
+    ends = [len(tokens(server.url, prefix)) for prefix in (tools, system, part)]
+    assert answer["token_ids"][: ends[2]] == tokens(server.url, part)
+    hour, five = BREAKPOINT_PRIORITY["1h"], BREAKPOINT_PRIORITY["5m"]
+    # Disjoint ranges, each at the strongest breakpoint covering it.
+    assert answer["retention"] == [
+        {"token_start": 0, "token_end": ends[0], "priority": hour, "duration_ms": 3_600_000},
+        {"token_start": ends[0], "token_end": ends[1], "priority": hour, "duration_ms": 3_600_000},
+        {"token_start": ends[1], "token_end": ends[2], "priority": five, "duration_ms": 300_000},
+    ]
+
+
+def test_retention_ranges_and_prompt_cache_retention_reach_the_request(server):
+    ranges = [{"token_start": 0, "token_end": 8, "priority": 90, "duration_ms": 60_000}]
+    [answer] = post(
+        server.url,
+        f"{COMPLETIONS}/render",
+        {"prompt": list(range(2, 22)), "retention": ranges, "prompt_cache_retention": "24h"},
+    )
+    persistent = {"token_start": 0, "token_end": None, "priority": PERSISTENT_PRIORITY, "duration_ms": 86_400_000}
+    assert answer["retention"] == [*ranges, persistent]
+    chat = rendered_chat(server.url, {"messages": [{"role": "user", "content": "hi"}], "retention": ranges})
+    assert chat["retention"] == ranges
+    # in_memory is what every request gets: no range
+    [plain] = post(server.url, f"{COMPLETIONS}/render", {"prompt": [5, 6], "prompt_cache_retention": "in_memory"})
+    assert plain["retention"] == []
+
+
+def _breakpoints(count: int) -> list[dict]:
+    return [{"role": "user", "content": f"turn {i}", "cache_control": EPHEMERAL} for i in range(count)]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        (CHAT, {"messages": _breakpoints(5)}, "cache_control"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": "hi", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]},
+            "ttl",
+        ),
+        (CHAT, {"messages": [{"role": "user", "content": "hi", "cache_control": {"type": "persistent"}}]}, "type"),
+        (COMPLETIONS, {"prompt": [5, 6, 7], "retention": [{"token_start": 0, "priority": 101}]}, "priority"),
+        (COMPLETIONS, {"prompt": [5, 6, 7], "retention": [{"token_start": 0, "priority": -1}]}, "priority"),
+        (
+            COMPLETIONS,
+            {"prompt": [5, 6, 7], "retention": [{"token_start": 0, "token_end": 9, "priority": 50}]},
+            "retention",
+        ),
+        (COMPLETIONS, {"prompt": [5, 6, 7], "retention": [{"token_start": 3, "priority": 50}]}, "retention"),
+        (
+            COMPLETIONS,
+            {"prompt": [5, 6, 7], "retention": [{"token_start": 2, "token_end": 1, "priority": 50}]},
+            "token_end",
+        ),
+        (
+            COMPLETIONS,
+            {"prompt": [5, 6, 7], "retention": [{"token_start": 0, "priority": 50, "duration_ms": 0}]},
+            "duration_ms",
+        ),
+        (COMPLETIONS, {"prompt": [5, 6, 7], "prompt_cache_retention": "1w"}, "prompt_cache_retention"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": "hi", "cache_control": EPHEMERAL}], "truncate_prompt_tokens": 2},
+            "truncate_prompt_tokens",
+        ),
+    ],
+    ids=[
+        "5th-breakpoint",
+        "ttl",
+        "type",
+        "priority-high",
+        "priority-low",
+        "end-past-prompt",
+        "start-past-prompt",
+        "end-before-start",
+        "duration",
+        "prompt-cache-retention",
+        "truncated",
+    ],
+)
+def test_bad_directives_are_a_400_naming_the_field(server, path, body, field):
+    for endpoint in (path, f"{path}/render"):
+        response = httpx.post(f"{server.url}{endpoint}", json={"max_tokens": 2, **body}, timeout=60)
+        assert response.status_code == 400, response.text
+        assert field in response.json()["error"]["message"]
+
+
+def test_past_the_prompt_names_retention_as_the_param(server):
+    body = {"prompt": [5, 6, 7], "max_tokens": 2, "retention": [{"token_start": 0, "token_end": 9, "priority": 50}]}
+    assert "past the prompt" in refused(server.url, COMPLETIONS, body, "retention")
+
+
+def test_tools_on_completions_are_still_refused(server):
+    assert "tool calling" in refused(server.url, COMPLETIONS, {"prompt": "hi", "tools": [TOOL]}, "tools")
+
+
+def test_usage_reports_retained_tokens_only_where_directives_were_given(server):
+    system = {"role": "system", "content": SYSTEM + " (usage)", "cache_control": EPHEMERAL_1H}
+    body = {"messages": [system, {"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+    details = post(server.url, CHAT, body)["usage"]["prompt_tokens_details"]
+    assert set(details) == {"cached_tokens", "retained_written_tokens", "retained_read_tokens"}
+    again = post(server.url, CHAT, body)["usage"]["prompt_tokens_details"]
+    assert again["retained_read_tokens"] == details["retained_written_tokens"]
+    plain = post(server.url, CHAT, {**body, "messages": [{"role": "user", "content": "hi"}]})
+    assert set(plain["usage"]["prompt_tokens_details"]) == {"cached_tokens"}
+    streamed = httpx.post(
+        f"{server.url}{CHAT}",
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        timeout=60,
+    )
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert chunks[-1]["usage"]["prompt_tokens_details"]["retained_read_tokens"] == details["retained_written_tokens"]
