@@ -9,6 +9,7 @@ from typing import Any
 
 from prefixcache.core import HASH_ALGOS
 from prefixcache.core.eviction import EVICTION_POLICIES
+from prefixcache.core.retention import DEFAULT_MAX_RETAINED_FRACTION, DEFAULT_MAX_RETENTION_TTL_S, check_bounds
 from prefixcache.kv_events.config import KVEventsConfig
 from prefixcache.offload.config import OffloadConfig
 from prefixcache.units import parse_memory
@@ -113,8 +114,8 @@ class EngineConfig:
     kv_offload_redis: str | None = None
     kv_offload_mode: str = "write_back"
     kv_offload_secret_file: str | None = None
-    max_retained_fraction: float = 0.5
-    max_retention_ttl_s: float = 86400.0
+    max_retained_fraction: float = DEFAULT_MAX_RETAINED_FRACTION
+    max_retention_ttl_s: float = DEFAULT_MAX_RETENTION_TTL_S
     max_tenant_retained_fraction: float | None = None
     dtype_reason: str = field(default="", compare=False)
 
@@ -144,14 +145,7 @@ class EngineConfig:
             raise ValueError(
                 f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction_policy!r}"
             )
-        if not 0.0 <= self.max_retained_fraction <= 1.0:
-            raise ValueError(f"max_retained_fraction must be in [0, 1], got {self.max_retained_fraction}")
-        if not self.max_retention_ttl_s > 0:
-            raise ValueError(f"max_retention_ttl_s must be positive, got {self.max_retention_ttl_s}")
-        if self.max_tenant_retained_fraction is not None and not 0.0 <= self.max_tenant_retained_fraction <= 1.0:
-            raise ValueError(
-                f"max_tenant_retained_fraction must be in [0, 1] or None, got {self.max_tenant_retained_fraction}"
-            )
+        check_bounds(self.max_retained_fraction, self.max_retention_ttl_s, self.max_tenant_retained_fraction)
         self.offload_config()
 
     def offload_config(self) -> OffloadConfig:

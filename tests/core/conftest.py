@@ -58,6 +58,19 @@ class FakeConnector(BlockPoolListener):
         return None
 
 
+class FakeClock:
+    """A clock for TTLs that moves only when a test says so."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def unique_tokens(n: int, start: int) -> list[int]:
     return list(range(start, start + n))
 
@@ -68,8 +81,8 @@ def manager() -> KVCacheManager:
 
 
 def manager_state(mgr: KVCacheManager):
-    """Everything a lookup must leave alone: blocks, both free queues in order, the index, the eviction
-    policy's own bookkeeping, block tables, stats, the evicted-hash record and the sub-block index."""
+    """Everything a lookup must leave alone: blocks (their retention too), the free queues in order, the index, the
+    eviction policy's own bookkeeping, block tables, stats, the evicted-hash record and the sub-block index."""
     pool = mgr.pool
     policy = {
         name: list(value.items()) if isinstance(value, dict) else value for name, value in vars(pool.evictable).items()
@@ -78,9 +91,11 @@ def manager_state(mgr: KVCacheManager):
     if mgr.sub_blocks is not None:
         sub_blocks = ({h: list(b) for h, b in mgr.sub_blocks.index.items()}, dict(mgr.sub_blocks.entries_of_block))
     return (
-        [(b.block_id, b.ref_cnt, b.block_hash, b.group) for b in pool.blocks],
+        [(b.block_id, b.ref_cnt, b.block_hash, b.group, b.priority, b.tenant, b.expires_at) for b in pool.blocks],
         [b.block_id for b in pool.uncached_free],
         [b.block_id for b in pool.evictable],
+        [b.block_id for b in pool.retained_free],
+        list(pool.retained),
         [
             {h: (e.block_id if hasattr(e, "block_id") else tuple(e)) for h, e in cached.items()}
             for cached in pool.cached

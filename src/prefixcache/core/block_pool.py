@@ -4,6 +4,14 @@ Eviction is lazy: a freed block keeps its hash and stays findable until it is po
 only then is its map entry dropped. Whatever must follow the index (KV cache events, the sub-block
 index, offload tiers, the record of evicted hashes) is a :class:`BlockPoolListener` given at construction.
 
+Retention (:mod:`prefixcache.core.retention`): a block carries the priority, TTL and tenant of the directive that
+last marked it. Free cached blocks leave in the order expired first (their TTL ended while free), then lowest
+priority, least recently used within a priority; at the default priority the pool's eviction policy (LRU or ARC)
+decides, so without directives nothing changes. A TTL runs from the block's last use (when it is freed) and its
+end returns the block to the default priority. Retained blocks (priority above the default) are bounded: past
+``max_retained_blocks`` in all, or a tenant's ``max_tenant_retained_blocks``, the least recently marked or used
+ones are demoted to the default priority, so an allocation never fails because of them.
+
 Every KV cache group (:mod:`prefixcache.core.kv_cache_groups`) draws from the one pool and has its own
 map from hash to block: a block belongs to one group at a time, so the same tokens are cached once per
 group. When some group slides, block 0 is the *null block*: never handed out, never written, it stands
@@ -12,13 +20,15 @@ in a sliding group's table for the blocks that left (or never entered) the windo
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from prefixcache.core.eviction import EvictionPolicy, make_eviction_policy
+from prefixcache.core.eviction import EXPIRED, EvictionPolicy, RetainedQueue, make_eviction_policy
 from prefixcache.core.hashing import BlockHash, ExtraKeys
+from prefixcache.core.retention import DEFAULT_PRIORITY
 
 if TYPE_CHECKING:
     from prefixcache.core.request import Request
@@ -27,12 +37,39 @@ if TYPE_CHECKING:
 @dataclass(slots=True, eq=False)
 class Block:
     """One KV block: ``block_id`` indexes the cache tensors; ``block_hash`` is set while it is cached, in the
-    map of KV cache group ``group``."""
+    map of KV cache group ``group``. ``priority``, ``ttl_s`` and ``tenant`` come from the retention directive that
+    marked it (``EXPIRED`` while it waits free after its TTL ended); ``expires_at`` is set when it is freed."""
 
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
     group: int = 0
+    priority: int = DEFAULT_PRIORITY
+    ttl_s: float = 0.0
+    tenant: str | None = None
+    expires_at: float = 0.0
+
+
+PRIORITY_CLASSES = ("expired", "low", "default", "retained")
+
+
+def priority_class(priority: int) -> str:
+    """The class a priority is counted in: ``retained`` above the default, ``low`` below, ``expired`` after a TTL."""
+    if priority == DEFAULT_PRIORITY:
+        return "default"
+    if priority == EXPIRED:
+        return "expired"
+    return "retained" if priority > DEFAULT_PRIORITY else "low"
+
+
+@dataclass(slots=True)
+class RetentionCounters:
+    """Blocks hit, evicted and expired by priority class (:data:`PRIORITY_CLASSES`); expirations are counted by
+    the class the block had before its TTL ended."""
+
+    hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PRIORITY_CLASSES, 0))
+    evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PRIORITY_CLASSES, 0))
+    expirations: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PRIORITY_CLASSES, 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,11 +121,13 @@ def _overriding(listeners: list[BlockPoolListener], event: str) -> list[BlockPoo
 class BlockPool:
     """Hands out blocks, takes them back, and keeps the prefix index of every KV cache group.
 
-    Free blocks live in two queues: blocks holding no cached prefix (reused first, oldest first) and
-    cached blocks, ordered by the eviction policy, whatever their group. A cached hash maps, in its
+    Free blocks live in three queues: blocks holding no cached prefix (reused first, oldest first), cached
+    blocks at the default priority, ordered by the eviction policy, whatever their group, and cached blocks
+    of another priority (``retained_free``, see the module's docstring). A cached hash maps, in its
     group's map, to one block, or to several when requests filled identical blocks independently
     (lookups return the first one cached). ``reserve_null_block`` keeps block 0 out of circulation as
-    the null block (the pool then hands out ``num_blocks - 1``).
+    the null block (the pool then hands out ``num_blocks - 1``). ``clock`` (seconds; a fake one in tests)
+    times the TTLs.
     """
 
     def __init__(
@@ -99,6 +138,9 @@ class BlockPool:
         listeners: Sequence[BlockPoolListener] = (),
         num_groups: int = 1,
         reserve_null_block: bool = False,
+        max_retained_blocks: int | None = None,
+        max_tenant_retained_blocks: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if num_blocks <= reserve_null_block:
             raise ValueError(f"num_blocks must be more than {int(reserve_null_block)}, got {num_blocks}")
@@ -111,6 +153,14 @@ class BlockPool:
         self.usable_blocks = self.blocks[1:] if reserve_null_block else self.blocks
         self.uncached_free: deque[Block] = deque(self.usable_blocks)
         self.evictable: EvictionPolicy = make_eviction_policy(eviction_policy)
+        self.retained_free = RetainedQueue()
+        self.clock = clock
+        self.max_retained_blocks = len(self.usable_blocks) if max_retained_blocks is None else max_retained_blocks
+        self.max_tenant_retained_blocks = max_tenant_retained_blocks
+        # Blocks above the default priority, free or in use, least recently marked or used first (all, and by tenant).
+        self.retained: OrderedDict[int, Block] = OrderedDict()
+        self.retained_by_tenant: dict[str, OrderedDict[int, Block]] = {}
+        self.retention_counters = RetentionCounters()
         # One map a group, never replaced (the groups' managers hold them).
         self.cached: list[dict[BlockHash, Block | dict[int, Block]]] = [{} for _ in range(num_groups)]
         self.listeners = list(listeners)
@@ -126,7 +176,103 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.uncached_free) + len(self.evictable)
+        return len(self.uncached_free) + len(self.evictable) + len(self.retained_free)
+
+    def eviction_order(self) -> list[Block]:
+        """The free cached blocks in the order they would be evicted now (for tests and ``explain``)."""
+        self.expire()
+        retained = list(self.retained_free)
+        split = next((i for i, b in enumerate(retained) if b.priority > DEFAULT_PRIORITY), len(retained))
+        return retained[:split] + list(self.evictable) + retained[split:]
+
+    def expire(self) -> None:
+        """Move the free blocks whose TTL has ended to the expired level (back at the default priority once they
+        leave it), counting each and releasing its place in the retained share."""
+        queue = self.retained_free
+        next_expiry = queue.next_expiry()
+        if next_expiry is None:
+            return
+        now = self.clock()
+        if next_expiry > now:
+            return
+        for block, priority in queue.expire(now):
+            self.retention_counters.expirations[priority_class(priority)] += 1
+            self._forget_retained(block, priority)
+            block.tenant = None
+
+    def retain(self, block: Block, priority: int, ttl_s: float, tenant: str | None) -> list[str]:
+        """Mark a cached block in use with a directive's priority and TTL; returns the bounds it ran into.
+
+        A block another tenant marked is left as it is. Past the retained share or the tenant's quota, the least
+        recently marked or used retained blocks (possibly this one) are demoted to the default priority.
+        """
+        old = block.priority
+        if old != DEFAULT_PRIORITY and block.tenant != tenant:
+            return []
+        self._forget_retained(block, old)
+        block.priority, block.ttl_s, block.tenant = priority, ttl_s, tenant
+        if priority == DEFAULT_PRIORITY:
+            block.tenant = None
+            return []
+        if priority < DEFAULT_PRIORITY:
+            return []
+        self.retained[block.block_id] = block
+        bounds: list[str] = []
+        if tenant is not None:
+            owned = self.retained_by_tenant.setdefault(tenant, OrderedDict())
+            owned[block.block_id] = block
+            quota = self.max_tenant_retained_blocks
+            if quota is not None and len(owned) > quota:  # the tenant's own oldest go before anyone else's
+                bounds.append("max_tenant_retained_fraction")
+                while len(owned) > quota:
+                    self._demote(next(iter(owned.values())))
+        if len(self.retained) > self.max_retained_blocks:
+            bounds.append("max_retained_fraction")
+            while len(self.retained) > self.max_retained_blocks:
+                self._demote(next(iter(self.retained.values())))
+        return bounds
+
+    def retained_blocks_by_tenant(self) -> dict[str, int]:
+        """Blocks above the default priority, free or in use, by tenant ("" for requests without one)."""
+        self.expire()
+        counts = {tenant: len(owned) for tenant, owned in self.retained_by_tenant.items() if owned}
+        untenanted = len(self.retained) - sum(counts.values())
+        if untenanted:
+            counts[""] = untenanted
+        return counts
+
+    def _forget_retained(self, block: Block, priority: int) -> None:
+        """Drop a block that was above the default priority from the retained share (and its tenant's)."""
+        if priority > DEFAULT_PRIORITY:
+            del self.retained[block.block_id]
+            if block.tenant is not None:
+                owned = self.retained_by_tenant[block.tenant]
+                del owned[block.block_id]
+                if not owned:
+                    del self.retained_by_tenant[block.tenant]
+
+    def _demote(self, block: Block) -> None:
+        """Return a retained block to the default priority; a free one joins the eviction policy's queue."""
+        self._forget_retained(block, block.priority)
+        if block.ref_cnt == 0:
+            self.retained_free.remove(block)
+            block.priority, block.tenant = DEFAULT_PRIORITY, None
+            self.evictable.push(block)
+        else:
+            block.priority, block.tenant = DEFAULT_PRIORITY, None
+
+    def _pop_cached(self) -> Block:
+        """The next cached block to evict when some free block is not at the default priority."""
+        self.expire()
+        lowest = self.retained_free.lowest_priority()
+        if lowest is None or (lowest > DEFAULT_PRIORITY and len(self.evictable)):
+            self.retention_counters.evictions["default"] += 1
+            return self.evictable.pop()
+        block = self.retained_free.pop_lowest()
+        self.retention_counters.evictions[priority_class(lowest)] += 1
+        self._forget_retained(block, lowest)
+        block.priority, block.tenant = DEFAULT_PRIORITY, None
+        return block
 
     def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> Block | None:
         entry = self.cached[group].get(block_hash)
@@ -135,12 +281,30 @@ class BlockPool:
         return next(iter(entry.values()))
 
     def touch(self, blocks: Iterable[Block]) -> None:
-        """Take a reference on hit blocks (never the null block); a free one leaves the free queue."""
+        """Take a reference on hit blocks (never the null block); a free one leaves the free queue. A hit on a
+        block whose TTL ended finds it back at the default priority."""
         evictable = self.evictable
+        if self.retained_free:
+            self.expire()
+        num_default = 0
         for block in blocks:
-            if block.ref_cnt == 0:
-                evictable.remove(block)
+            if block.priority != DEFAULT_PRIORITY:
+                self._touch_marked(block)
+            else:
+                num_default += 1
+                if block.ref_cnt == 0:
+                    evictable.remove(block)
             block.ref_cnt += 1
+        self.retention_counters.hits["default"] += num_default
+
+    def _touch_marked(self, block: Block) -> None:
+        """A hit on a block a directive marked: counted by its class; a free one leaves the retained queue."""
+        priority = block.priority
+        self.retention_counters.hits[priority_class(priority)] += 1
+        if block.ref_cnt == 0:
+            self.retained_free.remove(block)
+            if priority == EXPIRED:
+                block.priority = DEFAULT_PRIORITY
 
     def get_new_blocks(self, num_blocks: int) -> list[Block]:
         """Pop ``num_blocks`` free blocks (caller checked there are enough), evicting cached ones last.
@@ -148,10 +312,18 @@ class BlockPool:
         An evicted block leaves its group's map; listeners hear of the hashes whose last block it was.
         """
         uncached, evictable, on_reused, maps = self.uncached_free, self.evictable, self._on_reused, self.cached
+        retained_free = self.retained_free
         out: list[Block] = []
         removed: list[list[BlockHash]] | None = None  # by group, made at the first eviction
+        num_default_evicted = 0
         for _ in range(num_blocks):
-            block = uncached.popleft() if uncached else evictable.pop()
+            if uncached:
+                block = uncached.popleft()
+            elif retained_free:
+                block = self._pop_cached()
+            else:
+                block = evictable.pop()
+                num_default_evicted += 1
             block_hash = block.block_hash
             last_copy = False
             if block_hash is not None:
@@ -172,6 +344,8 @@ class BlockPool:
             block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
+        if num_default_evicted:
+            self.retention_counters.evictions["default"] += num_default_evicted
         for group, hashes in enumerate(removed or ()):
             if hashes:
                 for listener in self._on_removed:
@@ -230,15 +404,24 @@ class BlockPool:
 
     def free_blocks(self, blocks: Iterable[Block]) -> None:
         """Drop one reference from each block (never the null block), in eviction order (the first freed is
-        evicted first)."""
+        evicted first). A block's TTL starts now: it is last used."""
         uncached, evictable = self.uncached_free, self.evictable
+        now = None
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 if block.block_hash is None:
                     uncached.append(block)
-                else:
+                elif block.priority == DEFAULT_PRIORITY:
                     evictable.push(block)
+                else:
+                    if now is None:
+                        now = self.clock()
+                    self.retained_free.push(block, now)
+                    if block.priority > DEFAULT_PRIORITY:
+                        self.retained.move_to_end(block.block_id)
+                        if block.tenant is not None:
+                            self.retained_by_tenant[block.tenant].move_to_end(block.block_id)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while any block is in use."""
@@ -246,9 +429,13 @@ class BlockPool:
             return False
         for block in self.usable_blocks:
             block.block_hash = None
+            block.priority, block.tenant = DEFAULT_PRIORITY, None
         for cached in self.cached:
             cached.clear()
         self.evictable.clear()
+        self.retained_free.clear()
+        self.retained.clear()
+        self.retained_by_tenant.clear()
         self.uncached_free = deque(self.usable_blocks)
         for listener in self._on_cleared:
             listener.cache_cleared()
@@ -263,6 +450,7 @@ class BlockPool:
                 if block is not null:
                     holders[block.block_id] = holders.get(block.block_id, 0) + 1
         free_ids = [b.block_id for b in self.uncached_free] + [b.block_id for b in self.evictable]
+        free_ids += [b.block_id for b in self.retained_free]
         assert len(free_ids) == len(set(free_ids)), "a block is in the free queues twice"
         free = set(free_ids)
         if null is not None:
@@ -282,6 +470,24 @@ class BlockPool:
             assert block.block_hash is None, f"uncached free block {block.block_id} carries a hash"
         for block in self.evictable:
             assert block.block_hash is not None, f"evictable block {block.block_id} carries no hash"
+            assert block.priority == DEFAULT_PRIORITY, f"block {block.block_id} of the policy's queue is not default"
+        for block in self.retained_free:
+            assert block.block_hash is not None, f"retained free block {block.block_id} carries no hash"
+            assert block.priority != DEFAULT_PRIORITY, f"default block {block.block_id} is in the retained queue"
+        above = {b.block_id for b in self.blocks if b.priority > DEFAULT_PRIORITY}
+        assert above == set(self.retained), "the retained share does not list exactly the blocks above default"
+        assert len(above) <= self.max_retained_blocks, "retained blocks exceed the share"
+        for block in self.blocks:
+            assert block.priority == DEFAULT_PRIORITY or block.block_hash is not None, (
+                f"uncached block {block.block_id} keeps priority {block.priority}"
+            )
+            assert block.priority != EXPIRED or block.ref_cnt == 0, f"block {block.block_id} in use is expired"
+        for tenant, owned in self.retained_by_tenant.items():
+            assert owned and all(self.retained.get(i) is b and b.tenant == tenant for i, b in owned.items()), (
+                f"tenant {tenant!r}'s retained blocks disagree with the share"
+            )
+            quota = self.max_tenant_retained_blocks
+            assert quota is None or len(owned) <= quota, f"tenant {tenant!r} exceeds its quota"
         indexed = 0
         for group, cached in enumerate(self.cached):
             for block_hash, entry in cached.items():

@@ -1,11 +1,20 @@
-"""Eviction policies: the order in which free blocks that still hold a cached prefix are reused."""
+"""Eviction policies: the order in which free blocks that still hold a cached prefix are reused.
+
+Blocks at the default priority are ordered by the pool's policy (LRU or ARC); blocks a retention directive gave
+another priority wait in a :class:`RetainedQueue` beside it, so that without directives nothing changes.
+"""
 
 from __future__ import annotations
 
+import bisect
+import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from itertools import chain
 from typing import TYPE_CHECKING, Protocol
+
+from prefixcache.core.retention import DEFAULT_PRIORITY
 
 if TYPE_CHECKING:
     from prefixcache.core.block_pool import Block
@@ -134,6 +143,114 @@ class AdaptiveEvictionPolicy:
 
     def __iter__(self) -> Iterator[Block]:
         return chain(self._once.values(), self._reused.values())
+
+
+# The level of free blocks whose TTL ended while they were free: below every priority, evicted first, oldest
+# expiry first. A block leaving it (hit or evicted) is back at the default priority.
+EXPIRED = -1
+
+
+class RetainedQueue:
+    """The free cached blocks whose priority is not the default: one LRU list per priority in use (``EXPIRED``
+    included), a sorted list of those priorities and a heap of expiries with lazy deletion.
+
+    Every operation is O(1) or O(log n): at most 102 priorities exist, so finding the lowest one in use is a
+    bounded list operation; a block's expiry is pushed when it is freed (its TTL runs from its last use), and an
+    entry that no longer matches the block (hit, demoted or evicted since) is skipped when it comes up. The heap
+    is rebuilt from the live blocks when stale entries outnumber them, so a hot block freed again and again
+    under a long TTL cannot grow it without bound.
+    """
+
+    def __init__(self) -> None:
+        self._levels: dict[int, OrderedDict[int, Block]] = {}
+        self._priorities: list[int] = []  # sorted: the levels that hold a block
+        self._expiries: list[tuple[float, int, Block]] = []
+        self._order = itertools.count()
+        self._len = 0
+
+    def push(self, block: Block, now: float) -> None:
+        """A block at ``block.priority`` (not the default) was freed at ``now``: it expires ``block.ttl_s`` later."""
+        self._append(block)
+        block.expires_at = now + block.ttl_s
+        heapq.heappush(self._expiries, (block.expires_at, next(self._order), block))
+        if len(self._expiries) > 2 * self._len + 64:
+            self._compact()
+
+    def remove(self, block: Block) -> None:
+        """A free block leaves the queue (it was hit or demoted)."""
+        level = self._levels[block.priority]
+        del level[block.block_id]
+        self._len -= 1
+        if not level:
+            self._drop_level(block.priority)
+
+    def lowest_priority(self) -> int | None:
+        """The lowest priority a free block here has (``EXPIRED`` first), None when empty."""
+        return self._priorities[0] if self._priorities else None
+
+    def pop_lowest(self) -> Block:
+        """Remove and return the least recently freed block of the lowest priority."""
+        priority = self._priorities[0]
+        level = self._levels[priority]
+        block = level.popitem(last=False)[1]
+        self._len -= 1
+        if not level:
+            self._drop_level(priority)
+        return block
+
+    def next_expiry(self) -> float | None:
+        """When the earliest live expiry here may fall (a stale entry may make it early, never late)."""
+        return self._expiries[0][0] if self._expiries else None
+
+    def expire(self, now: float) -> list[tuple[Block, int]]:
+        """Move every block whose TTL ended by ``now`` to the ``EXPIRED`` level, in order of expiry; returns each
+        with the priority it had."""
+        expired: list[tuple[Block, int]] = []
+        heap = self._expiries
+        while heap and heap[0][0] <= now:
+            expires_at, _, block = heapq.heappop(heap)
+            priority = block.priority
+            if block.ref_cnt or priority in (EXPIRED, DEFAULT_PRIORITY) or block.expires_at != expires_at:
+                continue  # hit, demoted, evicted or freed again since this entry was pushed
+            self.remove(block)
+            block.priority = EXPIRED
+            self._append(block)
+            expired.append((block, priority))
+        return expired
+
+    def clear(self) -> None:
+        self._levels.clear()
+        self._priorities.clear()
+        self._expiries.clear()
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Block]:
+        """The blocks in eviction order among themselves (lowest priority first, LRU within one)."""
+        return chain.from_iterable(self._levels[p].values() for p in self._priorities)
+
+    def _append(self, block: Block) -> None:
+        level = self._levels.get(block.priority)
+        if level is None:
+            level = self._levels[block.priority] = OrderedDict()
+            bisect.insort(self._priorities, block.priority)
+        level[block.block_id] = block
+        self._len += 1
+
+    def _drop_level(self, priority: int) -> None:
+        del self._levels[priority]
+        del self._priorities[bisect.bisect_left(self._priorities, priority)]
+
+    def _compact(self) -> None:
+        self._expiries = [
+            (block.expires_at, next(self._order), block)
+            for priority, level in self._levels.items()
+            if priority != EXPIRED
+            for block in level.values()
+        ]
+        heapq.heapify(self._expiries)
 
 
 EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {

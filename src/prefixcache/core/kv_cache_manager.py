@@ -10,6 +10,7 @@ given at construction.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -34,6 +35,13 @@ from prefixcache.core.miss import (
     hittable_tokens,
 )
 from prefixcache.core.request import MultiModalFeature, Request
+from prefixcache.core.retention import (
+    DEFAULT_MAX_RETAINED_FRACTION,
+    DEFAULT_MAX_RETENTION_TTL_S,
+    DEFAULT_PRIORITY,
+    block_directives,
+    check_bounds,
+)
 from prefixcache.core.sub_block import CopyOp, SubBlockIndex
 
 # The block ids of one position in every group's table (None where a sliding group holds the null block).
@@ -89,6 +97,8 @@ class PrefixCacheStats:
     preempted_requests: int = 0
     preempted_queries: int = 0
     preempted_hits: int = 0
+    retained_read_tokens: int = 0
+    retained_written_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -152,6 +162,12 @@ class KVCacheManager:
     ``groups`` (default: one full-attention group, a plain prefix cache) come from the model;
     ``connector`` extends hits with K/V from outside the pool (the offload tiers); ``listeners`` hear the
     pool's changes (KV events, a router's index). Sub-block matching needs one full-attention group.
+
+    Retention: each full block gets, when it is cached or hit, the priority and TTL of the request's
+    ``retention`` ranges that wholly cover it (:func:`~prefixcache.core.retention.block_directives`; the
+    TTL clamped to ``max_retention_ttl_s``), which the pool's eviction order honours. Retained blocks may hold
+    ``max_retained_fraction`` of the pool, a tenant's ``max_tenant_retained_fraction`` (None: no quota);
+    ``clock`` times the TTLs.
     """
 
     def __init__(
@@ -168,6 +184,10 @@ class KVCacheManager:
         groups: Sequence[KVCacheGroupSpec] = (FULL_ATTENTION,),
         connector: KVConnector | None = None,
         listeners: Sequence[BlockPoolListener] = (),
+        max_retained_fraction: float = DEFAULT_MAX_RETAINED_FRACTION,
+        max_retention_ttl_s: float = DEFAULT_MAX_RETENTION_TTL_S,
+        max_tenant_retained_fraction: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -176,6 +196,8 @@ class KVCacheManager:
             raise ValueError(f"sub_block_size must be a positive divisor of block_size, got {sub_block_size}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        check_bounds(max_retained_fraction, max_retention_ttl_s, max_tenant_retained_fraction)
+        self.max_retention_ttl_s = max_retention_ttl_s
         self.groups = check_groups(groups)
         check_sub_blocks(self.groups, block_size, sub_block_size)
         self.block_size = block_size
@@ -199,6 +221,7 @@ class KVCacheManager:
             pool_listeners.append(self.connector)
         pool_listeners.extend(listeners)
         self._sliding = [g for g, spec in enumerate(self.groups) if spec.sliding_window is not None]
+        num_usable = num_blocks - bool(self._sliding)
         self.pool = BlockPool(
             num_blocks,
             enable_caching,
@@ -206,6 +229,11 @@ class KVCacheManager:
             pool_listeners,
             num_groups=len(self.groups),
             reserve_null_block=bool(self._sliding),
+            max_retained_blocks=int(max_retained_fraction * num_usable),
+            max_tenant_retained_blocks=None
+            if max_tenant_retained_fraction is None
+            else int(max_tenant_retained_fraction * num_usable),
+            clock=clock,
         )
         self.null_block = self.pool.null_block
         self.watermark_blocks = int(watermark * self.pool.num_usable_blocks)
@@ -421,6 +449,10 @@ class KVCacheManager:
                 self.pool.touch(table if null is None else [block for block in table if block is not null])
             self._tables[request.request_id] = tables
             self._num_cached_blocks[request.request_id] = num_held
+            if not request.counted_in_stats:
+                request.retention_read_end = num_held + hit.num_external_tokens // block_size
+            if num_held and (request.retention or self.pool.retained):
+                self._apply_retention(request, tables, 0, num_held)
             self._count_admission(request, num_held * block_size + hit.num_external_tokens, num_copied)
             if self.sub_blocks is not None:
                 self._sub_block_requests[request.request_id] = request
@@ -629,6 +661,37 @@ class KVCacheManager:
                 "looked-up prefix (evicted since the lookup); look it up again"
             )
 
+    def _apply_retention(self, request: Request, tables: list[list[Block]], start: int, end: int) -> None:
+        """Give block positions ``start`` .. ``end`` - 1 the request's directives (hits and blocks about to be
+        cached), then count, once per position, the prompt tokens read from or written into retained blocks."""
+        directives = request.block_directives
+        if directives is None:
+            directives, ttl_clamped = block_directives(request.retention, self.block_size, self.max_retention_ttl_s)
+            request.block_directives = directives
+            if ttl_clamped:
+                _note_clamp(request, "max_retention_ttl_s")
+        pool, null, block_size = self.pool, self.null_block, self.block_size
+        num_prompt = request.num_prompt_tokens
+        stats = self.stats
+        for k in range(start, end):
+            directive = next((d for d in directives if d.covers(k)), None)
+            blocks = [table[k] for table in tables if table[k] is not null]
+            if directive is not None:
+                for block in blocks:
+                    for bound in pool.retain(block, directive.priority, directive.ttl_s, request.tenant):
+                        _note_clamp(request, bound)
+            if k < request.retention_accounted_blocks:
+                continue
+            request.retention_accounted_blocks = k + 1
+            tokens = min(block_size, num_prompt - k * block_size)
+            if tokens > 0 and blocks and blocks[0].priority > DEFAULT_PRIORITY:
+                if k < request.retention_read_end:
+                    request.num_retained_read_tokens += tokens
+                    stats.retained_read_tokens += tokens
+                else:
+                    request.num_retained_written_tokens += tokens
+                    stats.retained_written_tokens += tokens
+
     def _count_admission(self, request: Request, num_hit_tokens: int, num_copied_tokens: int) -> None:
         stats = self.stats
         if request.counted_in_stats:  # admitted again after a preemption: its own blocks, mostly
@@ -666,6 +729,14 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self.block_hashes(request)
+        if request.retention:  # before the pool announces them, so listeners see their retention
+            self._apply_retention(request, tables, start, num_full)
         for g, table in enumerate(tables):
             self.pool.cache_full_blocks(request, table, hashes, start, num_full, self.block_size, g)
         self._num_cached_blocks[request.request_id] = num_full
+
+
+def _note_clamp(request: Request, bound: str) -> None:
+    """Name a bound the request's directives ran into, once (the response reports them)."""
+    if bound not in request.retention_clamped:
+        request.retention_clamped.append(bound)

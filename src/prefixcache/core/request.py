@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prefixcache.core.hashing import LORA_TAG, MM_TAG, SALT_TAG, BlockHash, ExtraKeys, hash_blocks, pack_token_ids
-from prefixcache.core.retention import RetentionRange, check_retention
+from prefixcache.core.retention import BlockDirective, RetentionRange, check_retention
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,10 @@ class Request:
     prefix plus everything scheduled); ``block_hashes`` grows as blocks fill, so every block is hashed
     once per request however often it is looked up. ``retention`` are the request's retention directives (ranges of
     its tokens to keep at a priority, for a TTL) and ``tenant`` the API key's tenant whose quota bounds them.
+
+    The manager counts, once per block position, the prompt tokens this request read from (``num_retained_read_
+    tokens``: positions hit at its first admission) or wrote into (``num_retained_written_tokens``) blocks above
+    the default priority, and lists in ``retention_clamped`` the bounds its directives ran into.
     """
 
     request_id: str
@@ -54,6 +58,12 @@ class Request:
     hash_key: tuple | None = field(default=None, init=False)
     counted_in_stats: bool = field(default=False, init=False)
     packed_token_ids: array = field(init=False, repr=False)
+    num_retained_read_tokens: int = field(default=0, init=False)
+    num_retained_written_tokens: int = field(default=0, init=False)
+    retention_clamped: list[str] = field(default_factory=list, init=False)
+    retention_accounted_blocks: int = field(default=0, init=False)  # block positions counted read or written
+    retention_read_end: int = field(default=0, init=False)  # positions before it were hits at first admission
+    block_directives: tuple[BlockDirective, ...] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -17,6 +17,10 @@ MIN_PRIORITY = 0
 MAX_PRIORITY = 100
 # Every block without a directive has this priority (TensorRT-LLM's default), so a range can also lower one.
 DEFAULT_PRIORITY = 35
+# The operator's bounds unless set (EngineConfig and the cache manager share them): half the cache may be
+# retained, for at most OpenAI's longest retention, 24 hours.
+DEFAULT_MAX_RETAINED_FRACTION = 0.5
+DEFAULT_MAX_RETENTION_TTL_S = 86400.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,3 +70,56 @@ def check_retention(ranges: Sequence[RetentionRange], num_prompt_tokens: int) ->
                 f"retention range {directive.start}..{end} is past the prompt of {num_prompt_tokens} tokens"
             )
     return tuple(ranges)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockDirective:
+    """A range as the cache manager applies it: blocks ``first`` .. ``end`` - 1 (None: to the end) get
+    ``priority`` for ``ttl_s`` seconds (already clamped to the operator's largest TTL)."""
+
+    first: int
+    end: int | None
+    priority: int
+    ttl_s: float
+
+    def covers(self, block_index: int) -> bool:
+        return self.first <= block_index and (self.end is None or block_index < self.end)
+
+
+def block_directives(
+    ranges: Sequence[RetentionRange], block_size: int, max_ttl_s: float
+) -> tuple[tuple[BlockDirective, ...], bool]:
+    """The ranges on whole blocks, best first, and whether a TTL was clamped to ``max_ttl_s``.
+
+    A block gets a range's retention only when it lies wholly inside the range: a breakpoint means "the prefix up
+    to here", and a block that also holds tokens after it hashes those tokens too, so the next request that shares
+    the prefix would not hit it anyway. Where ranges overlap, the highest priority wins, then the longest TTL. A
+    range at the default priority changes nothing (its TTL would return the block to where it is) and is dropped;
+    a range without a TTL keeps its blocks for the largest TTL the operator allows.
+    """
+    directives: list[BlockDirective] = []
+    clamped = False
+    for directive in ranges:
+        if directive.priority == DEFAULT_PRIORITY:
+            continue
+        first = -(-directive.start // block_size)
+        end = None if directive.end is None else directive.end // block_size
+        if end is not None and end <= first:
+            continue  # no whole block inside
+        ttl_s = max_ttl_s if directive.ttl_s is None else min(directive.ttl_s, max_ttl_s)
+        clamped |= directive.ttl_s is not None and directive.ttl_s > max_ttl_s
+        directives.append(BlockDirective(first, end, directive.priority, ttl_s))
+    directives.sort(key=lambda d: (-d.priority, -d.ttl_s))
+    return tuple(directives), clamped
+
+
+def check_bounds(
+    max_retained_fraction: float, max_retention_ttl_s: float, max_tenant_retained_fraction: float | None
+) -> None:
+    """ValueError naming the operator's retention bound that is out of range (the config and the manager check)."""
+    if not 0.0 <= max_retained_fraction <= 1.0:
+        raise ValueError(f"max_retained_fraction must be in [0, 1], got {max_retained_fraction}")
+    if not max_retention_ttl_s > 0:
+        raise ValueError(f"max_retention_ttl_s must be positive, got {max_retention_ttl_s}")
+    if max_tenant_retained_fraction is not None and not 0.0 <= max_tenant_retained_fraction <= 1.0:
+        raise ValueError(f"max_tenant_retained_fraction must be in [0, 1] or None, got {max_tenant_retained_fraction}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -81,6 +82,9 @@ class EngineCore:
             groups=groups,
             connector=self.offload,
             listeners=listeners,
+            max_retained_fraction=config.max_retained_fraction,
+            max_retention_ttl_s=config.max_retention_ttl_s,
+            max_tenant_retained_fraction=config.max_tenant_retained_fraction,
         )
         self.kv_capacity_tokens = self.manager.max_request_tokens(config.max_num_batched_tokens)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -244,8 +248,14 @@ class EngineCore:
     def _fail(self, request: EngineRequest, error: str) -> EngineCoreOutput:
         """End one request that failed on its own (its blocks hold valid K/V: the forward pass succeeded)."""
         self._finish(request, RequestStatus.ABORTED)
-        num_cached = request.num_cached_tokens or 0
-        return EngineCoreOutput(request.request_id, [], num_cached, finish_reason="abort", error=error)
+        return EngineCoreOutput(
+            request.request_id,
+            [],
+            request.num_cached_tokens or 0,
+            finish_reason="abort",
+            error=error,
+            **_retention_accounting(request),
+        )
 
     def _append_token(
         self, request: EngineRequest, token: int, logprobs: dict[int, float] | None = None
@@ -269,6 +279,7 @@ class EngineCore:
             stop_reason=stop_reason,
             prompt_logprobs=request.prompt_logprobs if first else None,
             logprobs=None if logprobs is None else [logprobs],
+            **_retention_accounting(request),
         )
         if finish_reason is not None:
             self._finish(request, RequestStatus.FINISHED)
@@ -280,3 +291,12 @@ class EngineCore:
         del self.requests[request.request_id]
         if request.num_cached_tokens is not None:  # it was admitted, so its lookup counts
             self._recent.append((request.num_prompt_tokens, request.num_cached_tokens))
+
+
+def _retention_accounting(request: EngineRequest) -> dict[str, Any]:
+    """The retention fields of a request's output: retained tokens read and written, and the bounds hit."""
+    return {
+        "num_retained_written_tokens": request.num_retained_written_tokens,
+        "num_retained_read_tokens": request.num_retained_read_tokens,
+        "retention_clamped": ", ".join(request.retention_clamped) or None,
+    }
