@@ -79,45 +79,47 @@ def test_stop_sequences_stop_and_are_named(claude, model_name):
     assert stopped.content[0].text == free[: free.index(stop)]
 
 
-def test_cache_control_writes_then_reads_retained_tokens(claude, model_name):
-    """Anthropic's accounting: the first call writes its marked prefix, the second reads what the first wrote, and
-    input + written + read is the whole prompt."""
+def test_cache_control_writes_then_reads_retained_tokens(server, claude, model_name):
+    """Anthropic's accounting: the first call writes its marked prefix (a block it hit that it marked counts as
+    read), the second reads all of it, and input + written + read is the whole prompt. What is retained is the
+    whole blocks (4 tokens here) before the breakpoint: the end of the system block."""
+    system = "Prefix caching reuses the keys and values of shared prompt prefixes."
     question = {
         "model": model_name,
         "max_tokens": 2,
         "extra_body": GREEDY,
-        "system": [
-            {"type": "text", "text": SYSTEM + " (messages)", "cache_control": {"type": "ephemeral", "ttl": "1h"}}
-        ],
+        "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
         "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
     }
     prompt = claude.messages.count_tokens(**{k: v for k, v in question.items() if k in ("model", "system", "messages")})
     first = claude.messages.create(**question).usage
     second = claude.messages.create(**question).usage
-    assert first.cache_creation_input_tokens > 0 and first.cache_read_input_tokens == 0
-    assert (second.cache_read_input_tokens, second.cache_creation_input_tokens) == (
-        first.cache_creation_input_tokens,
-        0,
-    )
+    marked = len(httpx.post(f"{server.url}/tokenize", json={"prompt": f"<|system|>{system}"}).json()["tokens"])
+    assert first.cache_creation_input_tokens > 0
+    assert first.cache_creation_input_tokens + first.cache_read_input_tokens == marked // 4 * 4
+    assert second.cache_read_input_tokens == marked // 4 * 4 and second.cache_creation_input_tokens == 0
     for usage in (first, second):
         total = usage.input_tokens + usage.cache_creation_input_tokens + usage.cache_read_input_tokens
         assert total == prompt.input_tokens
     with claude.messages.stream(**question) as stream:
         streamed = stream.get_final_message().usage
-    assert streamed.cache_read_input_tokens == first.cache_creation_input_tokens
+    assert (streamed.cache_read_input_tokens, streamed.cache_creation_input_tokens) == (marked // 4 * 4, 0)
 
 
-def test_top_level_cache_control_marks_the_end_of_the_conversation(claude, model_name):
+def test_top_level_cache_control_marks_the_end_of_the_last_block(server, claude, model_name):
+    text = "0123456789 abcdefghijklmnopqrstuvwxyz (top level)"
     question = {
         "model": model_name,
         "max_tokens": 2,
         "extra_body": GREEDY,
-        "messages": [{"role": "user", "content": SYSTEM + " (top level)"}],
+        "messages": [{"role": "user", "content": text}],
     }
     first = claude.messages.create(**question, cache_control={"type": "ephemeral"}).usage
     second = claude.messages.create(**question, cache_control={"type": "ephemeral"}).usage
+    marked = len(httpx.post(f"{server.url}/tokenize", json={"prompt": f"<|user|>{text}"}).json()["tokens"])
     assert first.cache_creation_input_tokens > 0
-    assert second.cache_read_input_tokens == first.cache_creation_input_tokens
+    assert first.cache_creation_input_tokens + first.cache_read_input_tokens == marked // 4 * 4
+    assert (second.cache_read_input_tokens, second.cache_creation_input_tokens) == (marked // 4 * 4, 0)
 
 
 def test_tools_with_cache_control_reach_the_template(claude, model_name):
