@@ -28,7 +28,7 @@ from prefixcache.engine.input_processor import chat_token_ids, prompt_too_long, 
 from prefixcache.router.backend_config import CacheConfig
 from prefixcache.router.blocks import CONTENT_HASH_ALGO, CONTENT_ROOT
 from prefixcache.router.wire import external_block_hash
-from prefixcache.server.protocol import ChatMessage
+from prefixcache.server.protocol import ChatMessage, ChatTool
 
 # What the server generates when a completion request gives no max_tokens (OpenAI's default); also the
 # router's guess for a chat request without a limit.
@@ -105,9 +105,11 @@ class PromptHasher:
                 if not isinstance(messages, list):
                     return None
                 conversation = [ChatMessage.model_validate(m).template_dict() for m in messages]
+                tools = [ChatTool.model_validate(t).template_dict() for t in body.get("tools") or ()] or None
                 if self.max_text_chars is not None:  # rendered first: the template's text is what is tokenized
-                    self._check_text(self.tokenizer.apply_chat_template(conversation, tokenize=False))
-                token_ids = chat_token_ids(self.tokenizer, conversation)
+                    kwargs = {"tools": tools} if tools else {}
+                    self._check_text(self.tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs))
+                token_ids = chat_token_ids(self.tokenizer, conversation, tools=tools)
             else:
                 prompt = body.get("prompt")
                 if not isinstance(prompt, str | list):
