@@ -7,6 +7,8 @@ import pytest
 
 from tests.server.harness import API_KEY, METRICS_API_KEY, OTHER_API_KEY, SERVER_ARGS, ServerProcess
 
+SECURED_MAX_RETENTION_TTL_S = 1800  # half of cache_control's "1h": the secured server clamps it
+
 
 @pytest.fixture(scope="session")
 def _servers(tiny_llama_dir, tmp_path_factory):
@@ -18,6 +20,7 @@ def _servers(tiny_llama_dir, tmp_path_factory):
             *SERVER_ARGS,
             *("--api-key", API_KEY, "--api-key", OTHER_API_KEY, "--metrics-api-key", METRICS_API_KEY),
             *("--enable-reset-prefix-cache", "--served-model-name", "tiny", "alias"),
+            *("--max-retention-ttl", str(SECURED_MAX_RETENTION_TTL_S)),
         ],
         logs / "secured.log",
     )
@@ -38,8 +41,9 @@ def server(_servers) -> ServerProcess:
 
 @pytest.fixture(scope="session")
 def secured_server(_servers) -> ServerProcess:
-    """``--api-key`` twice (``API_KEY``, ``OTHER_API_KEY``), ``--metrics-api-key METRICS_API_KEY`` and
-    ``--enable-reset-prefix-cache``; served as ``tiny`` and ``alias``."""
+    """``--api-key`` twice (``API_KEY``, ``OTHER_API_KEY``), ``--metrics-api-key METRICS_API_KEY``,
+    ``--enable-reset-prefix-cache`` and ``--max-retention-ttl SECURED_MAX_RETENTION_TTL_S``; served as ``tiny``
+    and ``alias``."""
     return _servers[1]
 
 

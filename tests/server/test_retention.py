@@ -7,7 +7,9 @@ import json
 import httpx
 import pytest
 
-from prefixcache.server.retention import BREAKPOINT_PRIORITY, PERSISTENT_PRIORITY
+from prefixcache.core.retention import RetentionRange
+from prefixcache.server.retention import BREAKPOINT_PRIORITY, PERSISTENT_PRIORITY, CacheControl, breakpoint_ranges
+from tests.server.harness import API_KEY
 from tests.server.test_client_fields import CHAT, COMPLETIONS, post, refused
 
 SYSTEM = "You are a helpful assistant. Answer briefly and truthfully."
@@ -157,3 +159,35 @@ def test_usage_reports_retained_tokens_only_where_directives_were_given(server):
     )
     chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert chunks[-1]["usage"]["prompt_tokens_details"]["retained_read_tokens"] == retained
+
+
+def test_a_clamped_directive_runs_and_the_usage_says_which_bound(secured_server):
+    """The secured server allows TTLs up to 30 minutes: an hour-long breakpoint is clamped, a 5-minute one not."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def usage(ttl: str) -> dict:
+        system = {
+            "role": "system",
+            "content": f"{SYSTEM} ({ttl} clamp)",
+            "cache_control": {"type": "ephemeral", "ttl": ttl},
+        }
+        body = {"messages": [system, {"role": "user", "content": "hi"}], "max_tokens": 2}
+        response = httpx.post(f"{secured_server.url}{CHAT}", json=body, headers=headers, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]
+
+    assert usage("1h")["retention_clamped"] == "max_retention_ttl_s"
+    assert "retention_clamped" not in usage("5m")
+
+
+def test_breakpoints_become_disjoint_ranges_at_the_strongest_covering_directive():
+    """A later, longer-lived breakpoint covers everything before it too; a repeated or empty one adds nothing."""
+    five, hour = CacheControl(type="ephemeral"), CacheControl(type="ephemeral", ttl="1h")
+    assert breakpoint_ranges([8, 20, 20, 0], [five, hour, five, hour]) == [
+        RetentionRange(0, 8, BREAKPOINT_PRIORITY["1h"], 3600.0),
+        RetentionRange(8, 20, BREAKPOINT_PRIORITY["1h"], 3600.0),
+    ]
+    assert breakpoint_ranges([20, 8], [five, hour]) == [
+        RetentionRange(0, 8, BREAKPOINT_PRIORITY["1h"], 3600.0),
+        RetentionRange(8, 20, BREAKPOINT_PRIORITY["5m"], 300.0),
+    ]
