@@ -227,9 +227,9 @@ class BlockPool:
                 retained[block.block_id] = block
                 if owned is not None:
                     owned[block.block_id] = block
-        return self._enforce_bounds(tenant, owned) if raising else []
+        return self._enforce_bounds(owned) if raising else []
 
-    def _enforce_bounds(self, tenant: str | None, owned: OrderedDict[int, Block] | None) -> list[str]:
+    def _enforce_bounds(self, owned: OrderedDict[int, Block] | None) -> list[str]:
         """Demote the oldest retained blocks past the tenant's quota (its own first), then past the share."""
         bounds: list[str] = []
         if owned is not None:
@@ -238,8 +238,6 @@ class BlockPool:
                 bounds.append("max_tenant_retained_fraction")
                 while len(owned) > quota:
                     self._demote(next(iter(owned.values())))
-            if not owned:
-                self.retained_by_tenant.pop(tenant, None)
         if len(self.retained) > self.max_retained_blocks:
             bounds.append("max_retained_fraction")
             while len(self.retained) > self.max_retained_blocks:
@@ -259,11 +257,8 @@ class BlockPool:
         """Drop a block that was above the default priority from the retained share (and its tenant's)."""
         if priority > DEFAULT_PRIORITY:
             del self.retained[block.block_id]
-            if block.tenant is not None:
-                owned = self.retained_by_tenant[block.tenant]
-                del owned[block.block_id]
-                if not owned:
-                    del self.retained_by_tenant[block.tenant]
+            if block.tenant is not None:  # the tenant's table stays, if empty: a retain call may be filling it
+                del self.retained_by_tenant[block.tenant][block.block_id]
 
     def _demote(self, block: Block) -> None:
         """Return a retained block to the default priority; a free one joins the eviction policy's queue."""
@@ -509,11 +504,14 @@ class BlockPool:
             )
             assert block.priority != EXPIRED or block.ref_cnt == 0, f"block {block.block_id} in use is expired"
         for tenant, owned in self.retained_by_tenant.items():
-            assert owned and all(self.retained.get(i) is b and b.tenant == tenant for i, b in owned.items()), (
+            assert all(self.retained.get(i) is b and b.tenant == tenant for i, b in owned.items()), (
                 f"tenant {tenant!r}'s retained blocks disagree with the share"
             )
             quota = self.max_tenant_retained_blocks
             assert quota is None or len(owned) <= quota, f"tenant {tenant!r} exceeds its quota"
+        assert sum(map(len, self.retained_by_tenant.values())) == sum(
+            b.tenant is not None for b in self.retained.values()
+        ), "a tenant's retained block is missing from its table"
         indexed = 0
         for group, cached in enumerate(self.cached):
             for block_hash, entry in cached.items():
