@@ -78,7 +78,9 @@ class StoredBlocks:
 
     ``parent_block_hash`` is the hash of the block before the first one, None at the start of a
     prompt; ``token_ids`` are all the blocks' tokens in order; ``extra_keys`` has one entry a block;
-    ``group`` is the KV cache group whose map now holds them.
+    ``group`` is the KV cache group whose map now holds them. ``retention`` has each block's ``(priority,
+    ttl_s)`` (``ttl_s`` None at the default priority) when a retention directive marked some of them (None: none
+    was).
     """
 
     block_hashes: list[BlockHash]
@@ -88,6 +90,7 @@ class StoredBlocks:
     lora_name: str | None
     extra_keys: list[ExtraKeys | None]
     group: int = 0
+    retention: list[tuple[int, float | None]] | None = None
 
 
 class BlockPoolListener:
@@ -406,6 +409,8 @@ class BlockPool:
         if not self._on_stored:
             return
         for first, last in runs:
+            blocks = table[first:last]
+            marked = any(block.priority != DEFAULT_PRIORITY for block in blocks)
             stored = StoredBlocks(
                 block_hashes=block_hashes[first:last],
                 parent_block_hash=block_hashes[first - 1] if first else None,
@@ -414,6 +419,9 @@ class BlockPool:
                 lora_name=request.lora_name,
                 extra_keys=[request.block_extra_keys(k, block_size) for k in range(first, last)],
                 group=group,
+                retention=[(b.priority, None if b.priority == DEFAULT_PRIORITY else b.ttl_s) for b in blocks]
+                if marked
+                else None,
             )
             for listener in self._on_stored:
                 listener.blocks_stored(stored)
