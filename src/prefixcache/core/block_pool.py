@@ -78,7 +78,9 @@ class StoredBlocks:
 
     ``parent_block_hash`` is the hash of the block before the first one, None at the start of a
     prompt; ``token_ids`` are all the blocks' tokens in order; ``extra_keys`` has one entry a block;
-    ``group`` is the KV cache group whose map now holds them.
+    ``group`` is the KV cache group whose map now holds them. ``retention`` has each block's ``(priority,
+    ttl_s)`` (``ttl_s`` None at the default priority) when a retention directive marked some of them (None: none
+    was).
     """
 
     block_hashes: list[BlockHash]
@@ -88,6 +90,7 @@ class StoredBlocks:
     lora_name: str | None
     extra_keys: list[ExtraKeys | None]
     group: int = 0
+    retention: list[tuple[int, float | None]] | None = None
 
 
 class BlockPoolListener:
@@ -200,29 +203,41 @@ class BlockPool:
             self._forget_retained(block, priority)
             block.tenant = None
 
-    def retain(self, block: Block, priority: int, ttl_s: float, tenant: str | None) -> list[str]:
-        """Mark a cached block in use with a directive's priority and TTL; returns the bounds it ran into.
+    def retain(self, blocks: Iterable[Block], priority: int, ttl_s: float, tenant: str | None) -> list[str]:
+        """Mark cached blocks in use with a directive's priority and TTL; returns the bounds they ran into.
 
-        A block another tenant marked is left as it is. Past the retained share or the tenant's quota, the least
-        recently marked or used retained blocks (possibly this one) are demoted to the default priority.
+        A block another tenant marked is left as it is. Past the tenant's quota, then past the retained share,
+        the least recently marked or used retained blocks (possibly these) are demoted to the default priority.
         """
-        old = block.priority
-        if old != DEFAULT_PRIORITY and block.tenant != tenant:
-            return []
-        self._forget_retained(block, old)
-        block.priority, block.ttl_s, block.tenant = priority, ttl_s, tenant
-        if priority == DEFAULT_PRIORITY:
-            block.tenant = None
-            return []
-        if priority < DEFAULT_PRIORITY:
-            return []
-        self.retained[block.block_id] = block
+        retained = self.retained
+        raising = priority > DEFAULT_PRIORITY
+        owned = self.retained_by_tenant.setdefault(tenant, OrderedDict()) if raising and tenant is not None else None
+        for block in blocks:
+            old = block.priority
+            if old != DEFAULT_PRIORITY:
+                if block.tenant != tenant:
+                    continue
+                if old == priority and block.ttl_s == ttl_s:  # renewed: only its place among the retained moves
+                    if raising:
+                        retained.move_to_end(block.block_id)
+                        if owned is not None:
+                            owned.move_to_end(block.block_id)
+                    continue
+                self._forget_retained(block, old)
+            block.priority, block.ttl_s = priority, ttl_s
+            block.tenant = None if priority == DEFAULT_PRIORITY else tenant
+            if raising:
+                retained[block.block_id] = block
+                if owned is not None:
+                    owned[block.block_id] = block
+        return self._enforce_bounds(owned) if raising else []
+
+    def _enforce_bounds(self, owned: OrderedDict[int, Block] | None) -> list[str]:
+        """Demote the oldest retained blocks past the tenant's quota (its own first), then past the share."""
         bounds: list[str] = []
-        if tenant is not None:
-            owned = self.retained_by_tenant.setdefault(tenant, OrderedDict())
-            owned[block.block_id] = block
+        if owned is not None:
             quota = self.max_tenant_retained_blocks
-            if quota is not None and len(owned) > quota:  # the tenant's own oldest go before anyone else's
+            if quota is not None and len(owned) > quota:
                 bounds.append("max_tenant_retained_fraction")
                 while len(owned) > quota:
                     self._demote(next(iter(owned.values())))
@@ -245,11 +260,8 @@ class BlockPool:
         """Drop a block that was above the default priority from the retained share (and its tenant's)."""
         if priority > DEFAULT_PRIORITY:
             del self.retained[block.block_id]
-            if block.tenant is not None:
-                owned = self.retained_by_tenant[block.tenant]
-                del owned[block.block_id]
-                if not owned:
-                    del self.retained_by_tenant[block.tenant]
+            if block.tenant is not None:  # the tenant's table stays, if empty: a retain call may be filling it
+                del self.retained_by_tenant[block.tenant][block.block_id]
 
     def _demote(self, block: Block) -> None:
         """Return a retained block to the default priority; a free one joins the eviction policy's queue."""
@@ -280,31 +292,38 @@ class BlockPool:
             return entry
         return next(iter(entry.values()))
 
-    def touch(self, blocks: Iterable[Block]) -> None:
+    def touch(self, blocks: Sequence[Block]) -> None:
         """Take a reference on hit blocks (never the null block); a free one leaves the free queue. A hit on a
         block whose TTL ended finds it back at the default priority."""
         evictable = self.evictable
         if self.retained_free:
             self.expire()
-        num_default = 0
+        retained_free = self.retained_free
+        num_default = num_retained = num_low = num_expired = 0
         for block in blocks:
-            if block.priority != DEFAULT_PRIORITY:
-                self._touch_marked(block)
-            else:
+            priority = block.priority
+            if priority == DEFAULT_PRIORITY:
                 num_default += 1
                 if block.ref_cnt == 0:
                     evictable.remove(block)
+            else:
+                if priority > DEFAULT_PRIORITY:
+                    num_retained += 1
+                elif priority == EXPIRED:
+                    num_expired += 1
+                else:
+                    num_low += 1
+                if block.ref_cnt == 0:
+                    retained_free.remove(block)
+                    if priority == EXPIRED:
+                        block.priority = DEFAULT_PRIORITY
             block.ref_cnt += 1
-        self.retention_counters.hits["default"] += num_default
-
-    def _touch_marked(self, block: Block) -> None:
-        """A hit on a block a directive marked: counted by its class; a free one leaves the retained queue."""
-        priority = block.priority
-        self.retention_counters.hits[priority_class(priority)] += 1
-        if block.ref_cnt == 0:
-            self.retained_free.remove(block)
-            if priority == EXPIRED:
-                block.priority = DEFAULT_PRIORITY
+        hits = self.retention_counters.hits
+        hits["default"] += num_default
+        if num_default != len(blocks):
+            hits["retained"] += num_retained
+            hits["low"] += num_low
+            hits["expired"] += num_expired
 
     def get_new_blocks(self, num_blocks: int) -> list[Block]:
         """Pop ``num_blocks`` free blocks (caller checked there are enough), evicting cached ones last.
@@ -390,6 +409,8 @@ class BlockPool:
         if not self._on_stored:
             return
         for first, last in runs:
+            blocks = table[first:last]
+            marked = any(block.priority != DEFAULT_PRIORITY for block in blocks)
             stored = StoredBlocks(
                 block_hashes=block_hashes[first:last],
                 parent_block_hash=block_hashes[first - 1] if first else None,
@@ -398,6 +419,9 @@ class BlockPool:
                 lora_name=request.lora_name,
                 extra_keys=[request.block_extra_keys(k, block_size) for k in range(first, last)],
                 group=group,
+                retention=[(b.priority, None if b.priority == DEFAULT_PRIORITY else b.ttl_s) for b in blocks]
+                if marked
+                else None,
             )
             for listener in self._on_stored:
                 listener.blocks_stored(stored)
@@ -406,7 +430,7 @@ class BlockPool:
         """Drop one reference from each block (never the null block), in eviction order (the first freed is
         evicted first). A block's TTL starts now: it is last used."""
         uncached, evictable = self.uncached_free, self.evictable
-        now = None
+        marked: list[Block] | None = None
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
@@ -414,14 +438,19 @@ class BlockPool:
                     uncached.append(block)
                 elif block.priority == DEFAULT_PRIORITY:
                     evictable.push(block)
+                elif marked is None:
+                    marked = [block]
                 else:
-                    if now is None:
-                        now = self.clock()
-                    self.retained_free.push(block, now)
-                    if block.priority > DEFAULT_PRIORITY:
-                        self.retained.move_to_end(block.block_id)
-                        if block.tenant is not None:
-                            self.retained_by_tenant[block.tenant].move_to_end(block.block_id)
+                    marked.append(block)
+        if marked is None:
+            return
+        self.retained_free.push(marked, self.clock())
+        retained, by_tenant = self.retained, self.retained_by_tenant
+        for block in marked:  # last used now: the last the share would demote
+            if block.priority > DEFAULT_PRIORITY:
+                retained.move_to_end(block.block_id)
+                if block.tenant is not None:
+                    by_tenant[block.tenant].move_to_end(block.block_id)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while any block is in use."""
@@ -483,11 +512,14 @@ class BlockPool:
             )
             assert block.priority != EXPIRED or block.ref_cnt == 0, f"block {block.block_id} in use is expired"
         for tenant, owned in self.retained_by_tenant.items():
-            assert owned and all(self.retained.get(i) is b and b.tenant == tenant for i, b in owned.items()), (
+            assert all(self.retained.get(i) is b and b.tenant == tenant for i, b in owned.items()), (
                 f"tenant {tenant!r}'s retained blocks disagree with the share"
             )
             quota = self.max_tenant_retained_blocks
             assert quota is None or len(owned) <= quota, f"tenant {tenant!r} exceeds its quota"
+        assert sum(map(len, self.retained_by_tenant.values())) == sum(
+            b.tenant is not None for b in self.retained.values()
+        ), "a tenant's retained block is missing from its table"
         indexed = 0
         for group, cached in enumerate(self.cached):
             for block_hash, entry in cached.items():

@@ -671,26 +671,42 @@ class KVCacheManager:
             if ttl_clamped:
                 _note_clamp(request, "max_retention_ttl_s")
         pool, null, block_size = self.pool, self.null_block, self.block_size
-        num_prompt = request.num_prompt_tokens
-        stats = self.stats
-        for k in range(start, end):
+        k = start
+        while k < end and directives:  # in runs of positions that the same directive covers
             directive = next((d for d in directives if d.covers(k)), None)
-            blocks = [table[k] for table in tables if table[k] is not null]
+            run_end = min([end, *(b for d in directives for b in (d.first, d.end) if b is not None and b > k)])
             if directive is not None:
-                for block in blocks:
-                    for bound in pool.retain(block, directive.priority, directive.ttl_s, request.tenant):
-                        _note_clamp(request, bound)
-            if k < request.retention_accounted_blocks:
-                continue
-            request.retention_accounted_blocks = k + 1
-            tokens = min(block_size, num_prompt - k * block_size)
-            if tokens > 0 and blocks and blocks[0].priority > DEFAULT_PRIORITY:
-                if k < request.retention_read_end:
-                    request.num_retained_read_tokens += tokens
-                    stats.retained_read_tokens += tokens
+                if null is None:
+                    blocks = tables[0][k:run_end] if len(tables) == 1 else [b for t in tables for b in t[k:run_end]]
                 else:
-                    request.num_retained_written_tokens += tokens
-                    stats.retained_written_tokens += tokens
+                    blocks = [b for t in tables for b in t[k:run_end] if b is not null]
+                for bound in pool.retain(blocks, directive.priority, directive.ttl_s, request.tenant):
+                    _note_clamp(request, bound)
+            k = run_end
+        first = max(start, request.retention_accounted_blocks)
+        if first >= end:
+            return
+        request.retention_accounted_blocks = end
+        num_prompt = request.num_prompt_tokens
+        last = min(end, _cdiv(num_prompt, block_size))
+        if first >= last:
+            return
+        if null is None:
+            row = tables[0][first:last]
+        else:  # a sliding group holds the null block where its window does not reach: take a group that holds one
+            row = [next((t[k] for t in tables if t[k] is not null), null) for k in range(first, last)]
+        retained = [block.priority > DEFAULT_PRIORITY for block in row]
+        split = min(max(request.retention_read_end - first, 0), len(retained))
+        num_read, num_written = sum(retained[:split]) * block_size, sum(retained[split:]) * block_size
+        if retained[-1] and last * block_size > num_prompt:  # the prompt ends inside the last block
+            if split == len(retained):
+                num_read -= last * block_size - num_prompt
+            else:
+                num_written -= last * block_size - num_prompt
+        request.num_retained_read_tokens += num_read
+        request.num_retained_written_tokens += num_written
+        self.stats.retained_read_tokens += num_read
+        self.stats.retained_written_tokens += num_written
 
     def _count_admission(self, request: Request, num_hit_tokens: int, num_copied_tokens: int) -> None:
         stats = self.stats
