@@ -7,7 +7,7 @@ import json
 import pytest
 
 from prefixcache.engine.chat_breakpoints import Breakpoint, ChatTemplateError, chat_prompt
-from tests.helpers import build_tokenizer
+from tests.helpers import CHAT_TEMPLATE, build_tokenizer
 
 # Qwen2.5's layout of tools (a system turn listing each definition as JSON), cut to what these tests render.
 TOOLS_TEMPLATE = (
@@ -129,6 +129,18 @@ def test_trimmed_content_moves_the_breakpoint_to_what_the_prompt_holds():
         tokenizer, messages, None, [Breakpoint("content", 0, len("The quick brown fox.   "))]
     )
     assert_lands_after(tokenizer, token_ids, position, "<|user|>The quick brown fox.")
+
+
+def test_a_template_that_refuses_the_cut_conversation_ends_a_message_at_its_content():
+    """Templates that insist on a last user turn (raise_exception, as many do) cannot render the conversation
+    cut after the system message: its breakpoint falls back to the end of its content."""
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = (
+        "{% if messages[-1]['role'] != 'user' %}{{ raise_exception('the last message must be the user\\'s') }}"
+        "{% endif %}" + CHAT_TEMPLATE
+    )
+    token_ids, [position] = chat_prompt(tokenizer, CONVERSATION, None, [Breakpoint("message", 0)])
+    assert_lands_after(tokenizer, token_ids, position, f"<|system|>{SYSTEM}")
 
 
 def test_a_token_across_the_end_is_left_out(tiny_tokenizer):

@@ -4,7 +4,8 @@ A breakpoint means "the prefix up to the end of this part" (a tool definition, a
 template decides what surrounds each part, so the end is found by rendering, never by guessing the template's
 format: the conversation is rendered as it is and again with something different right after the part (a marker
 appended to the part's text; the conversation cut after the message; another tool after the tool), and the end is
-where the renders first differ. Taken against the real render it is always a prefix of the real prompt, so a
+where the renders first differ (a template that refuses the conversation cut after a message gives that
+message's breakpoint its content's end). Taken against the real render it is always a prefix of the real prompt, so a
 template that trims or rewrites a part only moves the breakpoint earlier, never past what the prompt holds. The
 character position becomes a token position as the longest run of tokens the prefix's tokenization shares with
 the prompt's, so a token that straddles the end is left out.
@@ -15,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from jinja2 import TemplateError
 
 from prefixcache.engine.input_processor import chat_token_ids
 
@@ -72,9 +75,12 @@ def chat_prompt(
         if point.kind == "tool":
             kept = tools[: point.index + 1]
             return [render(messages, kept, add_generation_prompt), render(messages, [*kept, _DUMMY_TOOL], False)]
-        if point.kind == "message":
-            return [render(messages[: point.index + 1], tools, False)]
         content = messages[point.index]["content"]
+        if point.kind == "message":
+            try:
+                return [render(messages[: point.index + 1], tools, False)]
+            except TemplateError:  # a template that refuses a conversation ending here: the content's end
+                return variants(Breakpoint("content", point.index, len(content)))
         return [
             render(
                 _with_content(messages, point.index, content[: point.chars] + marker + content[point.chars :]),
