@@ -191,3 +191,14 @@ def test_breakpoints_become_disjoint_ranges_at_the_strongest_covering_directive(
         RetentionRange(0, 8, BREAKPOINT_PRIORITY["1h"], 3600.0),
         RetentionRange(8, 20, BREAKPOINT_PRIORITY["5m"], 300.0),
     ]
+
+
+def test_the_openai_sdk_sends_the_directives_and_reads_the_counts(client, model_name):
+    system = {"role": "system", "content": "0123456789 abcdefghijklmnopqrstuvwxyz (sdk)", "cache_control": EPHEMERAL}
+    ask = {"model": model_name, "max_tokens": 2, "messages": [system, {"role": "user", "content": "hi"}]}
+    first = client.chat.completions.create(**ask, prompt_cache_retention="24h").usage.prompt_tokens_details
+    second = client.chat.completions.create(**ask, prompt_cache_retention="24h").usage.prompt_tokens_details
+    assert first.retained_written_tokens > 0
+    retained = first.retained_written_tokens + first.retained_read_tokens
+    assert (second.retained_read_tokens, second.retained_written_tokens) == (retained, 0)
+    assert second.cached_tokens >= retained
