@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from prefixcache.engine import RequestOutput, SamplingParams
 from prefixcache.engine.chat_breakpoints import Breakpoint
 from prefixcache.server.protocol import Text
-from prefixcache.server.retention import CacheControl, check_breakpoint_count
+from prefixcache.server.retention import CacheControl, check_breakpoint_count, part_breakpoints
 
 MESSAGES_PATH = "/v1/messages"
 # Anthropic's error type for each status (https://docs.anthropic.com/en/api/errors).
@@ -48,17 +48,11 @@ class TextBlock(_Body):
 
 
 def _joined(content: str | list[TextBlock], index: int) -> tuple[str, list[tuple[Breakpoint, CacheControl]]]:
-    """A content as the one string templates take, and a breakpoint at the end of each marked block (as message
-    ``index`` of the template's conversation)."""
+    """A content as the one string templates take, and its breakpoints (as message ``index`` of the template's
+    conversation)."""
     if isinstance(content, str):
         return content, []
-    marks = []
-    end = 0
-    for block in content:
-        end += len(block.text)
-        if block.cache_control is not None:
-            marks.append((Breakpoint("content", index, end), block.cache_control))
-    return "".join(block.text for block in content), marks
+    return "".join(block.text for block in content), part_breakpoints(content, index)
 
 
 class InputMessage(_Body):

@@ -24,7 +24,13 @@ from starlette.responses import JSONResponse
 
 from prefixcache.engine import RequestOutput, SamplingParams
 from prefixcache.engine.chat_breakpoints import Breakpoint
-from prefixcache.server.retention import CacheControl, PromptCacheRetention, TokenRangeRetention, check_breakpoint_count
+from prefixcache.server.retention import (
+    CacheControl,
+    PromptCacheRetention,
+    TokenRangeRetention,
+    check_breakpoint_count,
+    part_breakpoints,
+)
 
 MAX_CACHE_SALT_LEN = 128
 MAX_PROMPT_CACHE_KEY_LEN = 1024
@@ -256,13 +262,7 @@ class ChatMessage(_Body):
     def breakpoints(self, index: int) -> list[tuple[Breakpoint, CacheControl]]:
         """This message's breakpoints, as message ``index`` of the conversation: one at the end of each marked
         content part (in the joined content string), one after the message when it is marked itself."""
-        marks: list[tuple[Breakpoint, CacheControl]] = []
-        if isinstance(self.content, list):
-            end = 0
-            for part in self.content:
-                end += len(part.text)
-                if part.cache_control is not None:
-                    marks.append((Breakpoint("content", index, end), part.cache_control))
+        marks = part_breakpoints(self.content, index) if isinstance(self.content, list) else []
         if self.cache_control is not None:
             marks.append((Breakpoint("message", index), self.cache_control))
         return marks

@@ -22,11 +22,12 @@ clamped comes back on the output and the response reports it (``usage.retention_
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, StrictInt, field_validator, model_validator
 
 from prefixcache.core.retention import MAX_PRIORITY, MIN_PRIORITY, RetentionRange
+from prefixcache.engine.chat_breakpoints import Breakpoint
 
 MAX_BREAKPOINTS = 4  # Anthropic's limit on cache_control blocks in one request
 TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
@@ -104,6 +105,25 @@ def check_breakpoint_count(count: int) -> None:
     """ValueError past ``MAX_BREAKPOINTS``; body validators call it, so the 400 comes before any template work."""
     if count > MAX_BREAKPOINTS:
         raise ValueError(f"at most {MAX_BREAKPOINTS} cache_control breakpoints are allowed in a request, got {count}")
+
+
+class MarkedText(Protocol):
+    """A text part or block: its text, and its breakpoint if it has one."""
+
+    text: str
+    cache_control: CacheControl | None
+
+
+def part_breakpoints(parts: Sequence[MarkedText], index: int) -> list[tuple[Breakpoint, CacheControl]]:
+    """A breakpoint at the end of each marked part of message ``index``, counted in the one content string the
+    parts are joined into for the chat template."""
+    marks = []
+    end = 0
+    for part in parts:
+        end += len(part.text)
+        if part.cache_control is not None:
+            marks.append((Breakpoint("content", index, end), part.cache_control))
+    return marks
 
 
 def breakpoint_ranges(positions: Sequence[int], controls: Sequence[CacheControl]) -> list[RetentionRange]:
