@@ -164,6 +164,8 @@ class BlockPool:
         self.retained: OrderedDict[int, Block] = OrderedDict()
         self.retained_by_tenant: dict[str, OrderedDict[int, Block]] = {}
         self.retention_counters = RetentionCounters()
+        # Blocks not at the default priority, in any state: while none is, hits and frees run today's loops.
+        self.num_marked = 0
         # One map a group, never replaced (the groups' managers hold them).
         self.cached: list[dict[BlockHash, Block | dict[int, Block]]] = [{} for _ in range(num_groups)]
         self.listeners = list(listeners)
@@ -179,7 +181,8 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.uncached_free) + len(self.evictable) + len(self.retained_free)
+        num_free = len(self.uncached_free) + len(self.evictable)
+        return num_free + len(self.retained_free) if self.retained_free.priorities else num_free
 
     def eviction_order(self) -> list[Block]:
         """The free cached blocks in the order they would be evicted now (for tests and ``explain``)."""
@@ -224,6 +227,9 @@ class BlockPool:
                             owned.move_to_end(block.block_id)
                     continue
                 self._forget_retained(block, old)
+                self.num_marked -= priority == DEFAULT_PRIORITY
+            else:
+                self.num_marked += priority != DEFAULT_PRIORITY
             block.priority, block.ttl_s = priority, ttl_s
             block.tenant = None if priority == DEFAULT_PRIORITY else tenant
             if raising:
@@ -266,6 +272,7 @@ class BlockPool:
     def _demote(self, block: Block) -> None:
         """Return a retained block to the default priority; a free one joins the eviction policy's queue."""
         self._forget_retained(block, block.priority)
+        self.num_marked -= 1
         if block.ref_cnt == 0:
             self.retained_free.remove(block)
             block.priority, block.tenant = DEFAULT_PRIORITY, None
@@ -283,6 +290,7 @@ class BlockPool:
         block = self.retained_free.pop_lowest()
         self.retention_counters.evictions[priority_class(lowest)] += 1
         self._forget_retained(block, lowest)
+        self.num_marked -= 1
         block.priority, block.tenant = DEFAULT_PRIORITY, None
         return block
 
@@ -296,14 +304,20 @@ class BlockPool:
         """Take a reference on hit blocks (never the null block); a free one leaves the free queue. A hit on a
         block whose TTL ended finds it back at the default priority."""
         evictable = self.evictable
-        if self.retained_free:
-            self.expire()
+        hits = self.retention_counters.hits
+        if not self.num_marked:  # no directive anywhere: today's loop
+            for block in blocks:
+                if block.ref_cnt == 0:
+                    evictable.remove(block)
+                block.ref_cnt += 1
+            hits["default"] += len(blocks)
+            return
+        self.expire()
         retained_free = self.retained_free
-        num_default = num_retained = num_low = num_expired = 0
+        num_retained = num_low = num_expired = 0
         for block in blocks:
             priority = block.priority
             if priority == DEFAULT_PRIORITY:
-                num_default += 1
                 if block.ref_cnt == 0:
                     evictable.remove(block)
             else:
@@ -317,13 +331,12 @@ class BlockPool:
                     retained_free.remove(block)
                     if priority == EXPIRED:
                         block.priority = DEFAULT_PRIORITY
+                        self.num_marked -= 1
             block.ref_cnt += 1
-        hits = self.retention_counters.hits
-        hits["default"] += num_default
-        if num_default != len(blocks):
-            hits["retained"] += num_retained
-            hits["low"] += num_low
-            hits["expired"] += num_expired
+        hits["default"] += len(blocks) - num_retained - num_low - num_expired
+        hits["retained"] += num_retained
+        hits["low"] += num_low
+        hits["expired"] += num_expired
 
     def get_new_blocks(self, num_blocks: int) -> list[Block]:
         """Pop ``num_blocks`` free blocks (caller checked there are enough), evicting cached ones last.
@@ -331,14 +344,14 @@ class BlockPool:
         An evicted block leaves its group's map; listeners hear of the hashes whose last block it was.
         """
         uncached, evictable, on_reused, maps = self.uncached_free, self.evictable, self._on_reused, self.cached
-        retained_free = self.retained_free
+        retained_levels = self.retained_free.priorities
         out: list[Block] = []
         removed: list[list[BlockHash]] | None = None  # by group, made at the first eviction
         num_default_evicted = 0
         for _ in range(num_blocks):
             if uncached:
                 block = uncached.popleft()
-            elif retained_free:
+            elif retained_levels:
                 block = self._pop_cached()
             else:
                 block = evictable.pop()
@@ -430,6 +443,15 @@ class BlockPool:
         """Drop one reference from each block (never the null block), in eviction order (the first freed is
         evicted first). A block's TTL starts now: it is last used."""
         uncached, evictable = self.uncached_free, self.evictable
+        if not self.num_marked:  # no directive anywhere: today's loop
+            for block in blocks:
+                block.ref_cnt -= 1
+                if block.ref_cnt == 0:
+                    if block.block_hash is None:
+                        uncached.append(block)
+                    else:
+                        evictable.push(block)
+            return
         marked: list[Block] | None = None
         for block in blocks:
             block.ref_cnt -= 1
@@ -465,6 +487,7 @@ class BlockPool:
         self.retained_free.clear()
         self.retained.clear()
         self.retained_by_tenant.clear()
+        self.num_marked = 0
         self.uncached_free = deque(self.usable_blocks)
         for listener in self._on_cleared:
             listener.cache_cleared()
@@ -503,6 +526,7 @@ class BlockPool:
         for block in self.retained_free:
             assert block.block_hash is not None, f"retained free block {block.block_id} carries no hash"
             assert block.priority != DEFAULT_PRIORITY, f"default block {block.block_id} is in the retained queue"
+        assert self.num_marked == sum(b.priority != DEFAULT_PRIORITY for b in self.blocks), "num_marked is off"
         above = {b.block_id for b in self.blocks if b.priority > DEFAULT_PRIORITY}
         assert above == set(self.retained), "the retained share does not list exactly the blocks above default"
         assert len(above) <= self.max_retained_blocks, "retained blocks exceed the share"

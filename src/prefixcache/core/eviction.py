@@ -164,7 +164,8 @@ class RetainedQueue:
 
     def __init__(self) -> None:
         self._levels: dict[int, OrderedDict[int, Block]] = {}
-        self._priorities: list[int] = []  # sorted: the levels that hold a block
+        # Sorted: the levels that hold a block. A list, so the pool's hot paths test "any block here?" at C speed.
+        self.priorities: list[int] = []
         # (expiry, order, the blocks freed together that expire then): one entry per request freed, not per block.
         self._expiries: list[tuple[float, int, tuple[Block, ...]]] = []
         self._num_expiring = 0  # blocks listed in the heap, stale ones included
@@ -205,11 +206,11 @@ class RetainedQueue:
 
     def lowest_priority(self) -> int | None:
         """The lowest priority a free block here has (``EXPIRED`` first), None when empty."""
-        return self._priorities[0] if self._priorities else None
+        return self.priorities[0] if self.priorities else None
 
     def pop_lowest(self) -> Block:
         """Remove and return the least recently freed block of the lowest priority."""
-        priority = self._priorities[0]
+        priority = self.priorities[0]
         level = self._levels[priority]
         block = level.popitem(last=False)[1]
         self._len -= 1
@@ -241,7 +242,7 @@ class RetainedQueue:
 
     def clear(self) -> None:
         self._levels.clear()
-        self._priorities.clear()
+        self.priorities.clear()
         self._expiries.clear()
         self._num_expiring = 0
         self._len = 0
@@ -251,19 +252,19 @@ class RetainedQueue:
 
     def __iter__(self) -> Iterator[Block]:
         """The blocks in eviction order among themselves (lowest priority first, LRU within one)."""
-        return chain.from_iterable(self._levels[p].values() for p in self._priorities)
+        return chain.from_iterable(self._levels[p].values() for p in self.priorities)
 
     def _append(self, block: Block) -> None:
         level = self._levels.get(block.priority)
         if level is None:
             level = self._levels[block.priority] = OrderedDict()
-            bisect.insort(self._priorities, block.priority)
+            bisect.insort(self.priorities, block.priority)
         level[block.block_id] = block
         self._len += 1
 
     def _drop_level(self, priority: int) -> None:
         del self._levels[priority]
-        del self._priorities[bisect.bisect_left(self._priorities, priority)]
+        del self.priorities[bisect.bisect_left(self.priorities, priority)]
 
     def _compact(self) -> None:
         self._expiries = [

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from prefixcache.core.block_pool import Block, BlockPool, BlockPoolListener
-from prefixcache.core.eviction import EvictionPolicy
+from prefixcache.core.eviction import EXPIRED, EvictionPolicy
 from prefixcache.core.hashing import BlockHash, root_hash, warn_if_unsafe
 from prefixcache.core.kv_cache_groups import (
     FULL_ATTENTION,
@@ -30,6 +30,7 @@ from prefixcache.core.miss import (
     MISS_REASONS,
     EvictedHashes,
     PrefixLookup,
+    RetentionRun,
     first_miss_reason,
     hittable_blocks,
     hittable_tokens,
@@ -348,10 +349,12 @@ class KVCacheManager:
         request = Request("lookup", token_ids, cache_salt=cache_salt, lora_name=lora_name, mm_features=mm_features)
         by_tier = {"device": 0}
         num_cached = num_copied = 0
+        retention: list[RetentionRun] = []
         if self.enable_caching and not request.skip_reading_prefix_cache:
             hashes = self.block_hashes(request)
             max_blocks = hittable_blocks(request.num_tokens, self.block_size)
-            num_blocks, _, num_copied = self._local_hit(request, hashes, max_blocks)
+            num_blocks, blocks, num_copied = self._local_hit(request, hashes, max_blocks)
+            retention = self._retention_runs(blocks, num_blocks)
             num_cached = num_blocks * self.block_size
             if self.connector is not None:
                 tiers = self.connector.held(request, hashes, num_blocks, max_blocks)
@@ -373,7 +376,28 @@ class KVCacheManager:
             block_size=self.block_size,
             first_miss_reason=first_miss_reason(missed),
             missed_tokens=missed,
+            retention=retention,
         )
+
+    def _retention_runs(self, blocks: list[list[Block]], num_blocks: int) -> list[RetentionRun]:
+        """The retention of a hit's first ``num_blocks`` positions, in runs; reads the clock, changes nothing (a
+        block whose TTL ended but that the pool has not moved yet shows as what it is: back at the default)."""
+        runs: list[RetentionRun] = []
+        null, now = self.null_block, self.pool.clock()
+        for k in range(num_blocks):
+            block = next(group[k] for group in blocks if group[k] is not null)
+            priority, ttl_s, expires_in = block.priority, block.ttl_s, None
+            if block.ref_cnt == 0 and priority not in (EXPIRED, DEFAULT_PRIORITY):
+                expires_in = block.expires_at - now
+            if priority in (EXPIRED, DEFAULT_PRIORITY) or (expires_in is not None and expires_in <= 0):
+                priority, ttl_s, expires_in = DEFAULT_PRIORITY, None, None
+            start, end = k * self.block_size, (k + 1) * self.block_size
+            last = runs[-1] if runs else None
+            if last is not None and (last.priority, last.ttl_s, last.expires_in_s) == (priority, ttl_s, expires_in):
+                runs[-1] = RetentionRun(last.start, end, priority, ttl_s, expires_in)
+            else:
+                runs.append(RetentionRun(start, end, priority, ttl_s, expires_in))
+        return runs
 
     def allocate_slots(
         self,
