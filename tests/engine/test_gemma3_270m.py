@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from prefixcache.core import FULL_ATTENTION, KVCacheGroupSpec
-from prefixcache.engine import LLM, SamplingParams
-from tests.helpers import REAL_MODEL_MAX_TOKENS, REAL_MODEL_PROMPTS, assert_greedy_agrees, assert_no_leaks
+from prefixcache.engine import SamplingParams
+from tests.helpers import REAL_MODEL_MAX_TOKENS, REAL_MODEL_PROMPTS, assert_greedy_agrees
 
 pytestmark = pytest.mark.slow
 
@@ -21,21 +21,8 @@ QUESTIONS = ("What is 7 times 7?", "What is 12 times 12?", "Which fact comes aft
 
 
 @pytest.fixture
-def make_gemma(gemma3_270m):
-    built: list[LLM] = []
-
-    def make(**kwargs) -> LLM:
-        llm = LLM(
-            str(gemma3_270m.model_dir), loaded=gemma3_270m, dtype="float32", block_size=BLOCK_SIZE, num_blocks=800,
-            **kwargs,
-        )  # fmt: skip
-        built.append(llm)
-        return llm
-
-    yield make
-    for llm in built:
-        assert_no_leaks(llm)
-        llm.engine.close()
+def make_gemma(gemma3_270m, make_llm):
+    return lambda **kwargs: make_llm(loaded=gemma3_270m, block_size=BLOCK_SIZE, num_blocks=800, **kwargs)
 
 
 def test_the_gguf_loads_as_gemma_3_270m(gemma3_270m):
