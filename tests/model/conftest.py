@@ -102,6 +102,19 @@ def hf_models(checkpoint_dirs: dict[str, Path]) -> dict[str, Any]:
     }
 
 
+def assert_matches_transformers(output: Any, hf_model: Any) -> None:
+    """Each generated token is HF's argmax after the prompt and the tokens before it, with HF's log-probs."""
+    completion = output.outputs[0]
+    tokens = output.prompt_token_ids + completion.token_ids
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([tokens])).logits[0].log_softmax(-1)
+    start = len(output.prompt_token_ids) - 1
+    for i, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
+        assert token == int(ref[start + i].argmax())
+        top = ref[start + i].topk(2)
+        assert entry == pytest.approx(dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)), abs=1e-4)
+
+
 class PagedRunner:
     """A minimal engine: hands out blocks in shuffled order, keeps block tables and runs batched steps.
 

@@ -8,12 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from prefixcache.engine import LLM, SamplingParams
 from prefixcache.model import LoadedModel, load_model
 from tests.helpers import assert_no_leaks
-from tests.model.conftest import TINY_MODELS, VOCAB_SIZE
+from tests.model.conftest import TINY_MODELS, VOCAB_SIZE, assert_matches_transformers
 
 BLOCK_SIZE = 16
 KINDS = ["qwen3_window", "gemma3"]
@@ -39,19 +38,6 @@ def prompt_sharing(num_tokens: int) -> list[int]:
 
 def generate(llm: LLM, prompt: list[int]) -> Any:
     return llm.generate({"prompt_token_ids": prompt}, PARAMS, use_tqdm=False)[0]
-
-
-def assert_matches_transformers(output: Any, hf_model: Any) -> None:
-    """Each generated token is HF's argmax after the prompt and the tokens before it, with HF's log-probs."""
-    completion = output.outputs[0]
-    tokens = output.prompt_token_ids + completion.token_ids
-    with torch.no_grad():
-        ref = hf_model(torch.tensor([tokens])).logits[0].log_softmax(-1)
-    start = len(output.prompt_token_ids) - 1
-    for i, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs, strict=True)):
-        assert token == int(ref[start + i].argmax())
-        top = ref[start + i].topk(2)
-        assert entry == pytest.approx(dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)), abs=1e-4)
 
 
 @pytest.mark.parametrize("kind", KINDS)
