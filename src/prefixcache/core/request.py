@@ -34,7 +34,9 @@ class Request:
 
     ``num_computed_tokens`` counts the tokens whose KV slots the manager has allocated (the cached
     prefix plus everything scheduled); ``block_hashes`` grows as blocks fill, so every block is hashed
-    once per request however often it is looked up.
+    once per request however often it is looked up. ``checkpoint_hints`` are prompt positions where a
+    later request is likely to part from this one (the chat template's message boundaries): a model with
+    recurrent layers checkpoints its state at the block boundary at or before each.
     """
 
     request_id: str
@@ -43,6 +45,7 @@ class Request:
     lora_name: str | None = None
     mm_features: Sequence[MultiModalFeature] = ()
     skip_reading_prefix_cache: bool = False
+    checkpoint_hints: Sequence[int] = ()
     output_token_ids: list[int] = field(default_factory=list, init=False)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = field(default=0, init=False)
@@ -60,6 +63,15 @@ class Request:
             raise ValueError(f"request {self.request_id!r}: cache_salt must be a non-empty string or None")
         if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
             raise ValueError(f"request {self.request_id!r}: lora_name must be a non-empty string or None")
+        hints = tuple(self.checkpoint_hints)
+        num_prompt = len(self.prompt_token_ids)
+        for position in hints:
+            if isinstance(position, bool) or not isinstance(position, int) or not 0 < position <= num_prompt:
+                raise ValueError(
+                    f"request {self.request_id!r}: checkpoint hints must be prompt positions in 1 .. "
+                    f"{num_prompt}, got {position!r}"
+                )
+        self.checkpoint_hints = hints
         self.packed_token_ids = pack_token_ids(self.prompt_token_ids)
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.all_token_ids = list(self.prompt_token_ids)
