@@ -28,8 +28,10 @@ Where checkpoints are taken decides the hit rate; :class:`CheckpointPolicy` has 
 A checkpoint saved while a step is scheduled is written by that step's forward pass, so it becomes findable
 only at :meth:`StateTable.step_done` (the manager's ``take_transfers``). The budget is the number of
 checkpoint slots: a save that finds none free evicts the **least useful** ready checkpoint, in this order:
-one whose block some attention group no longer holds (no hit can reach it), then one never hit, a sparse one
-before the others, then the least recently used.
+one whose block some attention group no longer holds (no hit can reach it), then a sparse one never hit (a
+guess that did not pay), then the least recently used (saved or hit). Recency rather than hit counts: a
+conversation's previous frontier was hit once by its next turn and is of no use after it, while the new
+frontier, not hit yet, is what the next turn needs.
 """
 
 from __future__ import annotations
@@ -306,7 +308,8 @@ class StateTable:
         self.stats.evicted[victim.rule] += 1
         return victim.slot
 
-    def _usefulness(self, checkpoint: Checkpoint) -> tuple[bool, bool, bool, int]:
-        """Ordered so that the least useful is the smallest: orphaned, never hit, sparse, least recently used."""
+    def _usefulness(self, checkpoint: Checkpoint) -> tuple[bool, bool, int]:
+        """Ordered so that the least useful is the smallest: orphaned, a sparse one never hit, least recently
+        used."""
         reachable = all(lookup(checkpoint.block_hash) is not None for lookup in self._attention_lookups)
-        return reachable, checkpoint.hits > 0, checkpoint.rule != "sparse", checkpoint.last_used
+        return reachable, checkpoint.hits > 0 or checkpoint.rule != "sparse", checkpoint.last_used
