@@ -247,4 +247,5 @@ def test_sparse_interval_from_the_budget():
     # A 4,096-token request in blocks of 16 is 256 blocks; 28 checkpoint slots: at most 14 sparse ones.
     assert sparse_interval(4096, 16, 28) == 19
     assert sparse_interval(4096, 16, 1) == 0
-    assert sparse_interval(64, 16, 100) == 1
+    assert sparse_interval(64, 16, 100) == 16  # no closer than 256 tokens
+    assert sparse_interval(4096, 4, 1000) == 64

@@ -1,10 +1,11 @@
 """The engine on a model with recurrent layers: a tiny Qwen3.5 (three Gated DeltaNet layers, then full attention)
 with blocks of 16 tokens, its state checkpoints in the same KV cache memory.
 
-Prefill runs in chunks of 24 tokens, so chunk boundaries fall inside blocks and every checkpoint is saved inside
-a chunk. Each scenario's greedy tokens and log-probabilities equal an engine's with the cache off (float32), and
-each request hits exactly where a checkpoint of the policy lies: a sparse one on the second request sharing a
-prefix, a junction left by the second on the third, a conversation's frontier on its next turn.
+Prefill runs in chunks of 40 tokens, so chunk boundaries fall inside blocks and every checkpoint is saved inside
+a chunk; sparse checkpoints lie every 16 blocks (256 tokens, the closest the policy places them). Each
+scenario's greedy tokens and log-probabilities equal an engine's with the cache off (float32), and each request
+hits exactly where a checkpoint of the policy lies: a sparse one on the second request sharing a prefix, a
+junction left by the second on the third, a conversation's frontier on its next turn.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tests.helpers import assert_no_leaks, write_tiny_checkpoint
 BLOCK_SIZE = 16
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
 rng = random.Random(5)
-DOCUMENT = [rng.randrange(3, 500) for _ in range(100)]  # six blocks and four tokens
+DOCUMENT = [rng.randrange(3, 500) for _ in range(300)]  # 18 blocks and 12 tokens
 
 
 def tokens(n: int) -> list[int]:
@@ -46,8 +47,8 @@ def make_llm(qwen35):
     built: list[LLM] = []
 
     def make(**kwargs) -> LLM:
-        kwargs.setdefault("kv_cache_memory", "1200KiB")  # 41 checkpoints: sparse ones every 4 blocks
-        kwargs.setdefault("max_num_batched_tokens", 24)
+        kwargs.setdefault("kv_cache_memory", "1200KiB")  # 41 checkpoints
+        kwargs.setdefault("max_num_batched_tokens", 40)
         llm = LLM(str(qwen35.model_dir), loaded=qwen35, block_size=BLOCK_SIZE, dtype="float32", **kwargs)
         built.append(llm)
         return llm
@@ -76,7 +77,7 @@ def test_the_state_group_is_sized_within_the_kv_cache_memory(make_llm, qwen35):
     state = core.manager.state
     slot = qwen35.model.state_bytes_per_slot()
     assert (state.num_working_slots, state.num_checkpoint_slots) == (64, int(1200 * 1024 * 0.25) // slot)
-    assert state.policy.sparse_every_blocks == 4  # 1,024 tokens: 64 blocks over half of 41 slots
+    assert state.policy.sparse_every_blocks == 16  # 1,024 tokens: 64 blocks over half of 41 slots, at least 256
     assert core.manager.num_blocks == (1200 * 1024 - state.num_slots * slot) // core.block_bytes
     assert core.info().kv_cache_bytes <= 1200 * 1024
     assert len(core.runner.state_cache[0][0]) == state.num_slots
@@ -85,12 +86,12 @@ def test_the_state_group_is_sized_within_the_kv_cache_memory(make_llm, qwen35):
 def test_sparse_then_junction_hits_give_the_outputs_of_no_cache(make_llm):
     prompts = [
         DOCUMENT + tokens(5),
-        DOCUMENT[:70] + tokens(4),  # parts inside block 4: the sparse checkpoint at 4 blocks
-        DOCUMENT[:85] + tokens(3),  # parts inside block 5: sparse at 4 again, leaves a junction at 5
-        DOCUMENT[:85] + tokens(6),  # the junction: all five blocks
+        DOCUMENT[:262] + tokens(4),  # parts inside block 16: the sparse checkpoint at 16 blocks
+        DOCUMENT[:285] + tokens(3),  # parts inside block 17: sparse at 16 again, leaves a junction at 17
+        DOCUMENT[:285] + tokens(6),  # the junction: all 17 blocks
     ]
     cached = serve(make_llm(), prompts)
-    assert [o.num_cached_tokens for o in cached] == [0, 64, 64, 80]
+    assert [o.num_cached_tokens for o in cached] == [0, 256, 256, 272]
     assert_same_outputs(cached, serve(make_llm(enable_prefix_caching=False), prompts))
 
 
@@ -110,9 +111,9 @@ def test_the_next_turn_of_a_conversation_hits_the_last_full_block_of_the_previou
 def test_a_batch_with_preemption_and_a_salt_keeps_the_outputs(make_llm):
     """Requests running together, some preempted for lack of blocks (their working states go back), salted ones
     never sharing with the others."""
-    prompts = [DOCUMENT[: 30 + 10 * i] + tokens(3) for i in range(6)]
+    prompts = [DOCUMENT[: 30 + 40 * i] + tokens(3) for i in range(6)]
     params = [{"prompt_token_ids": p, "cache_salt": "t1" if i % 3 == 2 else None} for i, p in enumerate(prompts)]
-    tight = make_llm(num_blocks=14, max_num_batched_tokens=48)
+    tight = make_llm(num_blocks=20, max_num_batched_tokens=48)
     cached = tight.generate(params, GREEDY, use_tqdm=False)
     assert tight.engine.core.scheduler.num_preemptions > 0
     cold = make_llm(enable_prefix_caching=False).generate(params, GREEDY, use_tqdm=False)

@@ -25,6 +25,10 @@ Models, all within the same ``--kv-cache-memory`` (float32):
 
 Chat-template message boundaries are passed as checkpoint hints (the system prompt, the few-shot prefix, each
 variant, each turn's end). The goal: the hybrid's token hit rate at least 0.9 of full attention's.
+
+``--ttft`` also runs a small Qwen3.5-shaped model with random weights (built in memory; the engine, torch) and
+times to the first token: cold 2,048-token prompts against prompts whose first 80% (1,632 tokens, 102 blocks)
+hit a junction checkpoint that an earlier request left. The goal: at most 0.3x.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ import argparse
 import json
 import platform
 import random
+import statistics
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -196,7 +202,65 @@ def models(config: CheckpointBenchConfig) -> dict[str, dict[str, Any]]:
     return rows
 
 
-def run(config: CheckpointBenchConfig, json_path: Path | None = None) -> dict:
+def qwen35_shaped(seed: int = 0) -> Any:
+    """A small Qwen3.5 text model (8 layers: 3 Gated DeltaNet per full attention) with random weights, in memory."""
+    import torch
+    from transformers import Qwen3_5TextConfig
+
+    from prefixcache.model import DecoderForCausalLM, LoadedModel, ModelConfig
+
+    layer_types = ["linear_attention"] * 3 + ["full_attention"]
+    hf_config = Qwen3_5TextConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
+        linear_value_head_dim=32, linear_conv_kernel_dim=4, layer_types=layer_types * 2,
+        max_position_embeddings=4096, eos_token_id=None,
+    )  # fmt: skip
+    model_config = ModelConfig.from_hf_config(hf_config)
+    torch.manual_seed(seed)
+    model = DecoderForCausalLM(model_config).eval().requires_grad_(False)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.05)
+    return LoadedModel(model, model_config, None, Path("."), "qwen3.5-shaped (random weights)", f"random-q35-{seed}")
+
+
+def ttft(repeats: int = 3, seed: int = 0) -> dict[str, Any]:
+    """Seconds to the first token of cold 2,048-token prompts and of ones whose first 1,632 tokens hit."""
+    from prefixcache.config import EngineConfig
+    from prefixcache.engine.core import EngineCore
+    from prefixcache.engine.messages import EngineCoreRequest
+    from prefixcache.engine.sampling_params import SamplingParams
+
+    loaded = qwen35_shaped(seed)
+    config = EngineConfig(dtype="float32", kv_cache_memory="512MiB", max_num_seqs=4, max_model_len=4096)
+    core = EngineCore(config, loaded=loaded)
+    rng = random.Random(seed)
+    one_token = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def first_token(name: str, prompt: list[int]) -> tuple[float, int]:
+        start = time.perf_counter()
+        core.add_request(EngineCoreRequest(name, prompt, one_token))
+        while True:
+            for output in core.step().outputs:
+                if output.request_id == name and output.finish_reason is not None:
+                    return time.perf_counter() - start, output.num_cached_tokens
+
+    document = _tokens(rng, 2048, 1024)
+    first_token("warm-up", _tokens(rng, 2048, 1024))
+    first_token("document", document)
+    first_token("junction", document[:1638] + _tokens(rng, 410, 1024))  # leaves its checkpoint at 102 blocks
+    cold = [first_token(f"cold-{i}", _tokens(rng, 2048, 1024)) for i in range(repeats)]
+    cached = [first_token(f"hit-{i}", document[:1638] + _tokens(rng, 410, 1024)) for i in range(repeats)]
+    return {
+        "cold_s": statistics.median(t for t, _ in cold),
+        "cached_s": statistics.median(t for t, _ in cached),
+        "cached_tokens": [n for _, n in cached],
+        "ratio": statistics.median(t for t, _ in cached) / statistics.median(t for t, _ in cold),
+    }
+
+
+def run(config: CheckpointBenchConfig, json_path: Path | None = None, with_ttft: bool = False) -> dict:
     rows = models(config)
     report: dict[str, Any] = {
         "config": asdict(config),
@@ -217,6 +281,8 @@ def run(config: CheckpointBenchConfig, json_path: Path | None = None) -> dict:
             trace = make(random.Random(config.seed), config.vocab_size)
             manager = KVCacheManager(hash_algo="xxhash", **kwargs)
             report["results"].setdefault(workload, {})[name] = replay(manager, trace, chunk)
+    if with_ttft:
+        report["ttft"] = ttft(seed=config.seed)
     print(format_report(report))
     if json_path is not None:
         json_path.write_text(json.dumps(report, indent=2) + "\n")
@@ -251,6 +317,13 @@ def format_report(report: dict) -> str:
         cp = report["results"][workload]["hybrid, every rule"]["checkpoints"]
         parts = [f"{rule} {cp['saved'][rule]}/{cp['hits'][rule]}/{cp['evicted'][rule]}" for rule in cp["saved"]]
         lines.append(f"  {workload:<10} " + ", ".join(parts))
+    if "ttft" in report:
+        t = report["ttft"]
+        lines.append(
+            f"TTFT, small Qwen3.5-shaped model, 2,048-token prompt: cold {t['cold_s'] * 1000:,.0f} ms, first "
+            f"{t['cached_tokens'][0]:,} tokens cached {t['cached_s'] * 1000:,.0f} ms: {t['ratio']:.3f}x (median of "
+            f"{len(t['cached_tokens'])})"
+        )
     return "\n".join(lines)
 
 
@@ -267,6 +340,7 @@ def register(bench: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument("--aligned-block-size", type=positive_int, default=defaults.aligned_block_size)
     p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--ttft", action="store_true", help="also time the first token, cold and 80%% cached (torch)")
     p.add_argument("--json", type=Path, help="also write the report as JSON here")
     p.set_defaults(func=_main)
 
@@ -278,4 +352,4 @@ def _main(args: argparse.Namespace) -> None:
         aligned_block_size=args.aligned_block_size,
         seed=args.seed,
     )
-    run(config, args.json)
+    run(config, args.json, with_ttft=args.ttft)

@@ -68,14 +68,19 @@ DEFAULT_CHECKPOINT_POLICY = CheckpointPolicy()
 ALIGNED_POLICY = CheckpointPolicy(at_finish=False, at_junctions=False, at_hints=False, at_step_ends=True)
 
 
+# The densest sparse checkpoints, in tokens: every save cuts the recurrent layers' chunked prefill there, and
+# each copies a whole state, so a budget with room for many still places them no closer than this.
+MIN_SPARSE_TOKENS = 256
+
+
 def sparse_interval(max_model_len: int, block_size: int, num_checkpoint_slots: int) -> int:
     """The sparse rule's interval in blocks: a prefill of the longest request leaves at most half the
-    checkpoint slots (sparse checkpoints are evicted before the others, so the rest keep their room); 0
-    (off) with fewer than two slots."""
+    checkpoint slots (sparse checkpoints are evicted before the others, so the rest keep their room), and
+    never closer than ``MIN_SPARSE_TOKENS``; 0 (off) with fewer than two slots."""
     if num_checkpoint_slots < 2:
         return 0
     max_blocks = -(-max_model_len // block_size)
-    return max(1, -(-max_blocks // (num_checkpoint_slots // 2)))
+    return max(-(-MIN_SPARSE_TOKENS // block_size), -(-max_blocks // (num_checkpoint_slots // 2)))
 
 
 @dataclass(slots=True, eq=False)

@@ -81,7 +81,7 @@ def server_groups(client: Any) -> tuple[KVCacheGroupSpec, ...]:
     groups = []
     for group in _answer(client, response, path).get("kv_cache_groups") or []:
         spec = spec_of_kind(group["kind"], group.get("sliding_window"))
-        if spec is None:
+        if spec is None or spec.recurrent_state:  # the replay has no model of the server's checkpoint budget yet
             raise SystemExit(f"prefixcache explain: cannot replay a KV cache group of kind {group['kind']!r}")
         groups.append(spec)
     return tuple(groups) or (FULL_ATTENTION,)
