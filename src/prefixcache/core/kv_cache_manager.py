@@ -241,7 +241,13 @@ class KVCacheManager:
             # Without caching nothing is checkpointed: no slot to save into.
             num_checkpoint_slots = num_checkpoint_slots if enable_caching else 0
             self.state = StateTable(
-                num_state_slots, num_checkpoint_slots, checkpoint_policy, block_size, self._attention_lookups
+                num_state_slots,
+                num_checkpoint_slots,
+                checkpoint_policy,
+                block_size,
+                self._attention_lookups,
+                group=len(self._attention),
+                listeners=listeners,
             )
         self._lookups = self._attention_lookups + ([self.state.lookup] if self.state else [])
         self._single_full = self.groups == (FULL_ATTENTION,)

@@ -40,6 +40,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from prefixcache.core.block_pool import BlockPoolListener, StoredBlocks
 from prefixcache.core.hashing import BlockHash
 from prefixcache.core.request import Request
 
@@ -134,6 +135,10 @@ class StateTable:
 
     ``attention_lookups`` tell whether each attention group still holds a block hash (an orphaned checkpoint
     goes first); ``block_size`` is the attention groups' block size, the checkpoints' granularity.
+    ``listeners`` (KV events, a router's index) hear each checkpoint as a block of group ``group`` stored when
+    its save is planned (before it is written, as blocks are) and removed when it goes, so a consumer that
+    keeps each group's hashes predicts the hit with ``longest_common_hit``, as vLLM's events of a mamba group
+    allow.
     """
 
     def __init__(
@@ -143,6 +148,8 @@ class StateTable:
         policy: CheckpointPolicy,
         block_size: int,
         attention_lookups: Sequence[Callable[[BlockHash], object | None]],
+        group: int = 1,
+        listeners: Sequence[BlockPoolListener] = (),
     ) -> None:
         if num_working_slots < 1:
             raise ValueError(f"a recurrent-state group needs working state slots, got {num_working_slots}")
@@ -153,6 +160,8 @@ class StateTable:
         self.policy = policy
         self.block_size = block_size
         self._attention_lookups = list(attention_lookups)
+        self.group = group
+        self._listeners = list(listeners)
         self._free_working: deque[int] = deque(range(num_working_slots))
         self._free_checkpoints: deque[int] = deque(range(num_working_slots, num_working_slots + num_checkpoint_slots))
         self.checkpoints: dict[BlockHash, Checkpoint] = {}
@@ -220,7 +229,7 @@ class StateTable:
         if policy.at_finish:
             rules.setdefault(last, "finish")
         for boundary in sorted(rules):
-            self._save(running, hashes, boundary, rules[boundary], start)
+            self._save(running, request, hashes, boundary, rules[boundary], start)
         if policy.at_finish and rules[last] != "finish":
             self._drop_frontier(running)  # a deeper checkpoint of another rule covers the request's state
 
@@ -261,7 +270,9 @@ class StateTable:
                 "a pending checkpoint is ready or gone"
             )
 
-    def _save(self, running: _Running, hashes: Sequence[BlockHash], boundary: int, rule: str, start: int) -> None:
+    def _save(
+        self, running: _Running, request: Request, hashes: Sequence[BlockHash], boundary: int, rule: str, start: int
+    ) -> None:
         block_hash = hashes[boundary - 1]
         if block_hash in self.checkpoints:
             if rule == "finish":
@@ -282,6 +293,19 @@ class StateTable:
         running.work.saves.append((boundary * self.block_size - start, slot))
         if rule == "finish":
             running.frontier = checkpoint
+        if self._listeners:
+            size, last = self.block_size, boundary - 1
+            stored = StoredBlocks(
+                block_hashes=[block_hash],
+                parent_block_hash=hashes[last - 1] if last else None,
+                token_ids=request.all_token_ids[last * size : boundary * size],
+                block_size=size,
+                lora_name=request.lora_name,
+                extra_keys=[request.block_extra_keys(last, size)],
+                group=self.group,
+            )
+            for listener in self._listeners:
+                listener.blocks_stored(stored)
 
     def _drop_frontier(self, running: _Running, keep_slot: bool = False) -> int | None:
         """Drop the request's previous frontier checkpoint unless someone hit it (or it is not written yet);
@@ -294,7 +318,7 @@ class StateTable:
             or self.checkpoints.get(frontier.block_hash) is not frontier
         ):
             return None
-        del self.checkpoints[frontier.block_hash]
+        self._remove(frontier)
         if keep_slot:
             return frontier.slot
         self._free_checkpoints.append(frontier.slot)
@@ -309,9 +333,14 @@ class StateTable:
         if not candidates:
             return None
         victim = min(candidates, key=self._usefulness)
-        del self.checkpoints[victim.block_hash]
+        self._remove(victim)
         self.stats.evicted[victim.rule] += 1
         return victim.slot
+
+    def _remove(self, checkpoint: Checkpoint) -> None:
+        del self.checkpoints[checkpoint.block_hash]
+        for listener in self._listeners:
+            listener.blocks_removed([checkpoint.block_hash], self.group)
 
     def _usefulness(self, checkpoint: Checkpoint) -> tuple[bool, bool, int]:
         """Ordered so that the least useful is the smallest: orphaned, a sparse one never hit, least recently
