@@ -204,10 +204,9 @@ def models(config: CheckpointBenchConfig) -> dict[str, dict[str, Any]]:
 
 def qwen35_shaped(seed: int = 0) -> Any:
     """A small Qwen3.5 text model (8 layers: 3 Gated DeltaNet per full attention) with random weights, in memory."""
-    import torch
     from transformers import Qwen3_5TextConfig
 
-    from prefixcache.model import DecoderForCausalLM, LoadedModel, ModelConfig
+    from prefixcache.bench.hybrid import random_model
 
     layer_types = ["linear_attention"] * 3 + ["full_attention"]
     hf_config = Qwen3_5TextConfig(
@@ -216,13 +215,7 @@ def qwen35_shaped(seed: int = 0) -> Any:
         linear_value_head_dim=32, linear_conv_kernel_dim=4, layer_types=layer_types * 2,
         max_position_embeddings=4096, eos_token_id=None,
     )  # fmt: skip
-    model_config = ModelConfig.from_hf_config(hf_config)
-    torch.manual_seed(seed)
-    model = DecoderForCausalLM(model_config).eval().requires_grad_(False)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.05)
-    return LoadedModel(model, model_config, None, Path("."), "qwen3.5-shaped (random weights)", f"random-q35-{seed}")
+    return random_model(hf_config, "qwen3.5-shaped", seed, 0.05)
 
 
 def ttft(repeats: int = 3, seed: int = 0) -> dict[str, Any]:
