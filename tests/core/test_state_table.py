@@ -77,11 +77,14 @@ def test_junction_second_request_leaves_one_third_hits_it_exactly():
     serve(mgr, make_request(range(100, 116)))
     assert checkpoints(mgr) == [(4, "finish", 2)]
     # B shares 2 blocks of A's path, where A has no checkpoint: it starts from zero and leaves one at 2.
+    found = mgr.lookup([*range(100, 108), 1, 2, 3, 4, 5])
+    assert (found.cached_tokens, found.no_checkpoint_tokens, found.missed_tokens["new"]) == (0, 8, 12)
     hit, works = serve(mgr, make_request([*range(100, 108), 1, 2, 3, 4, 5]))
     assert (hit.num_tokens, hit.checkpoint, hit.junction_blocks) == (0, None, 2)
     assert works[0] == StateWork(1, zero=True, saves=[(8, 3), (12, 4)])
     assert checkpoints(mgr) == [(4, "finish", 2), (2, "junction", 3), (3, "finish", 4)]
     # C parts there too: it hits both blocks, and its own frontier evicts A's, the oldest never hit.
+    assert mgr.lookup([*range(100, 108), 9, 9, 9, 9, 9]).no_checkpoint_tokens == 0
     hit, works = serve(mgr, make_request([*range(100, 108), 9, 9, 9, 9, 9]))
     assert (hit.num_tokens, hit.checkpoint.slot, hit.junction_blocks) == (8, 3, 0)
     assert works[0] == StateWork(0, restore_from=3, saves=[(4, 2)])

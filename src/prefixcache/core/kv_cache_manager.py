@@ -358,7 +358,7 @@ class KVCacheManager:
         """
         request = Request("lookup", token_ids, cache_salt=cache_salt, lora_name=lora_name, mm_features=mm_features)
         by_tier = {"device": 0}
-        num_cached = num_copied = 0
+        num_cached = num_copied = num_no_checkpoint = 0
         if self.enable_caching and not request.skip_reading_prefix_cache:
             hashes = self.block_hashes(request)
             max_blocks = hittable_blocks(request.num_tokens, self.block_size)
@@ -366,6 +366,8 @@ class KVCacheManager:
             num_copied = hit.num_copied_tokens
             num_blocks = hit.num_local_tokens // self.block_size
             num_cached = num_blocks * self.block_size
+            if hit.junction_blocks:
+                num_no_checkpoint = (hit.junction_blocks - num_blocks) * self.block_size
             if self.connector is not None:
                 tiers = self.connector.held(request, hashes, num_blocks, max_blocks)
                 if sum(tiers.values()) > num_copied:
@@ -386,6 +388,7 @@ class KVCacheManager:
             block_size=self.block_size,
             first_miss_reason=first_miss_reason(missed),
             missed_tokens=missed,
+            no_checkpoint_tokens=num_no_checkpoint,
         )
 
     def allocate_slots(

@@ -105,7 +105,10 @@ class PrefixLookup:
     sub-block match, and blocks the offload tiers would load); ``cached_tokens_by_tier`` splits them
     between ``device`` and each tier (``CPU``, ``DISK``, ``REDIS``). They always form a prefix, so
     ``cached_prefix_end`` is the index of the first token to compute. ``missed_tokens`` has one entry per
-    reason in ``MISS_REASONS``.
+    reason in ``MISS_REASONS``. ``no_checkpoint_tokens`` (a model with recurrent layers): of the missed
+    tokens, those every attention group holds right after the hit, lost only because the recurrent state
+    has no checkpoint where this prompt parts from the cached path; a checkpoint there would have saved
+    them (admitting the prompt leaves one, a junction).
     """
 
     prompt_tokens: int
@@ -116,3 +119,4 @@ class PrefixLookup:
     block_size: int
     first_miss_reason: str
     missed_tokens: dict[str, int]
+    no_checkpoint_tokens: int = 0
