@@ -243,8 +243,10 @@ def ttft(repeats: int = 3, seed: int = 0) -> dict[str, Any]:
     first_token("warm-up", _tokens(rng, 2048, 1024))
     first_token("document", document)
     first_token("junction", document[:1638] + _tokens(rng, 410, 1024))  # leaves its checkpoint at 102 blocks
-    cold = [first_token(f"cold-{i}", _tokens(rng, 2048, 1024)) for i in range(repeats)]
-    cached = [first_token(f"hit-{i}", document[:1638] + _tokens(rng, 410, 1024)) for i in range(repeats)]
+    cold, cached = [], []
+    for i in range(repeats):  # interleaved, so that a change in the machine's load reaches both alike
+        cold.append(first_token(f"cold-{i}", _tokens(rng, 2048, 1024)))
+        cached.append(first_token(f"hit-{i}", document[:1638] + _tokens(rng, 410, 1024)))
     return {
         "cold_s": statistics.median(t for t, _ in cold),
         "cached_s": statistics.median(t for t, _ in cached),
