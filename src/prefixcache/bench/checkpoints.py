@@ -326,7 +326,7 @@ def register(bench: argparse._SubParsersAction) -> None:
     defaults = CheckpointBenchConfig()
     p = bench.add_parser(
         "checkpoints", help="hit rates of a Qwen3.5-shaped hybrid (state checkpoints) against full attention",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__,
     )  # fmt: skip
     p.add_argument("--kv-cache-memory", default=defaults.kv_cache_memory, help="every model's memory")
     p.add_argument(
