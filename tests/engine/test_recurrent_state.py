@@ -90,8 +90,12 @@ def test_sparse_then_junction_hits_give_the_outputs_of_no_cache(make_llm):
         DOCUMENT[:285] + tokens(3),  # parts inside block 17: sparse at 16 again, leaves a junction at 17
         DOCUMENT[:285] + tokens(6),  # the junction: all 17 blocks
     ]
-    cached = serve(make_llm(), prompts)
+    llm = make_llm()
+    cached = serve(llm, prompts)
     assert [o.num_cached_tokens for o in cached] == [0, 256, 256, 272]
+    stats = llm.engine.core.stats()
+    assert (stats.state_checkpoint_hits, stats.state_checkpoints_evicted) == (3, 0)
+    assert stats.state_checkpoints_saved == sum(llm.engine.core.manager.state.stats.saved.values()) > 3
     assert_same_outputs(cached, serve(make_llm(enable_prefix_caching=False), prompts))
 
 

@@ -246,6 +246,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         stats = self.manager.stats
         recent_queries = sum(q for q, _ in self._recent)
+        checkpoints = self.manager.state.stats if self.manager.state is not None else None
         return EngineStats(
             prefix_cache_queries=stats.queries,
             prefix_cache_hits=stats.hits,
@@ -264,6 +265,9 @@ class EngineCore:
             block_size=self.manager.block_size,
             kv_offload=self.offload.stats() if self.offload is not None else [],
             kv_events_dropped=self.kv_events.num_dropped if self.kv_events is not None else 0,
+            state_checkpoints_saved=sum(checkpoints.saved.values()) if checkpoints else 0,
+            state_checkpoint_hits=sum(checkpoints.hits.values()) if checkpoints else 0,
+            state_checkpoints_evicted=sum(checkpoints.evicted.values()) if checkpoints else 0,
         )
 
     def _fail(self, request: EngineRequest, error: str) -> EngineCoreOutput:

@@ -54,7 +54,8 @@ class EngineStats(msgspec.Struct, array_like=True, tag=True, frozen=True):
     queries, and ``rolling_hit_rate`` the same over the last finished requests. The same definition is used
     by ``/metrics`` and the benchmarks. A request admitted again after a preemption is not counted there but
     in ``prefix_cache_preempted_queries`` and ``prefix_cache_preempted_hits``: those hits are its own blocks
-    read back, not sharing.
+    read back, not sharing. A model with recurrent layers also counts its state checkpoints: saved, hit (an
+    admission restored one) and evicted by the budget.
     """
 
     prefix_cache_queries: int
@@ -75,6 +76,9 @@ class EngineStats(msgspec.Struct, array_like=True, tag=True, frozen=True):
     # Admissions after a preemption, counted apart: they re-read the request's own blocks, not shared ones.
     prefix_cache_preempted_queries: int = 0
     prefix_cache_preempted_hits: int = 0
+    state_checkpoints_saved: int = 0
+    state_checkpoint_hits: int = 0
+    state_checkpoints_evicted: int = 0
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True):

@@ -70,6 +70,15 @@ class ServerMetrics:
             "kv_events_dropped": counter(
                 "kv_events_dropped", "KV cache event batches dropped because the publisher's queue was full."
             ),
+            "state_checkpoints_saved": counter(
+                "state_checkpoints_saved", "Recurrent-state checkpoints saved (models with recurrent layers)."
+            ),
+            "state_checkpoint_hits": counter(
+                "state_checkpoint_hits", "Admissions that restored a recurrent-state checkpoint."
+            ),
+            "state_checkpoints_evicted": counter(
+                "state_checkpoints_evicted", "Recurrent-state checkpoints evicted to make room for new ones."
+            ),
         }
         self._seen: dict[str, int] = {}  # the engine's cumulative counters as last read
         missed = Counter(
