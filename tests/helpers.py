@@ -40,7 +40,9 @@ def write_tiny_checkpoint(
     path: Path, architecture: str = "llama", seed: int = 0, randomize_norms: bool = False, **overrides
 ) -> Path:
     """Save a tiny random-weight checkpoint with the tokenizer above; ``architecture`` is a transformers
-    model type (llama, mistral, qwen2, qwen3, gemma3_text) and ``overrides`` are its config fields.
+    model type (llama, mistral, qwen2, qwen3, gemma3_text, qwen3_5_text, granitemoehybrid, lfm2) and
+    ``overrides`` are its config fields. ``qwen3_5`` saves a ``Qwen3_5ForConditionalGeneration`` (the text
+    fields go into its ``text_config``, beside a one-block vision tower).
 
     ``randomize_norms`` draws norm weights and biases at random too (transformers sets them to constants), so
     that every parameter visibly moves the logits and a mistake in any of them shows.
@@ -63,7 +65,16 @@ def write_tiny_checkpoint(
     )
     common.update(overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(architecture, **common))
+    if architecture == "qwen3_5":
+        from transformers import Qwen3_5ForConditionalGeneration
+
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=common["hidden_size"])
+        config = AutoConfig.for_model(
+            architecture, text_config=common, vision_config=vision, tie_word_embeddings=common["tie_word_embeddings"]
+        )
+        model = Qwen3_5ForConditionalGeneration(config)
+    else:
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(architecture, **common))
     if randomize_norms:
         with torch.no_grad():
             for name, param in model.named_parameters():

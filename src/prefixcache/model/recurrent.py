@@ -3,9 +3,10 @@ LFM2's gated short convolution.
 
 Each keeps a fixed-size state per sequence in a slot of the state cache (slot-major tensors, see
 ``state_shapes``): the window of its causal depthwise convolution (the last ``kernel - 1`` inputs) and, for
-Gated DeltaNet and Mamba2, one matrix per head, always float32 (transformers keeps it in float32 too; a
-bfloat16 matrix state would drift over a long sequence). :class:`~prefixcache.model.state.StateMetadata` says
-which slot each request reads and writes and where states are saved.
+Gated DeltaNet and Mamba2, one matrix per head, in float32 at least (``state_dtype``; transformers keeps it in
+float32 too: a bfloat16 matrix state would drift over a long sequence). The recurrences compute in that dtype.
+:class:`~prefixcache.model.state.StateMetadata` says which slot each request reads and writes and where states
+are saved.
 
 Requests with one new token (decode) run as one batch with the one-step recurrence; requests with more run
 one at a time with the chunked form, cut at their save points so that the state after exactly ``n`` tokens
@@ -29,6 +30,11 @@ _GDN_CHUNK = 64
 _L2NORM_EPS = 1e-6
 
 Recurrence = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the matrix states and of the recurrences for a model in ``dtype``: float32 at least."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def causal_conv(
@@ -236,7 +242,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Per slot: the conv window ``[C, K - 1]`` (model dtype) and the matrix state ``[Hv, Dk, Dv]`` (float32)."""
+        """Per slot: the conv window ``[C, K - 1]`` (model dtype) and the matrix state ``[Hv, Dk, Dv]``."""
         spec = self.spec
         return (spec.conv_channels, spec.conv_kernel - 1), (spec.num_v_heads, spec.head_k_dim, spec.head_v_dim)
 
@@ -245,14 +251,14 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.in_proj_qkvzba(x).split(self.split_sizes, dim=-1)
         qkv = F.silu(causal_conv(qkv, state[0], self.conv1d.weight, None, meta))
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        repeat = spec.num_v_heads // spec.num_k_heads
-        q = _l2norm(q.float().view(num_tokens, spec.num_k_heads, spec.head_k_dim)) * spec.head_k_dim**-0.5
-        k = _l2norm(k.float().view(num_tokens, spec.num_k_heads, spec.head_k_dim))
+        repeat, acc = spec.num_v_heads // spec.num_k_heads, state_dtype(x.dtype)
+        q = _l2norm(q.to(acc).view(num_tokens, spec.num_k_heads, spec.head_k_dim)) * spec.head_k_dim**-0.5
+        k = _l2norm(k.to(acc).view(num_tokens, spec.num_k_heads, spec.head_k_dim))
         if repeat > 1:
             q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
-        v = v.float().view(num_tokens, spec.num_v_heads, spec.head_v_dim)
-        beta = b.sigmoid().float()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        v = v.to(acc).view(num_tokens, spec.num_v_heads, spec.head_v_dim)
+        beta = b.sigmoid().to(acc)
+        g = -self.A_log.to(acc).exp() * F.softplus(a.to(acc) + self.dt_bias)
         out = torch.empty_like(v)
         run_recurrence(meta, state[1], (q, k, v, g, beta), out, gated_delta_rule_chunked, gated_delta_rule_step)
         out = self.norm(out.to(x.dtype), z.view(num_tokens, spec.num_v_heads, spec.head_v_dim), x.dtype)
@@ -277,7 +283,7 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(spec.inner_size, config.hidden_size, bias=spec.proj_bias)
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Per slot: the conv window ``[C, K - 1]`` (model dtype) and the matrix state ``[H, N, P]`` (float32)."""
+        """Per slot: the conv window ``[C, K - 1]`` (model dtype) and the matrix state ``[H, N, P]``."""
         spec = self.spec
         return (spec.conv_channels, spec.conv_kernel - 1), (spec.num_heads, spec.state_size, spec.head_dim)
 
@@ -286,12 +292,12 @@ class Mamba2Mixer(nn.Module):
         gate, xbc, dt = self.in_proj(x).split(self.split_sizes, dim=-1)
         xbc = F.silu(causal_conv(xbc, state[0], self.conv1d.weight, self.conv1d.bias, meta))
         xs, b, c = xbc.split(self.conv_split, dim=-1)
-        repeat = spec.num_heads // spec.num_groups
-        xs = xs.float().view(num_tokens, spec.num_heads, spec.head_dim)
-        b = b.float().view(num_tokens, spec.num_groups, spec.state_size).repeat_interleave(repeat, dim=1)
-        c = c.float().view(num_tokens, spec.num_groups, spec.state_size).repeat_interleave(repeat, dim=1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(spec.time_step_min, spec.time_step_max)
-        log_decay = dt * -self.A_log.float().exp()
+        repeat, acc = spec.num_heads // spec.num_groups, state_dtype(x.dtype)
+        xs = xs.to(acc).view(num_tokens, spec.num_heads, spec.head_dim)
+        b = b.to(acc).view(num_tokens, spec.num_groups, spec.state_size).repeat_interleave(repeat, dim=1)
+        c = c.to(acc).view(num_tokens, spec.num_groups, spec.state_size).repeat_interleave(repeat, dim=1)
+        dt = F.softplus(dt.to(acc) + self.dt_bias.to(acc)).clamp(spec.time_step_min, spec.time_step_max)
+        log_decay = dt * -self.A_log.to(acc).exp()
         out = torch.empty_like(xs)
 
         def chunked(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,7 +306,7 @@ class Mamba2Mixer(nn.Module):
         run_recurrence(
             meta, state[1], (c, b, xs * dt[..., None], log_decay), out, chunked, decayed_linear_attention_step
         )
-        out = out + self.D.float()[:, None] * xs
+        out = out + self.D.to(acc)[:, None] * xs
         out = self.norm(out.reshape(num_tokens, spec.inner_size), gate, x.dtype)
         return self.out_proj(out)
 
