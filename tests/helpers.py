@@ -44,8 +44,9 @@ def write_tiny_checkpoint(
     ``overrides`` are its config fields. ``qwen3_5`` saves a ``Qwen3_5ForConditionalGeneration`` (the text
     fields go into its ``text_config``, beside a one-block vision tower).
 
-    ``randomize_norms`` draws norm weights and biases at random too (transformers sets them to constants), so
-    that every parameter visibly moves the logits and a mistake in any of them shows.
+    ``randomize_norms`` draws norm weights and biases at random too (transformers sets them to constants), and
+    slow decays for recurrent layers, so that every parameter visibly moves the logits and a mistake in any of
+    them shows.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -80,6 +81,10 @@ def write_tiny_checkpoint(
             for name, param in model.named_parameters():
                 if "norm" in name:
                     param.copy_(1 + 0.2 * torch.randn_like(param))
+                elif name.endswith("A_log"):
+                    # Slow decays (transformers' init forgets within a few tokens), so a recurrent state
+                    # carries far and a wrong one shows.
+                    param.copy_(torch.empty_like(param).uniform_(0.01, 0.3).log())
                 elif name.endswith("bias"):
                     param.copy_(0.2 * torch.randn_like(param))
     model.save_pretrained(path)
