@@ -260,9 +260,9 @@ def test_chunked_recurrences_equal_the_token_loop(length: int) -> None:
 
 
 def _steps(step, *inputs):
-    """Run a one-token recurrence over each token in turn (a batch of one)."""
+    """Run a one-token recurrence over each token in turn (a batch of one; it advances its own copy)."""
     *per_token, state = inputs
-    state, outs = state[None], []
+    state, outs = state[None].clone(), []
     for t in range(per_token[0].shape[0]):
         out, state = step(*(x[t][None] for x in per_token), state)
         outs.append(out[0])

@@ -74,8 +74,9 @@ def run_recurrence(
     """Run a matrix-state recurrence over the step's tokens, filling ``out`` (rows as ``inputs``).
 
     ``chunked(*inputs_of_a_run, state) -> (out, state)`` runs one request's tokens from its state;
-    ``step(*inputs_of_rows, states) -> (out, states)`` one token of a batch of requests. A request's tokens are
-    cut at its save points, so the state after exactly n tokens is at hand for the save.
+    ``step(*inputs_of_rows, states) -> (out, states)`` one token of a batch of requests, advancing the gathered
+    copy of their states in place. A request's tokens are cut at its save points, so the state after exactly n
+    tokens is at hand for the save.
     """
     for run in meta.prefills:
         current, start = state[run.slot], run.start
@@ -88,7 +89,8 @@ def run_recurrence(
             start = end
         state[run.slot] = current
     if meta.step_rows is not None:
-        out[meta.step_rows], state[meta.step_slots] = step(*(t[meta.step_rows] for t in inputs), state[meta.step_slots])
+        out[meta.step_rows], advanced = step(*(t[meta.step_rows] for t in inputs), state[meta.step_slots])
+        state.index_copy_(0, meta.step_slots, advanced)
         for slot, save_slot in meta.step_saves:
             state[save_slot] = state[slot]
     return out
@@ -151,12 +153,25 @@ def gated_delta_rule_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of the gated delta rule for a batch: ``q``, ``k`` ``[B, H, Dk]``, ``v`` ``[B, H, Dv]``, ``g``,
-    ``beta`` ``[B, H]``, ``state`` ``[B, H, Dk, Dv]``."""
-    state = state * g.exp()[..., None, None]
-    predicted = torch.einsum("bhkv,bhk->bhv", state, k)
-    delta = (v - predicted) * beta[..., None]
-    state = state + k[..., :, None] * delta[..., None, :]
-    return torch.einsum("bhkv,bhk->bhv", state, q), state
+    ``beta`` ``[B, H]``; ``state`` ``[B, H, Dk, Dv]`` (the batch's own copy) is advanced in place.
+
+    Decode is bound by the state's memory traffic, so it is read once for both products it needs
+    (``S^T k`` and ``S^T q``) and written twice (decay, then the rank-one update), with the output taken from
+    those reads: ``o = S'^T q = exp(g) S^T q + (k . q) delta``.
+    """
+    decay = g.exp()[..., None]
+    reads = state.transpose(-1, -2) @ torch.stack((k, q), dim=-1)  # [B, H, Dv, 2]
+    delta = (v - decay * reads[..., 0]) * beta[..., None]
+    out = decay * reads[..., 1] + (k * q).sum(-1, keepdim=True) * delta
+    _decay_and_add_outer(state, decay, k, delta)
+    return out, state
+
+
+def _decay_and_add_outer(state: torch.Tensor, decay: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``state = decay * state + k v^T`` per batch row and head, in place (``state`` ``[B, H, K, V]``)."""
+    state.mul_(decay[..., None])
+    size_k, size_v = state.shape[-2:]
+    state.view(-1, size_k, size_v).baddbmm_(k.reshape(-1, size_k, 1), v.reshape(-1, 1, size_v))
 
 
 def decayed_linear_attention_chunked(
@@ -184,10 +199,12 @@ def decayed_linear_attention_chunked(
 def decayed_linear_attention_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of Mamba2's scan for a batch: ``q``, ``k`` ``[B, H, N]``, ``v`` ``[B, H, P]``, ``state``
-    ``[B, H, N, P]``."""
-    state = state * log_decay.exp()[..., None, None] + k[..., :, None] * v[..., None, :]
-    return torch.einsum("bhnp,bhn->bhp", state, q), state
+    """One token of Mamba2's scan for a batch: ``q``, ``k`` ``[B, H, N]``, ``v`` ``[B, H, P]``; ``state``
+    ``[B, H, N, P]`` (the batch's own copy) is advanced in place: ``y = exp(a) S^T q + (k . q) v``."""
+    decay = log_decay.exp()[..., None]
+    out = decay * (state.transpose(-1, -2) @ q[..., None])[..., 0] + (k * q).sum(-1, keepdim=True) * v
+    _decay_and_add_outer(state, decay, k, v)
+    return out, state
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
