@@ -17,7 +17,7 @@ from prefixcache.model.recurrent import (
     gated_delta_rule_chunked,
     gated_delta_rule_step,
 )
-from tests.model.conftest import HYBRID_MODELS, PagedRunner
+from tests.model.conftest import HYBRID_MODELS, PagedRunner, load_hf_model
 from tests.model.test_decoder import ATOL, hf_logits, random_tokens
 
 KINDS = list(HYBRID_MODELS)
@@ -52,6 +52,19 @@ def test_cold_prompt_matches_transformers(kind: str, models, hybrid_hf_models) -
     hf_error = (hf_logits(hf_model, tokens) - truth).abs().max().item()
     our_error = (ours.double() - truth).abs().max().item()
     assert our_error <= max(2 * hf_error, ATOL), f"{our_error:.1e} from float64; transformers' float32 {hf_error:.1e}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bfloat16_as_close_as_transformers(kind: str, hybrid_checkpoint_dirs, hybrid_hf_models) -> None:
+    """In bfloat16 (conv windows in bfloat16, matrix states in float32) a prompt and its decode are about as far
+    from float32 as transformers' own bfloat16 is."""
+    path = hybrid_checkpoint_dirs[kind]
+    runner = PagedRunner(load_model(path, dtype="bfloat16").model, BLOCK)
+    tokens = random_tokens(70, seed=6)
+    ours = torch.cat([runner.step([("a", tokens[:68])])["a"], *(runner.step([("a", [t])])["a"] for t in tokens[68:])])
+    expected = hf_logits(hybrid_hf_models[kind], tokens)
+    hf_error = (hf_logits(load_hf_model(path).to(torch.bfloat16), tokens) - expected).abs().max()
+    assert (ours - expected).abs().max() <= max(1.5 * hf_error, 0.03 * expected.abs().max())
 
 
 def cold_logits(model: DecoderForCausalLM, tokens: list[int]) -> torch.Tensor:
