@@ -178,7 +178,7 @@ def test_state_cache_layout_and_copies(models) -> None:
     qwen = models["qwen3_5"]
     cache = qwen.allocate_state_cache(4, torch.float32, "cpu")
     conv, matrix = cache[0]
-    assert (conv.shape, matrix.shape, matrix.dtype) == ((4, 2 * 16 + 48, 3), (4, 4, 8, 12), torch.float32)
+    assert (conv.shape, matrix.shape, matrix.dtype) == ((4, 3, 2 * 16 + 48), (4, 4, 8, 12), torch.float32)
     # 3 GDN layers of (80 x 3 conv window + 4 x 8 x 12 matrix) float32 values.
     assert qwen.state_bytes_per_slot(torch.float32) == 3 * (80 * 3 + 4 * 8 * 12) * 4
     for tensors in cache:

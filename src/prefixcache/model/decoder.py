@@ -467,7 +467,7 @@ class DecoderForCausalLM(nn.Module):
         self, num_slots: int, dtype: torch.dtype | None = None, device: torch.device | str | None = None
     ) -> StateCache:
         """Zeroed state tensors per recurrent layer (``config.state_layers`` order), slot-major: the conv window
-        ``[num_slots, channels, kernel - 1]`` in ``dtype`` and, for Gated DeltaNet and Mamba2, the matrix
+        ``[num_slots, kernel - 1, channels]`` in ``dtype`` and, for Gated DeltaNet and Mamba2, the matrix
         state ``[num_slots, heads, ...]`` in float32 (or float64 for a float64 model). A zeroed slot is the state
         before any token."""
         if num_slots < 1:
@@ -488,7 +488,7 @@ class DecoderForCausalLM(nn.Module):
         """Copy slot ``src[i]`` into slot ``dst[i]`` in every recurrent layer (restore or take a checkpoint)."""
         if len(src) != len(dst):
             raise ValueError(f"{len(src)} source slots for {len(dst)} destinations")
-        if not src:
+        if not src or not state_cache:
             return
         device = state_cache[0][0].device
         src_index = torch.tensor(src, dtype=torch.long, device=device)
@@ -500,7 +500,7 @@ class DecoderForCausalLM(nn.Module):
     @staticmethod
     def zero_states(state_cache: StateCache, slots: list[int]) -> None:
         """Reset ``slots`` in every recurrent layer to the state before any token."""
-        if not slots:
+        if not slots or not state_cache:
             return
         index = torch.tensor(slots, dtype=torch.long, device=state_cache[0][0].device)
         for tensors in state_cache:

@@ -2,7 +2,7 @@
 LFM2's gated short convolution.
 
 Each keeps a fixed-size state per sequence in a slot of the state cache (slot-major tensors, see
-``state_shapes``): the window of its causal depthwise convolution (the last ``kernel - 1`` inputs) and, for
+``state_shapes``): the window of its causal depthwise convolution (the last ``kernel - 1`` inputs, token-major) and, for
 Gated DeltaNet and Mamba2, one matrix per head, in float32 at least (``state_dtype``; transformers keeps it in
 float32 too: a bfloat16 matrix state would drift over a long sequence). The recurrences compute in that dtype.
 :class:`~prefixcache.model.state.StateMetadata` says which slot each request reads and writes and where states
@@ -45,21 +45,38 @@ def causal_conv(
     meta: StateMetadata,
 ) -> torch.Tensor:
     """Depthwise causal convolution of ``x`` ``[T, C]`` (weight ``[C, 1, K]``) continuing each request's window
-    in ``conv_state`` ``[slots, C, K - 1]``, which is advanced (and saved) in place."""
-    channels, keep = x.shape[1], weight.shape[-1] - 1
+    in ``conv_state`` ``[slots, K - 1, C]`` (its last inputs, token-major like ``x``), which is advanced (and
+    saved) in place.
+
+    Computed as K shifted multiply-adds over token-major rows rather than with ``conv1d``: the same sums, and
+    several times faster on a CPU for a kernel of 3 or 4 over thousands of channels.
+    """
+    taps = weight[:, 0, :].T  # [K, C]
+    keep = taps.shape[0] - 1
     out = torch.empty_like(x)
     for run in meta.prefills:
-        window = torch.cat([conv_state[run.slot], x[run.start : run.end].T], dim=1)  # [C, K - 1 + L]
-        out[run.start : run.end] = F.conv1d(window[None], weight, bias, groups=channels)[0].T
+        window = torch.cat([conv_state[run.slot], x[run.start : run.end]])  # [K - 1 + L, C]
+        out[run.start : run.end] = _shifted_sum(window, taps, bias)
         for n, save_slot in run.saves:
-            conv_state[save_slot] = window[:, n : n + keep]
-        conv_state[run.slot] = window[:, -keep:]
+            conv_state[save_slot] = window[n : n + keep]
+        conv_state[run.slot] = window[-keep:]
     if meta.step_rows is not None:
-        window = torch.cat([conv_state[meta.step_slots], x[meta.step_rows][:, :, None]], dim=2)  # [B, C, K]
-        out[meta.step_rows] = F.conv1d(window, weight, bias, groups=channels)[:, :, 0]
-        conv_state[meta.step_slots] = window[:, :, 1:]
+        window = torch.cat([conv_state[meta.step_slots], x[meta.step_rows][:, None]], dim=1)  # [B, K, C]
+        out[meta.step_rows] = _shifted_sum(window.transpose(0, 1), taps, bias)[0]
+        conv_state.index_copy_(0, meta.step_slots, window[:, 1:])
         for slot, save_slot in meta.step_saves:
             conv_state[save_slot] = conv_state[slot]
+    return out
+
+
+def _shifted_sum(window: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``out[t] = bias + sum_j taps[j] * window[t + j]`` over the first dim: ``window`` ``[K - 1 + L, ...]``
+    gives ``[L, ...]`` (the taps broadcast over the last dim, the channels)."""
+    kernel = taps.shape[0]
+    length = window.shape[0] - kernel + 1
+    out = window[:length] * taps[0] if bias is None else torch.addcmul(bias, window[:length], taps[0])
+    for j in range(1, kernel):
+        out.addcmul_(window[j : j + length], taps[j])
     return out
 
 
@@ -259,9 +276,9 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Per slot: the conv window ``[C, K - 1]`` (model dtype) and the matrix state ``[Hv, Dk, Dv]``."""
+        """Per slot: the conv window ``[K - 1, C]`` (model dtype) and the matrix state ``[Hv, Dk, Dv]``."""
         spec = self.spec
-        return (spec.conv_channels, spec.conv_kernel - 1), (spec.num_v_heads, spec.head_k_dim, spec.head_v_dim)
+        return (spec.conv_kernel - 1, spec.conv_channels), (spec.num_v_heads, spec.head_k_dim, spec.head_v_dim)
 
     def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], meta: StateMetadata) -> torch.Tensor:
         spec, num_tokens = self.spec, x.shape[0]
@@ -300,9 +317,9 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(spec.inner_size, config.hidden_size, bias=spec.proj_bias)
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Per slot: the conv window ``[C, K - 1]`` (model dtype) and the matrix state ``[H, N, P]``."""
+        """Per slot: the conv window ``[K - 1, C]`` (model dtype) and the matrix state ``[H, N, P]``."""
         spec = self.spec
-        return (spec.conv_channels, spec.conv_kernel - 1), (spec.num_heads, spec.state_size, spec.head_dim)
+        return (spec.conv_kernel - 1, spec.conv_channels), (spec.num_heads, spec.state_size, spec.head_dim)
 
     def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], meta: StateMetadata) -> torch.Tensor:
         spec, num_tokens = self.spec, x.shape[0]
@@ -339,8 +356,8 @@ class ShortConv(nn.Module):
         self.out_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=spec.bias)
 
     def state_shapes(self) -> tuple[tuple[int, ...]]:
-        """Per slot: the conv window ``[hidden, K - 1]`` (model dtype)."""
-        return ((self.conv.weight.shape[0], self.spec.conv_kernel - 1),)
+        """Per slot: the conv window ``[K - 1, hidden]`` (model dtype)."""
+        return ((self.spec.conv_kernel - 1, self.conv.weight.shape[0]),)
 
     def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], meta: StateMetadata) -> torch.Tensor:
         b, c, h = self.in_proj(x).chunk(3, dim=-1)
