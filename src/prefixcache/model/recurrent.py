@@ -51,7 +51,7 @@ def causal_conv(
     Computed as K shifted multiply-adds over token-major rows rather than with ``conv1d``: the same sums, and
     several times faster on a CPU for a kernel of 3 or 4 over thousands of channels.
     """
-    taps = weight[:, 0, :].T  # [K, C]
+    taps = weight[:, 0, :].T.contiguous()  # [K, C], each tap a contiguous row (strided ones broadcast slower)
     keep = taps.shape[0] - 1
     out = torch.empty_like(x)
     for run in meta.prefills:
