@@ -47,9 +47,7 @@ def qwen3_5_shaped(num_layers: int, hybrid: bool, max_len: int) -> ModelConfig:
         norm_unit_offset=True,
         partial_rotary_factor=0.25,
         attention_output_gate=True,
-        gated_delta_net=GatedDeltaNetSpec(
-            num_k_heads=16, num_v_heads=16, head_k_dim=128, head_v_dim=128, conv_kernel=4
-        )
+        gated_delta_net=GatedDeltaNetSpec(num_k_heads=16, num_v_heads=16, head_k_dim=128, head_v_dim=128, conv_kernel=4)
         if hybrid
         else None,
     )
