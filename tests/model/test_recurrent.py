@@ -67,6 +67,22 @@ def test_bfloat16_as_close_as_transformers(kind: str, hybrid_checkpoint_dirs, hy
     assert (ours - expected).abs().max() <= max(1.5 * hf_error, 0.03 * expected.abs().max())
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_tokens_equal_transformers_generate(kind: str, models, hybrid_hf_models) -> None:
+    """Prefill, then one-token decode steps from the state slot: the greedy tokens transformers' ``generate``
+    (its own cache and one-step recurrences) picks."""
+    prompt = random_tokens(40, seed=7)
+    with torch.no_grad():
+        expected = hybrid_hf_models[kind].generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+    runner = PagedRunner(models[kind], BLOCK)
+    logits = runner.step([("a", prompt)])["a"]
+    generated = []
+    for _ in range(12):
+        generated.append(int(logits[-1].argmax()))
+        logits = runner.step([("a", generated[-1:])])["a"]
+    assert generated == expected[0, len(prompt) :].tolist()
+
+
 def cold_logits(model: DecoderForCausalLM, tokens: list[int]) -> torch.Tensor:
     """The logits of ``tokens`` run from a zeroed state in one step."""
     return PagedRunner(model, BLOCK).step([("cold", tokens)])["cold"]
