@@ -23,7 +23,7 @@ from torch import nn
 
 from prefixcache.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
 from prefixcache.model.config import SUPPORTED_ARCHITECTURES, KVCacheGroup, ModelConfig
-from prefixcache.model.recurrent import RECURRENT_MODULE_NAMES, build_recurrent_layer
+from prefixcache.model.recurrent import RECURRENT_MODULE_NAMES, build_recurrent_layer, state_dtype
 from prefixcache.model.state import StateMetadata
 
 # The state cache: per recurrent layer (in ``config.state_layers`` order) its tensors, slot-major.
@@ -454,20 +454,22 @@ class DecoderForCausalLM(nn.Module):
 
     def state_bytes_per_slot(self, dtype: torch.dtype | None = None) -> int:
         """Bytes one sequence's state takes across all recurrent layers (0 without any): each conv window in
-        ``dtype`` (default: the model's) and each matrix state in float32."""
-        itemsize = (dtype or self.model.embed_tokens.weight.dtype).itemsize
+        ``dtype`` (default: the model's) and each matrix state in ``state_dtype(dtype)`` (float32 at least)."""
+        dtype = dtype or self.model.embed_tokens.weight.dtype
+        matrix_itemsize = state_dtype(dtype).itemsize
         total = 0
         for mixer in self._recurrent_layers():
             conv, *matrices = mixer.state_shapes()
-            total += math.prod(conv) * itemsize + sum(math.prod(shape) for shape in matrices) * 4
+            total += math.prod(conv) * dtype.itemsize + sum(math.prod(shape) for shape in matrices) * matrix_itemsize
         return total
 
     def allocate_state_cache(
         self, num_slots: int, dtype: torch.dtype | None = None, device: torch.device | str | None = None
     ) -> StateCache:
         """Zeroed state tensors per recurrent layer (``config.state_layers`` order), slot-major: the conv window
-        ``[num_slots, channels, kernel - 1]`` in ``dtype`` and, for Gated DeltaNet and Mamba2, the matrix
-        state ``[num_slots, heads, ...]`` in float32. A zeroed slot is the state before any token."""
+        ``[num_slots, kernel - 1, channels]`` in ``dtype`` and, for Gated DeltaNet and Mamba2, the matrix
+        state ``[num_slots, heads, ...]`` in float32 (or float64 for a float64 model). A zeroed slot is the state
+        before any token."""
         if num_slots < 1:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
         param = self.model.embed_tokens.weight
@@ -477,7 +479,7 @@ class DecoderForCausalLM(nn.Module):
         for mixer in self._recurrent_layers():
             conv, *matrices = mixer.state_shapes()
             tensors = [torch.zeros((num_slots, *conv), dtype=dtype, device=device)]
-            tensors += [torch.zeros((num_slots, *shape), dtype=torch.float32, device=device) for shape in matrices]
+            tensors += [torch.zeros((num_slots, *shape), dtype=state_dtype(dtype), device=device) for shape in matrices]
             cache.append(tuple(tensors))
         return cache
 
@@ -486,7 +488,7 @@ class DecoderForCausalLM(nn.Module):
         """Copy slot ``src[i]`` into slot ``dst[i]`` in every recurrent layer (restore or take a checkpoint)."""
         if len(src) != len(dst):
             raise ValueError(f"{len(src)} source slots for {len(dst)} destinations")
-        if not src:
+        if not src or not state_cache:
             return
         device = state_cache[0][0].device
         src_index = torch.tensor(src, dtype=torch.long, device=device)
@@ -498,7 +500,7 @@ class DecoderForCausalLM(nn.Module):
     @staticmethod
     def zero_states(state_cache: StateCache, slots: list[int]) -> None:
         """Reset ``slots`` in every recurrent layer to the state before any token."""
-        if not slots:
+        if not slots or not state_cache:
             return
         index = torch.tensor(slots, dtype=torch.long, device=state_cache[0][0].device)
         for tensors in state_cache:
