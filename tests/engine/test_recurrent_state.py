@@ -18,7 +18,8 @@ import pytest
 from prefixcache.core import FULL_ATTENTION
 from prefixcache.core.kv_cache_groups import RECURRENT_STATE
 from prefixcache.engine import LLM, SamplingParams
-from tests.helpers import assert_no_leaks, write_tiny_checkpoint
+from tests.helpers import assert_no_leaks
+from tests.model.conftest import write_checkpoint
 
 BLOCK_SIZE = 16
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
@@ -34,12 +35,7 @@ def tokens(n: int) -> list[int]:
 def qwen35(tmp_path_factory):
     from prefixcache.model import load_model
 
-    path = write_tiny_checkpoint(
-        tmp_path_factory.mktemp("qwen3_5"), "qwen3_5_text", randomize_norms=True, num_hidden_layers=4, head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
-        linear_conv_kernel_dim=4, tie_word_embeddings=True,
-    )  # fmt: skip
-    return load_model(str(path), dtype="float32")
+    return load_model(str(write_checkpoint(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5")), dtype="float32")
 
 
 @pytest.fixture
