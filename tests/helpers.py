@@ -49,10 +49,13 @@ def write_tiny_checkpoint(
     path: Path, architecture: str = "llama", seed: int = 0, randomize_norms: bool = False, **overrides
 ) -> Path:
     """Save a tiny random-weight checkpoint with the tokenizer above; ``architecture`` is a transformers
-    model type (llama, mistral, qwen2, qwen3, gemma3_text) and ``overrides`` are its config fields.
+    model type (llama, mistral, qwen2, qwen3, gemma3_text, qwen3_5_text, granitemoehybrid, lfm2) and
+    ``overrides`` are its config fields. ``qwen3_5`` saves a ``Qwen3_5ForConditionalGeneration`` (the text
+    fields go into its ``text_config``, beside a one-block vision tower).
 
-    ``randomize_norms`` draws norm weights and biases at random too (transformers sets them to constants), so
-    that every parameter visibly moves the logits and a mistake in any of them shows.
+    ``randomize_norms`` draws norm weights and biases at random too (transformers sets them to constants), and
+    slow decays for recurrent layers, so that every parameter visibly moves the logits and a mistake in any of
+    them shows.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -72,12 +75,25 @@ def write_tiny_checkpoint(
     )
     common.update(overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(architecture, **common))
+    if architecture == "qwen3_5":
+        from transformers import Qwen3_5ForConditionalGeneration
+
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=common["hidden_size"])
+        config = AutoConfig.for_model(
+            architecture, text_config=common, vision_config=vision, tie_word_embeddings=common["tie_word_embeddings"]
+        )
+        model = Qwen3_5ForConditionalGeneration(config)
+    else:
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(architecture, **common))
     if randomize_norms:
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "norm" in name:
                     param.copy_(1 + 0.2 * torch.randn_like(param))
+                elif name.endswith("A_log"):
+                    # Slow decays (transformers' init forgets within a few tokens), so a recurrent state
+                    # carries far and a wrong one shows.
+                    param.copy_(torch.empty_like(param).uniform_(0.01, 0.3).log())
                 elif name.endswith("bias"):
                     param.copy_(0.2 * torch.randn_like(param))
     model.save_pretrained(path)

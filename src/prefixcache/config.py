@@ -76,6 +76,9 @@ class EngineConfig:
     instructions, float32 otherwise (:func:`resolve_dtype`); afterwards ``dtype`` is the one that runs and
     ``dtype_reason`` says why, for the start-up log.
     ``kv_events_config`` (a config, a dict of its fields or a JSON object string) publishes KV cache events.
+    ``max_state_checkpoint_fraction``: for a model with recurrent layers (Qwen3.5, Granite 4.0-H, LFM2), the
+    share of the KV cache memory its state checkpoints may take (one working state a running request comes
+    out of the rest, beside the attention blocks); 0 keeps none, so no prefix of such a model hits.
 
     KV offload tiers behind the device cache, any combination, searched in this order:
     ``kv_offload_cpu`` (host memory, a size such as ``"8GiB"``), ``kv_offload_disk`` (``"PATH[:SIZE]"``,
@@ -107,6 +110,7 @@ class EngineConfig:
     hash_seed: str | None = None
     eviction_policy: str = "lru"
     disable_hybrid_kv_cache_manager: bool = False
+    max_state_checkpoint_fraction: float = 0.25
     seed: int = 0
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
     kv_offload_cpu: str | int | None = None
@@ -137,6 +141,9 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        fraction = self.max_state_checkpoint_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0.0 <= fraction < 1.0:
+            raise ValueError(f"max_state_checkpoint_fraction must be in [0, 1), got {fraction!r}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
         if self.hash_algo not in HASH_ALGOS:

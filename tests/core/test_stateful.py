@@ -3,7 +3,9 @@
 Alongside the manager, the test records what each KV slot really holds: the token a request wrote
 there, or copied there for a sub-block hit (copies run before the step's writes, and sub-block
 prefixes are indexed after them, as in the engine). Every hit must return blocks whose recorded
-content equals the request's own tokens.
+content equals the request's own tokens. With a recurrent-state group it also records what each state slot
+holds (the tokens it has consumed): the runner's zeroing or restore before the step, the step's saves, the
+working slot after it; a request's working state must always be its own tokens up to where it computes from.
 """
 
 import itertools
@@ -14,7 +16,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from prefixcache.core import EVICTION_POLICIES, FULL_ATTENTION, KVCacheGroupSpec, KVCacheManager, Request
 from prefixcache.core.eviction import EXPIRED
+from prefixcache.core.kv_cache_groups import RECURRENT_STATE
 from prefixcache.core.retention import DEFAULT_PRIORITY, RetentionRange
+from prefixcache.core.state_table import CheckpointPolicy
 from tests.core.conftest import FakeClock, manager_state
 
 BLOCK_SIZE = 4
@@ -27,6 +31,9 @@ class ManagerMachine(RuleBasedStateMachine):
     GROUPS = (FULL_ATTENTION,)
     NUM_BLOCKS = 12
     RETENTION = False  # requests with retention directives and tenants, a clock that moves
+    NUM_STATE_SLOTS = 0
+    NUM_CHECKPOINT_SLOTS = 0
+    CHECKPOINTS = CheckpointPolicy()
 
     def __init__(self) -> None:
         super().__init__()
@@ -41,7 +48,11 @@ class ManagerMachine(RuleBasedStateMachine):
             max_tenant_retained_fraction=0.25,
             max_retention_ttl_s=40.0,
             clock=self.clock,
+            num_state_slots=self.NUM_STATE_SLOTS,
+            num_checkpoint_slots=self.NUM_CHECKPOINT_SLOTS,
+            checkpoint_policy=self.CHECKPOINTS,
         )
+        self.states: dict[int, tuple] = {}
         self.running: list[Request] = []
         self.preempted: list[Request] = []
         self.slots: dict[int, list] = {}
@@ -51,6 +62,21 @@ class ManagerMachine(RuleBasedStateMachine):
         """What the model runner and engine do after an allocation: copies, writes, then indexing."""
         for op in self.mgr.take_transfers()[0]:
             self.slots.setdefault(op.dst, [None] * BLOCK_SIZE)[: op.num_tokens] = self.slots[op.src][: op.num_tokens]
+        work = self.mgr.state_work(req)
+        if work is not None:
+
+            def consumed(n):
+                return req.cache_salt, tuple(req.all_token_ids[:n])
+
+            if work.zero:
+                self.states[work.slot] = consumed(0)
+            elif work.restore_from is not None:
+                self.states[work.slot] = self.states[work.restore_from]
+            assert self.states.get(work.slot) == consumed(start), "the working state is not the request's own"
+            for n, slot in work.saves:
+                assert n > 0 and (start + n) % BLOCK_SIZE == 0 and start + n <= req.num_computed_tokens
+                self.states[slot] = consumed(start + n)
+            self.states[work.slot] = consumed(req.num_computed_tokens)
         for table in self.mgr._tables[req.request_id]:
             for pos in range(start, req.num_computed_tokens):
                 block = table[pos // BLOCK_SIZE]
@@ -65,6 +91,9 @@ class ManagerMachine(RuleBasedStateMachine):
         hit = self.mgr.find_prefix(req)
         num_cached = hit.num_tokens
         for g, blocks in enumerate(hit.blocks):
+            if self.GROUPS[g].recurrent_state:
+                assert blocks == [], "the recurrent-state group holds no blocks"
+                continue
             assert len(blocks) == -(-num_cached // BLOCK_SIZE), "groups disagree on the hit"
             window = self.GROUPS[g].window_blocks(BLOCK_SIZE)
             for i, block in enumerate(blocks):
@@ -222,6 +251,17 @@ _variants["_hybrid_retention"] = {
     "GROUPS": (FULL_ATTENTION, KVCacheGroupSpec(sliding_window=6)),
     "NUM_BLOCKS": 25,
 }
+# Three kinds: full attention, a sliding window and recurrent state (2 working states, 3 checkpoints, sparse ones
+# every 2 blocks), under every eviction policy.
+for _policy in EVICTION_POLICIES:
+    _variants[f"_state_{_policy}"] = {
+        "POLICY": _policy,
+        "GROUPS": (FULL_ATTENTION, KVCacheGroupSpec(sliding_window=6), RECURRENT_STATE),
+        "NUM_BLOCKS": 25,
+        "NUM_STATE_SLOTS": 2,
+        "NUM_CHECKPOINT_SLOTS": 3,
+        "CHECKPOINTS": CheckpointPolicy(sparse_every_blocks=2),
+    }
 for _suffix, _attrs in _variants.items():
     _machine = type(f"ManagerMachine{_suffix}", (ManagerMachine,), _attrs)
     _machine.TestCase.settings = ManagerMachine.TestCase.settings

@@ -3,6 +3,7 @@
 import random
 
 import msgspec
+import pytest
 
 from prefixcache.core import (
     KVCacheGroupSpec,
@@ -12,7 +13,9 @@ from prefixcache.core import (
     longest_common_hit,
     root_hash,
 )
+from prefixcache.core.kv_cache_groups import RECURRENT_STATE, spec_of_kind
 from prefixcache.core.miss import hittable_blocks
+from prefixcache.core.state_table import CheckpointPolicy
 from prefixcache.kv_events.collector import KVEventCollector
 from prefixcache.kv_events.events import KVEventBatch, encode_block_hash
 from tests.core.conftest import BLOCK_SIZE, admit, make_request, unique_tokens
@@ -202,8 +205,9 @@ class GroupAwareConsumer:
     def feed(self, payload: bytes) -> None:
         for event in msgspec.msgpack.decode(payload, type=GroupedBatch).events:
             if isinstance(event, GroupedBlockStored):
-                assert event.kv_cache_spec_kind == ("full_attention" if event.group_idx == 0 else "sliding_window")
-                self.specs[event.group_idx] = KVCacheGroupSpec(event.kv_cache_spec_sliding_window)
+                assert event.kv_cache_spec_kind == ("full_attention", "sliding_window", "mamba")[event.group_idx]
+                spec = spec_of_kind(event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window)
+                self.specs[event.group_idx] = spec
                 self.held.setdefault(event.group_idx, set()).update(event.block_hashes)
             elif isinstance(event, GroupedBlockRemoved):
                 self.held[event.group_idx].difference_update(event.block_hashes)
@@ -247,11 +251,24 @@ def test_each_group_has_its_events_with_its_spec_as_vllm_sends_them():
     assert removed == [(0, hashes[2:3])]  # freed position by position, last first: the full group's block 2
 
 
-def test_a_consumer_of_a_hybrid_backends_events_predicts_every_hit_exactly():
-    """A random mix of chunked prefills, decodes and frees on a small pool (evictions in both groups)."""
+@pytest.mark.parametrize(
+    "groups, state",
+    [
+        (HYBRID, {}),
+        # Recurrent state too: its checkpoints are blocks of the third group (vLLM's mamba kind), evicted from 3
+        # slots, sparse every 2 blocks.
+        (
+            (*HYBRID, RECURRENT_STATE),
+            {"num_state_slots": 8, "num_checkpoint_slots": 3, "checkpoint_policy": CheckpointPolicy(2)},
+        ),
+    ],
+    ids=["attention", "with-state"],
+)
+def test_a_consumer_of_a_hybrid_backends_events_predicts_every_hit_exactly(groups, state):
+    """A random mix of chunked prefills, decodes and frees on a small pool (evictions in every group)."""
     rng = random.Random(7)
-    collector = KVEventCollector(groups=HYBRID)
-    manager = KVCacheManager(num_blocks=31, block_size=BLOCK_SIZE, groups=HYBRID, listeners=[collector])
+    collector = KVEventCollector(groups=groups)
+    manager = KVCacheManager(num_blocks=31, block_size=BLOCK_SIZE, groups=groups, listeners=[collector], **state)
     consumer = GroupAwareConsumer()
     prefixes = [[rng.randrange(50) for _ in range(n)] for n in (9, 20, 26)]
     running = []
@@ -273,6 +290,7 @@ def test_a_consumer_of_a_hybrid_backends_events_predicts_every_hit_exactly():
             chunk = min(rng.randrange(1, 16), request.num_tokens - hit.num_tokens)
             if manager.allocate_slots(request, chunk, hit) is not None:
                 running.append(request)
+        manager.take_transfers()  # the step ran: its checkpoints can be hit, and the engine publishes now
         consumer.feed(wire(collector))
         for prefix in prefixes:
             for extra in (1, 4):

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from prefixcache.model import AttentionMetadata, DecoderForCausalLM, KVCacheGroup
+from prefixcache.model import AttentionMetadata, DecoderForCausalLM, KVCacheGroup, StateMetadata
 from tests.helpers import write_tiny_checkpoint
 
 VOCAB_SIZE = 512
@@ -78,9 +78,54 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# Hybrids: attention layers between recurrent ones, with state (see tests/model/test_recurrent.py). Heads,
+# head sizes and chunk sizes are small and unequal so that a mixed-up dimension fails.
+_QWEN3_5_TEXT: dict[str, Any] = {
+    "num_hidden_layers": 4,  # three Gated DeltaNet layers, then full attention (the default interval)
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 12,
+    "linear_conv_kernel_dim": 4,
+}
+HYBRID_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_5": ("qwen3_5_text", _QWEN3_5_TEXT | {"tie_word_embeddings": True}),
+    "qwen3_5_vl": ("qwen3_5", _QWEN3_5_TEXT),
+    "granite_h": (
+        "granitemoehybrid",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": ["mamba", "attention", "mamba", "mamba"],
+            "num_local_experts": 0,
+            "shared_intermediate_size": 96,
+            "mamba_n_heads": 4,
+            "mamba_d_state": 8,
+            "mamba_n_groups": 2,
+            "mamba_chunk_size": 16,
+            "embedding_multiplier": 2.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.3,
+            "logits_scaling": 3.0,
+        },
+    ),
+    "lfm2": (
+        "lfm2",
+        {
+            "num_hidden_layers": 4,
+            "layer_types": ["conv", "full_attention", "conv", "conv"],
+            "intermediate_size": 144,
+            "block_multiple_of": 32,
+            "conv_bias": True,
+            "tie_word_embeddings": True,
+        },
+    ),
+}
+
+
 def write_checkpoint(path: Path, kind: str, seed: int = 0) -> Path:
-    """Save the tiny model ``kind`` (see TINY_MODELS)."""
-    model_type, overrides = TINY_MODELS[kind]
+    """Save the tiny model ``kind`` (see TINY_MODELS and HYBRID_MODELS)."""
+    model_type, overrides = TINY_MODELS[kind] if kind in TINY_MODELS else HYBRID_MODELS[kind]
     return write_tiny_checkpoint(path, model_type, seed, randomize_norms=True, **(TINY_SETTINGS | overrides))
 
 
@@ -94,12 +139,29 @@ def checkpoint_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 @pytest.fixture(scope="session")
 def hf_models(checkpoint_dirs: dict[str, Path]) -> dict[str, Any]:
     """The same checkpoints loaded with transformers (float32), the reference implementation."""
-    from transformers import AutoModelForCausalLM
+    return {kind: load_hf_model(path) for kind, path in checkpoint_dirs.items()}
 
-    return {
-        kind: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
-        for kind, path in checkpoint_dirs.items()
-    }
+
+@pytest.fixture(scope="session")
+def hybrid_checkpoint_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny hybrid checkpoints, written once per session."""
+    root = tmp_path_factory.mktemp("hybrid-ckpts")
+    return {kind: write_checkpoint(root / kind, kind) for kind in HYBRID_MODELS}
+
+
+@pytest.fixture(scope="session")
+def hybrid_hf_models(hybrid_checkpoint_dirs: dict[str, Path]) -> dict[str, Any]:
+    """The hybrid checkpoints loaded with transformers (float32)."""
+    return {kind: load_hf_model(path) for kind, path in hybrid_checkpoint_dirs.items()}
+
+
+def load_hf_model(path: Path) -> Any:
+    """A tiny checkpoint in transformers' own implementation (float32), as the class it was saved as."""
+    import transformers
+
+    architecture = transformers.AutoConfig.from_pretrained(path, local_files_only=True).architectures[0]
+    model_class = getattr(transformers, architecture)
+    return model_class.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
 
 
 def assert_matches_transformers(output: Any, hf_model: Any) -> None:
@@ -123,6 +185,10 @@ class PagedRunner:
     step a request's blocks wholly before its window become the null block in its table, and a block no table
     holds any more goes back to the free list for any group to reuse. The null block holds NaN here, so a
     layer gathering any block left of its window would poison the logits.
+
+    For a hybrid (recurrent layers) each request also gets a working state slot, zeroed on its first step;
+    ``step`` takes saves (request, tokens of this step) into fresh slots (``saved``), and ``share_prefix``
+    starts a request from a saved state, as a checkpoint hit does.
     """
 
     NULL_BLOCK = 1  # not 0: block tables are padded with 0, and padding may be gathered (masked)
@@ -135,6 +201,7 @@ class PagedRunner:
         seed: int = 0,
         groups: Sequence[KVCacheGroup] | None = None,
         free_out_of_window: bool = False,
+        num_state_slots: int = 16,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -151,18 +218,33 @@ class PagedRunner:
         self.computed: dict[str, int] = {}
         self.num_freed = 0
         self.last_metadata: list[AttentionMetadata] = []
+        self.state_cache = None
+        if model.config.state_layers:
+            self.state_cache = model.allocate_state_cache(num_state_slots, dtype, "cpu")
+        self.free_slots = list(range(num_state_slots))[::-1]
+        self.working_slot: dict[str, int] = {}
+        self.saved: dict[tuple[str, int], int] = {}
 
     def reserve(self, rid: str, num_blocks: int) -> None:
         """Give ``rid`` its first blocks now (in every group), before any step writes them."""
         self.tables[rid] = [[self.free.pop() for _ in range(num_blocks)] for _ in self.groups]
 
-    def share_prefix(self, src: str, dst: str, num_blocks: int) -> None:
-        """Start ``dst`` with the first blocks of ``src`` (as prefix caching would); they count as computed."""
+    def share_prefix(self, src: str, dst: str, num_blocks: int, state_slot: int | None = None) -> None:
+        """Start ``dst`` with the first blocks of ``src`` (as prefix caching would); they count as computed. A
+        hybrid's ``dst`` starts from the state in ``state_slot`` (the state after those blocks)."""
         self.tables[dst] = [table[:num_blocks] for table in self.tables[src]]
         self.computed[dst] = num_blocks * self.block_size
+        if self.state_cache is not None:
+            assert state_slot is not None, "a hybrid's prefix hit needs the state at its end"
+            slot = self.working_slot[dst] = self.free_slots.pop()
+            self.model.copy_states(self.state_cache, [state_slot], [slot])
 
-    def step(self, batch: list[tuple[str, list[int]]]) -> dict[str, torch.Tensor]:
-        """Run one step with the given new tokens per request; returns each request's logits [new, vocab]."""
+    def step(
+        self, batch: list[tuple[str, list[int]]], saves: Sequence[tuple[str, int]] = ()
+    ) -> dict[str, torch.Tensor]:
+        """Run one step with the given new tokens per request; returns each request's logits [new, vocab].
+
+        ``saves``: (request, n) leaves its state after its first n new tokens in ``saved[(request, n)]``."""
         computed, new, ids = [], [], []
         for rid, tokens in batch:
             tables = self.tables.setdefault(rid, [[] for _ in self.groups])
@@ -182,7 +264,10 @@ class PagedRunner:
             for g, group in enumerate(self.groups)
         ]
         meta = self.last_metadata[0]
-        hidden = self.model(torch.tensor(ids), meta.positions, self.kv_caches, self.last_metadata)
+        state_metadata = self._state_metadata(batch, new, saves)
+        hidden = self.model(
+            torch.tensor(ids), meta.positions, self.kv_caches, self.last_metadata, self.state_cache, state_metadata
+        )
         logits = self.model.compute_logits(hidden)
         out = {}
         for r, (rid, tokens) in enumerate(batch):
@@ -190,6 +275,22 @@ class PagedRunner:
             out[rid] = logits[start : start + len(tokens)]
             self.computed[rid] += len(tokens)
         return out
+
+    def _state_metadata(
+        self, batch: list[tuple[str, list[int]]], new: list[int], saves: Sequence[tuple[str, int]]
+    ) -> StateMetadata | None:
+        if self.state_cache is None:
+            return None
+        fresh = [rid for rid, _ in batch if rid not in self.working_slot]
+        for rid in fresh:
+            self.working_slot[rid] = self.free_slots.pop()
+        self.model.zero_states(self.state_cache, [self.working_slot[rid] for rid in fresh])
+        rows = {rid: row for row, (rid, _) in enumerate(batch)}
+        save_rows = []
+        for rid, n in saves:
+            self.saved[(rid, n)] = slot = self.free_slots.pop()
+            save_rows.append((rows[rid], n, slot))
+        return StateMetadata.build([self.working_slot[rid] for rid, _ in batch], new, save_rows, "cpu")
 
     def _free_blocks_left_of_the_windows(self) -> None:
         for g, group in enumerate(self.groups):

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from prefixcache.core import FULL_ATTENTION, KVCacheGroupSpec
+from prefixcache.core.kv_cache_groups import RECURRENT_STATE
 from prefixcache.router.app import RouterSettings
 from prefixcache.router.backend_config import CacheConfig, hashing_mismatch, parse_cache_config
 from prefixcache.router.backends import BackendPool, BackendRefusedError, HealthSettings
@@ -121,8 +122,10 @@ def test_the_cache_config_reports_the_kv_cache_groups_each_spec_or_none_for_an_u
         return {"group_idx": idx, "kind": kind, "block_size": block_size, "sliding_window": window}
 
     assert parsed(cache_config()).group_specs == ()  # a server from before kv_cache_groups: learned from events
-    groups = [group(0, "sliding_window", 32), group(1, "full_attention"), group(2, "mamba")]
+    groups = [group(0, "sliding_window", 32), group(1, "full_attention"), group(2, "chunked_local_attention")]
     assert parsed(cache_config(kv_cache_groups=groups)).group_specs == (KVCacheGroupSpec(32), FULL_ATTENTION, None)
+    groups = [group(0, "full_attention"), group(1, "mamba")]  # a hybrid's recurrent state: its checkpoints
+    assert parsed(cache_config(kv_cache_groups=groups)).group_specs == (FULL_ATTENTION, RECURRENT_STATE)
     for bad, message in (
         ([group(1, "full_attention")], "kv_cache_groups\\[0\\] is group 1"),
         ([group(0, "full_attention", block_size=16)], "of blocks of 16 tokens, not group 0 of 4"),

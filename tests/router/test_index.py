@@ -241,10 +241,23 @@ def test_requests_in_flight_count_in_every_group():
 def test_a_group_the_router_cannot_predict_routes_the_backend_by_load(caplog):
     index = PrefixIndex()
     blocks = hybrid_backend(index)
-    blocks.store(store_event([1, 2], 2, "mamba"))
-    blocks.store(store_event([3], 2, "mamba"))
+    blocks.store(store_event([1, 2], 2, "chunked_local_attention"))
+    blocks.store(store_event([3], 2, "chunked_local_attention"))
     assert index.matched_blocks([1, 2], ["h"]) == {"h": 0}
-    assert caplog.text.count("KV cache group of kind 'mamba', whose hits the router cannot predict") == 1
+    assert caplog.text.count("KV cache group of kind 'chunked_local_attention', whose hits the router cannot") == 1
+
+
+def test_a_recurrent_state_group_bounds_the_hit_to_its_deepest_checkpoint():
+    """A mamba group's stored blocks are state checkpoints, each keyed by the block it ends."""
+    index = PrefixIndex()
+    blocks = hybrid_backend(index)
+    assert index.matched_blocks([1, 2, 3, 4, 5, 6], ["h"]) == {"h": 6}
+    blocks.store(store_event([4], 2, "mamba"))  # a checkpoint after 4 blocks
+    assert index.matched_blocks([1, 2, 3, 4, 5, 6], ["h"]) == {"h": 4}
+    blocks.store(store_event([6], 2, "mamba"))
+    assert index.matched_blocks([1, 2, 3, 4, 5, 6], ["h"]) == {"h": 6}
+    blocks.remove(removed_event([6], 2))
+    assert index.matched_blocks([1, 2, 3, 4, 5, 7], ["h"]) == {"h": 4}
 
 
 def test_events_that_cannot_name_a_group_are_refused_and_change_nothing():

@@ -67,10 +67,7 @@ class HybridBenchConfig:
 
 def gemma3_shaped(config: HybridBenchConfig) -> LoadedModel:
     """A Gemma 3 text model of that shape with random weights, built in memory (nothing is read or written)."""
-    import torch
     from transformers import Gemma3TextConfig
-
-    from prefixcache.model import DecoderForCausalLM, LoadedModel, ModelConfig
 
     layer_types = [
         "full_attention" if (i + 1) % config.sliding_window_pattern == 0 else "sliding_attention"
@@ -89,14 +86,23 @@ def gemma3_shaped(config: HybridBenchConfig) -> LoadedModel:
         max_position_embeddings=2 * (config.prompt_tokens + config.memory_output_tokens),
         eos_token_id=None,
     )
+    return random_model(hf_config, "gemma3-shaped", config.seed, 0.5)
+
+
+def random_model(hf_config: Any, name: str, seed: int, std: float) -> LoadedModel:
+    """The decoder of a transformers config with every parameter drawn from N(0, std), built in memory (the
+    default init leaves norms at one: draw everything, so no layer is inert)."""
+    import torch
+
+    from prefixcache.model import DecoderForCausalLM, LoadedModel, ModelConfig
+
     model_config = ModelConfig.from_hf_config(hf_config)
-    torch.manual_seed(config.seed)
+    torch.manual_seed(seed)
     model = DecoderForCausalLM(model_config).eval().requires_grad_(False)
     with torch.no_grad():
         for param in model.parameters():
-            param.normal_(0.0, 0.5)  # the default init leaves norms at one: draw everything, so no layer is inert
-    digest = f"random-gemma3-shaped-seed-{config.seed}"
-    return LoadedModel(model, model_config, None, Path("."), "gemma3-shaped (random weights)", digest)
+            param.normal_(0.0, std)
+    return LoadedModel(model, model_config, None, Path("."), f"{name} (random weights)", f"random-{name}-seed-{seed}")
 
 
 def make_engine(loaded: LoadedModel, config: HybridBenchConfig, disable_hybrid: bool, **overrides: Any) -> EngineCore:

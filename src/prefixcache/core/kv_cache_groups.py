@@ -12,7 +12,10 @@ What a group needs of a cached prefix that ends at block ``k`` (the next token t
 - full attention: every block from the first, ``0 .. k - 1``;
 - a sliding window of ``W``: the query at position ``p`` reads the keys ``p - W + 1 .. p``, so only the
   blocks covering the ``W - 1`` positions before the hit point, ``cdiv(W - 1, block_size)`` blocks
-  ending at ``k - 1`` (all of ``0 .. k - 1`` when fewer); blocks before them may be missing (holes).
+  ending at ``k - 1`` (all of ``0 .. k - 1`` when fewer); blocks before them may be missing (holes);
+- recurrent state (Gated DeltaNet, Mamba2, short convolutions): no per-token K/V, one fixed-size state per
+  sequence, so a hit needs a *state checkpoint* taken exactly at block ``k`` (keyed by the hash of block
+  ``k - 1``); a checkpoint at any other boundary is of no use for ``k``.
 
 :func:`longest_common_hit` finds the longest prefix every group can serve, iterating until the groups
 agree. It works on any ``lookup`` (a block pool's cached map, or a router's picture of a backend's
@@ -31,8 +34,12 @@ T = TypeVar("T")
 
 FULL_ATTENTION_KIND = "full_attention"
 SLIDING_WINDOW_KIND = "sliding_window"
-# vLLM's names of the specs whose hit follows one of the two rules here, by whether the spec slides (MLA stores
-# K/V compressed, and hits alike). Other kinds (mamba, chunked local attention) keep their blocks otherwise.
+# vLLM's kind of a recurrent layer's group (``KVCacheSpecKind.MAMBA``, for every MambaSpec: Mamba2, GDN, short
+# convolutions); its events carry no sliding window.
+STATE_KIND = "mamba"
+# vLLM's names of the attention specs whose hit follows one of the two block rules here, by whether the spec
+# slides (MLA stores K/V compressed, and hits alike). Mamba is the state rule; other kinds (chunked local
+# attention) keep their blocks otherwise.
 _KINDS_SLIDE = {
     FULL_ATTENTION_KIND: False,
     "mla_attention": False,
@@ -43,28 +50,41 @@ _KINDS_SLIDE = {
 
 @dataclass(frozen=True, slots=True)
 class KVCacheGroupSpec:
-    """What the cache manager needs of one KV cache group: its attention. ``sliding_window`` None is full
-    attention; else a query at position ``p`` sees the keys at positions ``p - sliding_window + 1 .. p``
-    (Hugging Face's convention, the window counts the query itself)."""
+    """What the cache manager needs of one KV cache group: its attention, or recurrent state.
+
+    ``sliding_window`` None is full attention; else a query at position ``p`` sees the keys at positions
+    ``p - sliding_window + 1 .. p`` (Hugging Face's convention, the window counts the query itself).
+    ``recurrent_state``: the group of a model's recurrent layers, which keep one state per sequence and hit
+    only at a state checkpoint (no window)."""
 
     sliding_window: int | None = None
+    recurrent_state: bool = False
 
     def __post_init__(self) -> None:
         if self.sliding_window is not None and (
             isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) or self.sliding_window < 1
         ):
             raise ValueError(f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
+        if not isinstance(self.recurrent_state, bool):
+            raise ValueError(f"recurrent_state must be a bool, got {self.recurrent_state!r}")
+        if self.recurrent_state and self.sliding_window is not None:
+            raise ValueError("a recurrent-state group has no sliding window")
 
     @property
     def kind(self) -> str:
         """vLLM's name of the spec, as KV cache events carry it (``kv_cache_spec_kind``)."""
+        if self.recurrent_state:
+            return STATE_KIND
         return FULL_ATTENTION_KIND if self.sliding_window is None else SLIDING_WINDOW_KIND
 
     def describe(self) -> str:
+        if self.recurrent_state:
+            return "recurrent state"
         return "full attention" if self.sliding_window is None else f"sliding window {self.sliding_window}"
 
     def window_blocks(self, block_size: int) -> int | None:
-        """Blocks a hit must hold before its end: None for full attention (all of them)."""
+        """Blocks a hit must hold before its end: None for full attention (all of them) and for recurrent
+        state (no blocks; a checkpoint at the end)."""
         if self.sliding_window is None:
             return None
         return -(-(self.sliding_window - 1) // block_size)
@@ -78,6 +98,7 @@ class KVCacheGroupSpec:
 
 
 FULL_ATTENTION = KVCacheGroupSpec()
+RECURRENT_STATE = KVCacheGroupSpec(recurrent_state=True)
 
 
 def spec_of_kind(kind: str, sliding_window: int | None) -> KVCacheGroupSpec | None:
@@ -85,6 +106,8 @@ def spec_of_kind(kind: str, sliding_window: int | None) -> KVCacheGroupSpec | No
     ``kv_cache_spec_sliding_window``, a server's ``kv_cache_groups``); None for a kind whose hit follows
     neither rule. A full-attention kind ignores the window (vLLM gives one to sliding layers it treats as
     full when its hybrid manager is off); ValueError for a sliding kind without a positive window."""
+    if kind == STATE_KIND:
+        return RECURRENT_STATE
     slides = _KINDS_SLIDE.get(kind)
     if slides is None:
         return None
@@ -96,13 +119,20 @@ def spec_of_kind(kind: str, sliding_window: int | None) -> KVCacheGroupSpec | No
 
 
 def check_groups(groups: Sequence[KVCacheGroupSpec]) -> tuple[KVCacheGroupSpec, ...]:
-    """The groups as a tuple; ValueError when there are none or one is not a spec."""
+    """The groups as a tuple; ValueError when there are none, one is not a spec, or the recurrent-state group
+    is not one, last, after at least one attention group (the attention groups keep their indexes)."""
     groups = tuple(groups)
     if not groups:
         raise ValueError("a KV cache needs at least one group")
     for group in groups:
         if not isinstance(group, KVCacheGroupSpec):
             raise ValueError(f"KV cache groups must be KVCacheGroupSpec, got {group!r}")
+    states = [g for g, group in enumerate(groups) if group.recurrent_state]
+    if states and (states != [len(groups) - 1] or len(groups) < 2):
+        raise ValueError(
+            "a KV cache has at most one recurrent-state group, last, after its attention groups; got "
+            f"{', '.join(g.describe() for g in groups)}"
+        )
     return groups
 
 
@@ -140,6 +170,19 @@ def window_hit(
     return len(found), found
 
 
+def state_hit(
+    lookup: Callable[[BlockHash], T | None], hashes: Sequence[BlockHash], max_blocks: int
+) -> tuple[int, list[T]]:
+    """The longest hit of at most ``max_blocks`` blocks a recurrent-state group can serve: ``(k, [checkpoint])``
+    for the deepest checkpoint at a boundary ``k <= max_blocks`` (keyed by the hash of block ``k - 1``), or
+    ``(0, [])``: the state starts from zero."""
+    for k in range(max_blocks, 0, -1):
+        checkpoint = lookup(hashes[k - 1])
+        if checkpoint is not None:
+            return k, [checkpoint]
+    return 0, []
+
+
 def full_hit(lookup: Callable[[BlockHash], T | None], hashes: Sequence[BlockHash], max_blocks: int) -> list[T]:
     """The run of blocks from the first that a full-attention group holds, at most ``max_blocks``."""
     found: list[T] = []
@@ -160,14 +203,16 @@ def longest_common_hit(
 ) -> tuple[int, list[list[T]]]:
     """The longest prefix of at most ``max_blocks`` blocks that every group can serve, ``lookups[g]`` telling
     what group ``g`` holds: ``(k, found)``, ``found[g]`` being the blocks group ``g`` needs, the last
-    ``len(found[g])`` of ``0 .. k - 1`` (all of them for full attention).
+    ``len(found[g])`` of ``0 .. k - 1`` (all of them for full attention; the one checkpoint at ``k`` for
+    recurrent state, none when ``k`` is 0).
 
     Full-attention groups go first (their hit bounds every other); a sliding-window group whose window
-    before ``k`` has a hole lowers ``k`` to the next point whose window it holds, which may break
-    another sliding group's window, so the groups are asked again until none lowers ``k``. A full
-    group's run from the first block stays valid when ``k`` drops, so it is only cut.
+    before ``k`` has a hole lowers ``k`` to the next point whose window it holds, and a recurrent-state
+    group lowers it to its deepest checkpoint at or below ``k``; either may break a sliding group's window,
+    so the groups are asked again until none lowers ``k``. A full group's run from the first block stays
+    valid when ``k`` drops, so it is only cut.
     """
-    order = sorted(range(len(groups)), key=lambda g: groups[g].sliding_window is not None)
+    order = sorted(range(len(groups)), key=lambda g: groups[g].kind != FULL_ATTENTION_KIND)
     found: list[list[T] | None] = [None] * len(groups)
     ends = [0] * len(groups)
     k = max_blocks
@@ -178,7 +223,9 @@ def longest_common_hit(
             window = groups[g].window_blocks(block_size)
             if found[g] is not None and ends[g] == k:
                 continue
-            if window is None:
+            if groups[g].recurrent_state:
+                ends[g], found[g] = state_hit(lookups[g], hashes, k)
+            elif window is None:
                 if found[g] is None:
                     found[g] = full_hit(lookups[g], hashes, k)
                 found[g] = found[g][:k]

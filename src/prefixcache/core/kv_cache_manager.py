@@ -5,7 +5,9 @@ A request is admitted in two calls every caller makes (the scheduler, the trace 
 copy, whole blocks an external source such as the offload tiers can load) without taking anything, and
 :meth:`KVCacheManager.allocate_slots` admits it with that hit and grows its tables afterwards; ``free``
 gives its blocks back. The connector of the external source, the pool's listeners and the groups are
-given at construction.
+given at construction. What differs by kind of group lives in one table object per group
+(:mod:`prefixcache.core.group_tables` for attention, :mod:`prefixcache.core.state_table` for recurrent state);
+the manager coordinates them: one hit for all, one room check before anything changes, one order of frees.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any, Protocol
 
 from prefixcache.core.block_pool import Block, BlockPool, BlockPoolListener
 from prefixcache.core.eviction import EXPIRED, EvictionPolicy
+from prefixcache.core.group_tables import make_table
 from prefixcache.core.hashing import BlockHash, root_hash, warn_if_unsafe
 from prefixcache.core.kv_cache_groups import (
     FULL_ATTENTION,
@@ -42,6 +45,13 @@ from prefixcache.core.retention import (
     DEFAULT_PRIORITY,
     block_directives,
     check_bounds,
+)
+from prefixcache.core.state_table import (
+    DEFAULT_CHECKPOINT_POLICY,
+    Checkpoint,
+    CheckpointPolicy,
+    StateTable,
+    StateWork,
 )
 from prefixcache.core.sub_block import CopyOp, SubBlockIndex
 
@@ -114,13 +124,17 @@ class PrefixHit:
     table holds the null block where its window does not reach); with a sub-block copy
     (``num_copied_tokens`` > 0, one full-attention group only) the last block is the copy source.
     ``num_external_tokens`` are whole blocks right after, which the connector staged and loads into
-    new blocks.
+    new blocks. With a recurrent-state group (whose ``blocks`` entry is empty), ``checkpoint`` is the state
+    at the hit's end (None for no hit), and ``junction_blocks`` the longer prefix the attention groups alone
+    hold (0 when not longer), where admission leaves a junction checkpoint.
     """
 
     blocks: list[list[Block]]
     num_local_tokens: int = 0
     num_copied_tokens: int = 0
     num_external_tokens: int = 0
+    checkpoint: Checkpoint | None = None
+    junction_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -169,6 +183,10 @@ class KVCacheManager:
     TTL clamped to ``max_retention_ttl_s``), which the pool's eviction order honours. Retained blocks may hold
     ``max_retained_fraction`` of the pool, a tenant's ``max_tenant_retained_fraction`` (None: no quota);
     ``clock`` times the TTLs.
+
+    A model with recurrent layers has a recurrent-state group last: ``num_state_slots`` working states
+    (the most requests that run at once), ``num_checkpoint_slots`` checkpoints placed by
+    ``checkpoint_policy`` (:mod:`prefixcache.core.state_table`); offload tiers do not carry checkpoints.
     """
 
     def __init__(
@@ -189,6 +207,9 @@ class KVCacheManager:
         max_retention_ttl_s: float = DEFAULT_MAX_RETENTION_TTL_S,
         max_tenant_retained_fraction: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        num_state_slots: int = 0,
+        num_checkpoint_slots: int = 0,
+        checkpoint_policy: CheckpointPolicy = DEFAULT_CHECKPOINT_POLICY,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -201,6 +222,11 @@ class KVCacheManager:
         self.max_retention_ttl_s = max_retention_ttl_s
         self.groups = check_groups(groups)
         check_sub_blocks(self.groups, block_size, sub_block_size)
+        has_state = self.groups[-1].recurrent_state
+        if has_state and connector is not None:
+            raise ValueError("the offload tiers do not carry recurrent-state checkpoints; turn them off for this model")
+        # The attention groups, which hold blocks: all but the recurrent-state group (last when there is one).
+        self._attention = self.groups[:-1] if has_state else self.groups
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
@@ -221,14 +247,14 @@ class KVCacheManager:
         if isinstance(self.connector, BlockPoolListener):
             pool_listeners.append(self.connector)
         pool_listeners.extend(listeners)
-        self._sliding = [g for g, spec in enumerate(self.groups) if spec.sliding_window is not None]
+        self._sliding = [g for g, spec in enumerate(self._attention) if spec.sliding_window is not None]
         num_usable = num_blocks - bool(self._sliding)
         self.pool = BlockPool(
             num_blocks,
             enable_caching,
             eviction_policy,
             pool_listeners,
-            num_groups=len(self.groups),
+            num_groups=len(self._attention),
             reserve_null_block=bool(self._sliding),
             max_retained_blocks=int(max_retained_fraction * num_usable),
             max_tenant_retained_blocks=None
@@ -238,7 +264,22 @@ class KVCacheManager:
         )
         self.null_block = self.pool.null_block
         self.watermark_blocks = int(watermark * self.pool.num_usable_blocks)
-        self._lookups = [_cached_lookup(cached) for cached in self.pool.cached]
+        self._block_tables = [make_table(spec, self.pool, block_size) for spec in self._attention]
+        self._attention_lookups = [_cached_lookup(cached) for cached in self.pool.cached]
+        self.state: StateTable | None = None
+        if has_state:
+            # Without caching nothing is checkpointed: no slot to save into.
+            num_checkpoint_slots = num_checkpoint_slots if enable_caching else 0
+            self.state = StateTable(
+                num_state_slots,
+                num_checkpoint_slots,
+                checkpoint_policy,
+                block_size,
+                self._attention_lookups,
+                group=len(self._attention),
+                listeners=listeners,
+            )
+        self._lookups = self._attention_lookups + ([self.state.lookup] if self.state else [])
         self._single_full = self.groups == (FULL_ATTENTION,)
         self._no_hit_blocks: list[list[Block]] = [[] for _ in self.groups]
         self.stats = PrefixCacheStats()
@@ -273,7 +314,7 @@ class KVCacheManager:
         before a step plus the step's own tokens, once earlier blocks were given back."""
         all_blocks = _cdiv(num_tokens, self.block_size)
         total = 0
-        for spec in self.groups:
+        for spec in self._attention:
             if spec.sliding_window is None:
                 total += all_blocks
             else:
@@ -319,18 +360,17 @@ class KVCacheManager:
             return PrefixHit([[] for _ in self.groups])
         hashes = self.block_hashes(request)
         max_blocks = hittable_blocks(request.num_tokens, self.block_size)
-        num_blocks, blocks, num_copied = self._local_hit(request, hashes, max_blocks)
-        num_cached = num_blocks * self.block_size
-        num_external = 0
+        hit = self._local_hit(request, hashes, max_blocks)
         if self.connector is not None:
+            num_blocks = hit.num_local_tokens // self.block_size
             num_external = self.connector.extend_hit(request, hashes, num_blocks, max_blocks) * self.block_size
-            if num_external > num_copied:
-                if num_copied:
-                    blocks[0].pop()
-                num_copied = 0
-            else:
-                num_external = 0
-        return PrefixHit(blocks, num_cached + num_copied, num_copied, num_external)
+            if num_external > hit.num_copied_tokens:
+                if hit.num_copied_tokens:
+                    hit.blocks[0].pop()
+                hit.num_local_tokens = num_blocks * self.block_size
+                hit.num_copied_tokens = 0
+                hit.num_external_tokens = num_external
+        return hit
 
     def lookup(
         self,
@@ -348,14 +388,18 @@ class KVCacheManager:
         """
         request = Request("lookup", token_ids, cache_salt=cache_salt, lora_name=lora_name, mm_features=mm_features)
         by_tier = {"device": 0}
-        num_cached = num_copied = 0
+        num_cached = num_copied = num_no_checkpoint = 0
         retention: list[RetentionRun] = []
         if self.enable_caching and not request.skip_reading_prefix_cache:
             hashes = self.block_hashes(request)
             max_blocks = hittable_blocks(request.num_tokens, self.block_size)
-            num_blocks, blocks, num_copied = self._local_hit(request, hashes, max_blocks)
-            retention = self._retention_runs(blocks, num_blocks)
+            hit = self._local_hit(request, hashes, max_blocks)
+            num_copied = hit.num_copied_tokens
+            num_blocks = hit.num_local_tokens // self.block_size
+            retention = self._retention_runs(hit.blocks[: len(self._attention)], num_blocks)
             num_cached = num_blocks * self.block_size
+            if hit.junction_blocks:
+                num_no_checkpoint = (hit.junction_blocks - num_blocks) * self.block_size
             if self.connector is not None:
                 tiers = self.connector.held(request, hashes, num_blocks, max_blocks)
                 if sum(tiers.values()) > num_copied:
@@ -377,6 +421,7 @@ class KVCacheManager:
             first_miss_reason=first_miss_reason(missed),
             missed_tokens=missed,
             retention=retention,
+            no_checkpoint_tokens=num_no_checkpoint,
         )
 
     def _retention_runs(self, blocks: list[list[Block]], num_blocks: int) -> list[RetentionRun]:
@@ -421,15 +466,12 @@ class KVCacheManager:
         if not admitting and hit is not None:
             raise ValueError(f"request {request.request_id!r} is already admitted; pass no hit")
         block_size = self.block_size
-        null = self.null_block
         if admitting:
             hit = hit if hit is not None else PrefixHit(self._no_hit_blocks)
             self._check_hit(request, hit)
             num_computed = hit.num_tokens
             num_copied = hit.num_copied_tokens
-            held = hit.blocks
-            copy_source = held[0][-1] if num_copied else None
-            num_held = len(held[0]) - (num_copied > 0)
+            num_held = len(hit.blocks[0]) - (num_copied > 0)
         else:
             num_computed = request.num_computed_tokens
             num_held = len(tables[0])
@@ -440,35 +482,36 @@ class KVCacheManager:
             )
         num_needed = _cdiv(total + num_lookahead_tokens, block_size)
         num_new_blocks = max(0, num_needed - num_held)
-        # A sliding group holds no block wholly before its window, the first `skips[g]` positions: at admission
-        # the null block stands there (and for as many new positions), later those blocks are given back
-        # (`leaving[g]`), which frees the ones no other request holds.
-        skips = [spec.first_needed_block(num_computed, block_size) for spec in self.groups] if self._sliding else None
-        num_allocated = num_new_blocks * len(self.groups)
+        block_tables = self._block_tables
+        num_allocated = num_new_blocks * len(block_tables)
+        # Each group's table says what it starts from (admission) or gives back (growth); the room is checked
+        # for all of them before any changes. `nulls[g]`: new positions where group g holds the null block.
+        nulls: list[int] | None = None
+        leaving: list[list[int]] | None = None
         if admitting:
-            reserve = self.watermark_blocks
-            num_released = 0
-            tables = []
-            for g, blocks in enumerate(held):
-                skip = min(skips[g], num_held) if skips else 0
-                table = [null] * skip + blocks[skip:num_held] if skip else blocks[:num_held]
+            if self.state is not None and not self.state.has_working_slot:
+                return None
+            tables, nulls = [], []
+            for table_kind, blocks in zip(block_tables, hit.blocks, strict=False):
+                table, num_null = table_kind.admission(blocks, num_held, num_computed, num_needed)
                 tables.append(table)
-                if skips:
-                    num_allocated -= max(0, min(skips[g], num_needed) - num_held)
+                nulls.append(num_null)
+            num_allocated -= sum(nulls)
             # Hit blocks in the free queue leave it when taken (the null block is never taken).
-            num_to_touch = sum(1 for table in tables for block in table if block.ref_cnt == 0)
-            if null is not None:
-                num_to_touch -= sum(table.count(null) for table in tables)
+            null = self.null_block
+            num_to_touch = sum(1 for table in tables for block in table if block.ref_cnt == 0 and block is not null)
+            room = self.pool.num_free_blocks - num_to_touch - self.watermark_blocks
         else:
-            reserve = num_to_touch = num_released = 0
-            leaving = {g: self._leaving_window(tables[g], skips[g]) for g in self._sliding}
-            for g, positions in leaving.items():
-                num_released += sum(1 for i in positions if tables[g][i].ref_cnt == 1)
-        if self.pool.num_free_blocks + num_released - num_allocated - num_to_touch < reserve:
+            room = self.pool.num_free_blocks
+            if self._sliding:
+                leaving = [table_kind.leaving(tables[g], num_computed) for g, table_kind in enumerate(block_tables)]
+                room += sum(1 for g, positions in enumerate(leaving) for i in positions if tables[g][i].ref_cnt == 1)
+        if room < num_allocated:
             return None
 
         new_blocks: list[Block] = []
         if admitting:
+            null = self.null_block
             for table in tables:
                 self.pool.touch(table if null is None else [block for block in table if block is not null])
             self._tables[request.request_id] = tables
@@ -481,27 +524,30 @@ class KVCacheManager:
             if self.sub_blocks is not None:
                 self._sub_block_requests[request.request_id] = request
                 self._sub_block_indexed[request.request_id] = num_held * block_size
-        else:
-            for g, positions in leaving.items():
-                table = tables[g]
-                self.pool.free_blocks([table[i] for i in positions])
-                for i in positions:
-                    table[i] = null
+            if self.state is not None:
+                self.state.admit(request, hit.checkpoint, hit.junction_blocks)
+        elif leaving is not None:
+            for g, positions in enumerate(leaving):
+                if positions:
+                    block_tables[g].give_back(tables[g], positions)
         if num_new_blocks:
             for g, table in enumerate(tables):
-                num_null = max(0, min(skips[g], num_needed) - num_held) if admitting and skips else 0
+                num_null = nulls[g] if nulls else 0
                 if num_null:
-                    table.extend([null] * num_null)
+                    table.extend([self.null_block] * num_null)
                 blocks = self.pool.get_new_blocks(num_new_blocks - num_null)
                 table.extend(blocks)
                 new_blocks.extend(blocks)
         if admitting:
-            if copy_source is not None:
-                self._pending_copies.append(CopyOp(copy_source.block_id, tables[0][num_held].block_id, num_copied))
+            if num_copied:
+                source = hit.blocks[0][-1]
+                self._pending_copies.append(CopyOp(source.block_id, tables[0][num_held].block_id, num_copied))
             if hit.num_external_tokens:
                 end = num_held + hit.num_external_tokens // block_size
                 targets = [self._targets(tables, i) for i in range(num_held, end)]
                 self.connector.admitted(request, self.block_hashes(request), num_held, targets)
+        if self.state is not None:
+            self.state.schedule_saves(request, self.block_hashes(request), num_computed, total)
         request.num_computed_tokens = total
         if self.enable_caching:
             self._cache_full_blocks(request, tables, total // block_size)
@@ -525,6 +571,8 @@ class KVCacheManager:
             self.pool.free_blocks(
                 table[i] for i in range(len(tables[0]) - 1, -1, -1) for table in tables if table[i] is not null
             )
+        if self.state is not None:
+            self.state.free(request)
         request.num_computed_tokens = 0
 
     def take_transfers(self) -> tuple[list[CopyOp], Any]:
@@ -532,7 +580,14 @@ class KVCacheManager:
         (before it) and the connector's plan (None without a connector)."""
         ops, self._pending_copies = self._pending_copies, []
         plan = None if self.connector is None else self.connector.take_plan(self._cached_block_ids)
+        if self.state is not None:
+            self.state.step_done()
         return ops, plan
+
+    def state_work(self, request: Request) -> StateWork | None:
+        """The recurrent state work of the step just scheduled for ``request`` (its working slot, the restore or
+        zeroing before the forward pass, the checkpoints it saves); None without a recurrent-state group."""
+        return None if self.state is None else self.state.work(request)
 
     def index_written_sub_blocks(self) -> None:
         """Index the sub-block prefixes of every token whose K/V a forward pass has now written.
@@ -556,17 +611,25 @@ class KVCacheManager:
         tables = self._tables.get(request.request_id)
         if tables is None:
             return [[] for _ in self.groups]
-        return [[block.block_id for block in table] for table in tables]
+        ids = [[block.block_id for block in table] for table in tables]
+        return ids + [[]] if self.state is not None else ids
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached prefix; returns False (and does nothing) while any block is in use."""
-        return self.pool.reset_prefix_cache()
+        """Drop every cached prefix (and state checkpoint); returns False (and does nothing) while any block is in
+        use."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.state is not None:
+            self.state.reset()
+        return True
 
     def check_invariants(self) -> None:
         """Assert that pool, tables and index agree; raises AssertionError naming the first violation."""
         self.pool.check_invariants(table for tables in self._tables.values() for table in tables)
         if self.sub_blocks is not None:
             self.sub_blocks.check_invariants()
+        if self.state is not None:
+            self.state.check_invariants()
         for request_id, tables in self._tables.items():
             num_cached = self._num_cached_blocks[request_id]
             lengths = {len(table) for table in tables}
@@ -588,35 +651,36 @@ class KVCacheManager:
                     f"{request_id}: sliding group {g} holds a block after a null block"
                 )
 
-    def _local_hit(
-        self, request: Request, hashes: list[BlockHash], max_blocks: int
-    ) -> tuple[int, list[list[Block]], int]:
-        """The pool's hit: ``(k, blocks, copied)``. The groups agree on ``k`` whole blocks (a sliding group's
-        table padded with the null block); with sub-blocks, ``copied`` more tokens of block ``k`` come from
-        the copy source appended to ``blocks[0]``."""
+    def _local_hit(self, request: Request, hashes: list[BlockHash], max_blocks: int) -> PrefixHit:
+        """The pool's hit. The groups agree on ``k`` whole blocks (a sliding group's table padded with the null
+        block, the recurrent-state group's checkpoint apart); with sub-blocks, more tokens of block ``k`` come
+        from the copy source appended to ``blocks[0]``."""
+        junction = 0
+        checkpoint = None
         if self._single_full:
             found = full_hit(self._lookups[0], hashes, max_blocks)
             num_blocks, blocks = len(found), [found]
         else:
+            if self.state is not None:
+                # Where the attention groups alone part from the request: a junction when the state stops short.
+                junction, _ = longest_common_hit(
+                    self._attention, self._attention_lookups, hashes, max_blocks, self.block_size
+                )
+                max_blocks = junction
             num_blocks, blocks = longest_common_hit(self.groups, self._lookups, hashes, max_blocks, self.block_size)
             for g in self._sliding:
                 blocks[g] = [self.null_block] * (num_blocks - len(blocks[g])) + blocks[g]
+            if self.state is not None:
+                checkpoint = blocks[-1][0] if blocks[-1] else None
+                blocks[-1] = []
+                junction = junction if junction > num_blocks else 0
         room = request.num_tokens - 1 - num_blocks * self.block_size
         if self.sub_blocks is not None and room >= self.sub_block_size:
             found_copy = self.sub_blocks.lookup(request, hashes, num_blocks, room)
             if found_copy is not None:
                 blocks[0].append(found_copy[0])
-                return num_blocks, blocks, found_copy[1]
-        return num_blocks, blocks, 0
-
-    def _leaving_window(self, table: list[Block], skip: int) -> list[int]:
-        """Positions before ``skip`` that still hold a block, last first (the earlier ones were given back)."""
-        positions = []
-        for i in range(skip - 1, -1, -1):
-            if table[i] is self.null_block:
-                break
-            positions.append(i)
-        return positions
+                return PrefixHit(blocks, num_blocks * self.block_size + found_copy[1], found_copy[1])
+        return PrefixHit(blocks, num_blocks * self.block_size, checkpoint=checkpoint, junction_blocks=junction)
 
     def _targets(self, tables: list[list[Block]], position: int) -> BlockTargets:
         null = self.null_block
@@ -625,7 +689,7 @@ class KVCacheManager:
     def _cached_block_ids(self, block_hash: BlockHash) -> BlockTargets | None:
         """A block holding ``block_hash`` in each group, or None when some group does not hold it."""
         ids = []
-        for lookup in self._lookups:
+        for lookup in self._attention_lookups:
             block = lookup(block_hash)
             if block is None:
                 return None
@@ -640,10 +704,11 @@ class KVCacheManager:
         copies_ok = num_copied == hit.num_copied_tokens and (
             num_copied == 0 or (self.sub_blocks is not None and num_copied % self.sub_block_size == 0)
         )
-        others = hit.blocks[1:]
+        others = hit.blocks[1 : len(self._block_tables)]
         if (
             len(hit.blocks[0]) != num_full + (num_copied > 0)
             or (others and any(len(blocks) != num_full for blocks in others))
+            or (self.state is not None and hit.blocks[-1])
             or not copies_ok
         ):
             raise ValueError(
@@ -656,6 +721,8 @@ class KVCacheManager:
             raise ValueError("a hit with external tokens needs a connector")
         if hit.num_tokens and hit.num_tokens >= request.num_tokens:
             raise ValueError("the cached prefix must leave at least one token to compute")
+        if self.state is not None:
+            self._check_checkpoint(request, hit, num_full)
         if not num_full and not num_copied:
             return
         hashes = self.block_hashes(request)
@@ -663,7 +730,7 @@ class KVCacheManager:
         if self.null_block is None and len(self.groups) == 1:  # one group: a block holds its hash there or not
             stale = [b for b, h in zip(hit.blocks[0][:num_full], hashes, strict=False) if b.block_hash != h]
         else:
-            for g, blocks in enumerate(hit.blocks):
+            for g, blocks in enumerate(hit.blocks[: len(self._block_tables)]):
                 first = 0  # a sliding group holds the null block before its window
                 while first < num_full and blocks[first] is self.null_block:
                     first += 1
@@ -731,6 +798,26 @@ class KVCacheManager:
         request.num_retained_written_tokens += num_written
         self.stats.retained_read_tokens += num_read
         self.stats.retained_written_tokens += num_written
+
+    def _check_checkpoint(self, request: Request, hit: PrefixHit, num_full: int) -> None:
+        """A hit of ``num_full`` blocks needs the ready checkpoint at exactly that boundary (none for no hit), and
+        a junction beyond it within the prompt's hittable blocks."""
+        max_blocks = hittable_blocks(request.num_tokens, self.block_size)
+        if hit.junction_blocks and not num_full < hit.junction_blocks <= max_blocks:
+            raise ValueError(f"junction_blocks={hit.junction_blocks} is not beyond the hit and within the prompt")
+        checkpoint = hit.checkpoint
+        if num_full == 0:
+            if checkpoint is not None:
+                raise ValueError("a hit of no blocks restores no checkpoint")
+            return
+        if checkpoint is None:
+            raise ValueError(f"a hit of {num_full} blocks needs the recurrent state's checkpoint at its end")
+        block_hash = self.block_hashes(request)[num_full - 1]
+        if checkpoint.num_blocks != num_full or self.state.lookup(block_hash) is not checkpoint:
+            raise ValueError(
+                f"request {request.request_id!r}: the state checkpoint at block {num_full} is gone or not the "
+                "looked-up one (evicted since the lookup); look it up again"
+            )
 
     def _count_admission(self, request: Request, num_hit_tokens: int, num_copied_tokens: int) -> None:
         stats = self.stats

@@ -120,6 +120,10 @@ class PrefixLookup:
     ``cached_prefix_end`` is the index of the first token to compute. ``missed_tokens`` has one entry per
     reason in ``MISS_REASONS``. ``retention`` describes the device's cached blocks of the prefix in runs of one
     retention (:class:`RetentionRun`).
+    ``no_checkpoint_tokens`` (a model with recurrent layers): of the missed
+    tokens, those every attention group holds right after the hit, lost only because the recurrent state
+    has no checkpoint where this prompt parts from the cached path; a checkpoint there would have saved
+    them (admitting the prompt leaves one, a junction).
     """
 
     prompt_tokens: int
@@ -131,3 +135,4 @@ class PrefixLookup:
     first_miss_reason: str
     missed_tokens: dict[str, int]
     retention: list[RetentionRun] = field(default_factory=list)
+    no_checkpoint_tokens: int = 0

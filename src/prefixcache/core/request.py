@@ -41,6 +41,9 @@ class Request:
     The manager counts, once per block position, the prompt tokens this request read from (``num_retained_read_
     tokens``: positions hit at its first admission) or wrote into (``num_retained_written_tokens``) blocks above
     the default priority, and lists in ``retention_clamped`` the bounds its directives ran into.
+    ``checkpoint_hints`` are prompt positions where a
+    later request is likely to part from this one (the chat template's message boundaries): a model with
+    recurrent layers checkpoints its state at the block boundary at or before each.
     """
 
     request_id: str
@@ -51,6 +54,7 @@ class Request:
     skip_reading_prefix_cache: bool = False
     retention: Sequence[RetentionRange] = ()
     tenant: str | None = None
+    checkpoint_hints: Sequence[int] = ()
     output_token_ids: list[int] = field(default_factory=list, init=False)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = field(default=0, init=False)
@@ -80,6 +84,15 @@ class Request:
             self.retention = check_retention(self.retention, len(self.prompt_token_ids))
         except ValueError as exc:
             raise ValueError(f"request {self.request_id!r}: {exc}") from None
+        hints = tuple(self.checkpoint_hints)
+        num_prompt = len(self.prompt_token_ids)
+        for position in hints:
+            if isinstance(position, bool) or not isinstance(position, int) or not 0 < position <= num_prompt:
+                raise ValueError(
+                    f"request {self.request_id!r}: checkpoint hints must be prompt positions in 1 .. "
+                    f"{num_prompt}, got {position!r}"
+                )
+        self.checkpoint_hints = hints
         self.packed_token_ids = pack_token_ids(self.prompt_token_ids)
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.all_token_ids = list(self.prompt_token_ids)

@@ -97,6 +97,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         type=float,
         help="share of the KV blocks one API key's tenant may keep retained (default: only the overall share)",
     )
+    option(
+        "--max-state-checkpoint-fraction",
+        field="max_state_checkpoint_fraction",
+        type=float,
+        help="share of --kv-cache-memory for recurrent-state checkpoints (models with recurrent layers)",
+    )
     option("--max-num-batched-tokens", field="max_num_batched_tokens", type=int, help="tokens computed per step")
     option("--max-num-seqs", field="max_num_seqs", type=int, help="requests running at once")
     option("--max-model-len", field="max_model_len", type=int, help="context length (default: the model's)")

@@ -20,7 +20,8 @@ import torch
 from prefixcache.config import EngineConfig, parse_memory
 from prefixcache.core import KVCacheGroupSpec, KVCacheManager, PrefixLookup
 from prefixcache.core.hashing import resolve_hash_seed, root_hash
-from prefixcache.core.kv_cache_groups import check_sub_blocks
+from prefixcache.core.kv_cache_groups import RECURRENT_STATE, check_sub_blocks
+from prefixcache.core.state_table import CheckpointPolicy, sparse_interval
 from prefixcache.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, EngineStats
 from prefixcache.engine.model_runner import ModelRunner
 from prefixcache.engine.request import EngineRequest, RequestStatus
@@ -60,9 +61,25 @@ class EngineCore:
         model_groups = model_config.kv_cache_groups(hybrid=not config.disable_hybrid_kv_cache_manager)
         groups = tuple(KVCacheGroupSpec(group.sliding_window) for group in model_groups)
         self.block_bytes = model.kv_bytes_per_block(config.block_size, dtype, model_groups)
-        num_blocks = config.num_blocks or parse_memory(config.kv_cache_memory) // self.block_bytes
+        memory = parse_memory(config.kv_cache_memory)
+        # Recurrent layers: one working state a running request and the checkpoints, out of the same memory.
+        has_state = bool(model_config.state_layers)
+        self.state_slot_bytes = model.state_bytes_per_slot(dtype) if has_state else 0
+        num_working = config.max_num_seqs if has_state else 0
+        num_checkpoints = 0
+        if has_state:
+            groups += (RECURRENT_STATE,)
+            if config.offload_config().enabled:
+                raise ValueError(f"the KV offload tiers do not carry {model_config.architecture}'s recurrent states")
+            if enable_caching:
+                num_checkpoints = int(memory * config.max_state_checkpoint_fraction) // self.state_slot_bytes
+        self.state_bytes = (num_working + num_checkpoints) * self.state_slot_bytes
+        num_blocks = config.num_blocks or max(0, memory - self.state_bytes) // self.block_bytes
         if num_blocks < 2:
-            raise ValueError(f"kv_cache_memory={config.kv_cache_memory!r} holds fewer than 2 blocks")
+            raise ValueError(
+                f"kv_cache_memory={config.kv_cache_memory!r} holds fewer than 2 blocks"
+                + (f" beside {self.state_bytes:,} bytes of recurrent states" if has_state else "")
+            )
         check_sub_blocks(groups, config.block_size, config.sub_block_size)  # before any tier starts
         self.kv_events = KVEventSink.create(config.kv_events_config, groups)
         listeners = [self.kv_events.collector] if self.kv_events is not None else []
@@ -85,11 +102,19 @@ class EngineCore:
             max_retained_fraction=config.max_retained_fraction,
             max_retention_ttl_s=config.max_retention_ttl_s,
             max_tenant_retained_fraction=config.max_tenant_retained_fraction,
+            num_state_slots=num_working,
+            num_checkpoint_slots=num_checkpoints,
+            checkpoint_policy=CheckpointPolicy(
+                sparse_every_blocks=sparse_interval(self.max_model_len, config.block_size, num_checkpoints)
+            ),
         )
         self.kv_capacity_tokens = self.manager.max_request_tokens(config.max_num_batched_tokens)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         device = torch.device(config.device)
         kv_caches = model.allocate_kv_cache(num_blocks, config.block_size, dtype, device, model_groups)
+        state_cache = None
+        if self.manager.state is not None:
+            state_cache = model.allocate_state_cache(self.manager.state.num_slots, dtype, device)
         worker = None
         if tiers is not None:
             layer_groups = [0] * model_config.num_layers
@@ -106,6 +131,7 @@ class EngineCore:
             model_groups,
             worker,
             eos_token_ids=tuple(model_config.eos_token_ids),
+            state_cache=state_cache,
         )
         self.requests: dict[str, EngineRequest] = {}
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
@@ -139,7 +165,8 @@ class EngineCore:
             architecture=self.loaded.config.architecture,
             dtype=str(self.runner.kv_caches[0][0].dtype).removeprefix("torch."),
             device=str(self.runner.device),
-            kv_cache_bytes=self.manager.num_blocks * self.block_bytes,  # layer views share storage per group slot
+            # Layer views share storage per group slot; recurrent states (working and checkpoints) beside.
+            kv_cache_bytes=self.manager.num_blocks * self.block_bytes + self.state_bytes,
             kv_cache_groups=self.manager.groups,
         )
 
@@ -227,6 +254,7 @@ class EngineCore:
         pool = self.manager.pool
         counters = pool.retention_counters
         recent_queries = sum(q for q, _ in self._recent)
+        checkpoints = self.manager.state.stats if self.manager.state is not None else None
         return EngineStats(
             prefix_cache_queries=stats.queries,
             prefix_cache_hits=stats.hits,
@@ -251,6 +279,9 @@ class EngineCore:
             kv_cache_block_evictions=dict(counters.evictions),
             kv_cache_block_expirations=dict(counters.expirations),
             retained_blocks_by_tenant=pool.retained_blocks_by_tenant(),
+            state_checkpoints_saved=sum(checkpoints.saved.values()) if checkpoints else 0,
+            state_checkpoint_hits=sum(checkpoints.hits.values()) if checkpoints else 0,
+            state_checkpoints_evicted=sum(checkpoints.evicted.values()) if checkpoints else 0,
         )
 
     def _fail(self, request: EngineRequest, error: str) -> EngineCoreOutput:

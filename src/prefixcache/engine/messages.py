@@ -61,7 +61,8 @@ class EngineStats(msgspec.Struct, array_like=True, tag=True, frozen=True):
     queries, and ``rolling_hit_rate`` the same over the last finished requests. The same definition is used
     by ``/metrics`` and the benchmarks. A request admitted again after a preemption is not counted there but
     in ``prefix_cache_preempted_queries`` and ``prefix_cache_preempted_hits``: those hits are its own blocks
-    read back, not sharing.
+    read back, not sharing. A model with recurrent layers also counts its state checkpoints: saved, hit (an
+    admission restored one) and evicted by the budget.
 
     Retention: ``prefix_cache_retained_read_tokens`` / ``_written_tokens`` are prompt tokens read from / written
     into retained blocks; ``kv_cache_block_hits`` / ``_evictions`` / ``_expirations`` count blocks by priority
@@ -93,6 +94,9 @@ class EngineStats(msgspec.Struct, array_like=True, tag=True, frozen=True):
     kv_cache_block_evictions: dict[str, int] = {}
     kv_cache_block_expirations: dict[str, int] = {}
     retained_blocks_by_tenant: dict[str, int] = {}
+    state_checkpoints_saved: int = 0
+    state_checkpoint_hits: int = 0
+    state_checkpoints_evicted: int = 0
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True):

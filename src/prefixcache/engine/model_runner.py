@@ -17,6 +17,7 @@ from prefixcache.core.sub_block import CopyOp
 from prefixcache.engine.sampler import Sampler
 from prefixcache.engine.scheduler import ScheduledChunk, SchedulerOutput
 from prefixcache.model import AttentionMetadata, DecoderForCausalLM, KVCacheGroup
+from prefixcache.model.state import StateMetadata
 
 if TYPE_CHECKING:
     from prefixcache.offload.worker import OffloadWorker
@@ -39,7 +40,9 @@ class ModelRunner:
 
     ``kv_caches`` are the model's per-layer cache tensors (``allocate_kv_cache`` for ``kv_cache_groups``); each
     chunk brings one block table per group. ``offload`` (when KV offload tiers are on) moves blocks between the
-    cache tensors and the tiers around the forward pass.
+    cache tensors and the tiers around the forward pass. ``state_cache`` (a model with recurrent layers) holds
+    the working states and checkpoints; each chunk then brings its state work (and an empty table for the
+    recurrent-state group, last): zeroes and restores run before the forward pass, saves during it.
     """
 
     def __init__(
@@ -52,8 +55,10 @@ class ModelRunner:
         kv_cache_groups: Sequence[KVCacheGroup],
         offload: OffloadWorker | None = None,
         eos_token_ids: tuple[int, ...] = (),
+        state_cache: list[tuple[torch.Tensor, ...]] | None = None,
     ) -> None:
         self.model = model
+        self.state_cache = state_cache
         self.block_size = block_size
         self.device = torch.device(device)
         self.kv_caches = kv_caches
@@ -71,9 +76,10 @@ class ModelRunner:
         for chunk in chunks:
             token_ids.extend(chunk.request.all_token_ids[chunk.start : chunk.start + chunk.num_new_tokens])
         num_groups = len(self.kv_cache_groups)
+        num_tables = num_groups + (self.state_cache is not None)
         for chunk in chunks:
-            if len(chunk.block_ids) != num_groups:
-                raise ValueError(f"a chunk has {len(chunk.block_ids)} block tables for {num_groups} KV cache groups")
+            if len(chunk.block_ids) != num_tables:
+                raise ValueError(f"a chunk has {len(chunk.block_ids)} block tables for {num_tables} KV cache groups")
         starts, num_new = [c.start for c in chunks], [c.num_new_tokens for c in chunks]
         group_metadata = [
             AttentionMetadata.build(
@@ -82,11 +88,14 @@ class ModelRunner:
             for g, group in enumerate(self.kv_cache_groups)
         ]
         metadata = group_metadata[0]  # the groups' token layout is the same: positions, rows of each request
+        state_metadata = self._prepare_states(chunks) if self.state_cache is not None else None
         hidden = self.model(
             torch.tensor(token_ids, dtype=torch.long, device=self.device),
             metadata.positions,
             self.kv_caches,
             group_metadata,
+            state_cache=self.state_cache,
+            state_metadata=state_metadata,
         )
         if self.offload is not None:
             self.offload.after_forward(step.offload)
@@ -131,6 +140,26 @@ class ModelRunner:
                 entry |= dict(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True))
             result.append(entry)
         return result
+
+    def _prepare_states(self, chunks: list[ScheduledChunk]) -> StateMetadata:
+        """Zero or restore each admitted request's working state (before any save of this step can overwrite a
+        checkpoint slot), and the metadata that tells the recurrent layers their slots and saves."""
+        zero, sources, targets, saves = [], [], [], []
+        for row, chunk in enumerate(chunks):
+            work = chunk.state
+            if work is None:
+                raise ValueError(f"request {chunk.request.request_id!r}: a recurrent model needs its state work")
+            if work.zero:
+                zero.append(work.slot)
+            elif work.restore_from is not None:
+                sources.append(work.restore_from)
+                targets.append(work.slot)
+            saves.extend((row, n, slot) for n, slot in work.saves)
+        self.model.zero_states(self.state_cache, zero)
+        self.model.copy_states(self.state_cache, sources, targets)
+        return StateMetadata.build(
+            [chunk.state.slot for chunk in chunks], [chunk.num_new_tokens for chunk in chunks], saves, self.device
+        )
 
     def _copy_blocks(self, copies: list[CopyOp]) -> None:
         """Sub-block hits: the first tokens of a shared block into the request's own block, every layer."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prefixcache.core import KVCacheManager
+from prefixcache.core.state_table import StateWork
 from prefixcache.core.sub_block import CopyOp
 from prefixcache.engine.request import EngineRequest, RequestStatus
 
@@ -24,12 +25,15 @@ if TYPE_CHECKING:
 @dataclass(slots=True)
 class ScheduledChunk:
     """``num_new_tokens`` of ``request`` computed this step, starting at ``start``; ``block_ids[g]`` is its
-    block table in KV cache group ``g`` (the null block's id where a sliding group holds nothing)."""
+    block table in KV cache group ``g`` (the null block's id where a sliding group holds nothing; empty for
+    the recurrent-state group). ``state`` is a recurrent model's state work: the working slot, its zeroing or
+    restore from a checkpoint before the forward pass, the checkpoints saved during it."""
 
     request: EngineRequest
     start: int
     num_new_tokens: int
     block_ids: list[list[int]]
+    state: StateWork | None = None
 
     @property
     def samples(self) -> bool:
@@ -85,7 +89,7 @@ class Scheduler:
             num_new = min(request.num_tokens - start, budget)
             if not self._allocate_or_preempt(request, num_new, out):
                 break
-            out.chunks.append(ScheduledChunk(request, start, num_new, self.manager.block_ids(request)))
+            out.chunks.append(self._chunk(request, start, num_new))
             budget -= num_new
             i += 1
         if not out.preempted:
@@ -116,8 +120,12 @@ class Scheduler:
                 request.num_cached_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.chunks.append(ScheduledChunk(request, num_computed, num_new, manager.block_ids(request)))
+            out.chunks.append(self._chunk(request, num_computed, num_new))
             budget -= num_new
+
+    def _chunk(self, request: EngineRequest, start: int, num_new: int) -> ScheduledChunk:
+        manager = self.manager
+        return ScheduledChunk(request, start, num_new, manager.block_ids(request), manager.state_work(request))
 
     def _preempt(self, request: EngineRequest, out: SchedulerOutput) -> None:
         self.manager.free(request)

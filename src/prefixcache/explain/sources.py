@@ -43,6 +43,8 @@ def through_tokenizer(
         groups = tuple(KVCacheGroupSpec(group.sliding_window) for group in model_config.kv_cache_groups())
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"prefixcache explain: {exc}") from exc
+    if model_config.state_layers:  # as for a server's mamba group: no model of the checkpoint budget yet
+        raise SystemExit(f"prefixcache explain: cannot replay the recurrent-state checkpoints of {name}")
     prompts, errors = tokenize_log(bodies, lambda body: token_ids_of(body, tokenizer, model_config.vocab_size))
     return prompts, errors, lambda ids: tokenizer.decode(list(ids)), name, groups
 
@@ -81,7 +83,7 @@ def server_groups(client: Any) -> tuple[KVCacheGroupSpec, ...]:
     groups = []
     for group in _answer(client, response, path).get("kv_cache_groups") or []:
         spec = spec_of_kind(group["kind"], group.get("sliding_window"))
-        if spec is None:
+        if spec is None or spec.recurrent_state:  # the replay has no model of the server's checkpoint budget yet
             raise SystemExit(f"prefixcache explain: cannot replay a KV cache group of kind {group['kind']!r}")
         groups.append(spec)
     return tuple(groups) or (FULL_ATTENTION,)

@@ -1,13 +1,15 @@
 """The architecture of a checkpoint as one frozen config, read from a transformers config (v4 or v5 names).
 
 Every supported architecture is the same decoder with different settings (see
-:class:`~prefixcache.model.decoder.DecoderForCausalLM`); this module says which settings each one uses.
+:class:`~prefixcache.model.decoder.DecoderForCausalLM`); this module says which settings each one uses. Hybrid
+models (Qwen3.5, Granite 4.0-H, LFM2) mix attention layers with recurrent ones (``RECURRENT_LAYER_TYPES``), which
+keep a fixed-size state per sequence instead of K/V per token: they are in no KV cache group.
 No torch here: the config is read before any weights are.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = (
@@ -16,6 +18,10 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Gemma3ForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "GraniteMoeHybridForCausalLM",
+    "Lfm2ForCausalLM",
 )
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -23,11 +29,35 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
 }
+QWEN3_5_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+# Architectures whose ``attention_bias`` puts a bias on q, k, v and o_proj alike.
+_BIASED_O_PROJ = (
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+    "GraniteMoeHybridForCausalLM",
+    *QWEN3_5_ARCHITECTURES,
+)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # HF's names: SwiGLU (Llama, Mistral, Qwen) and GeGLU with the tanh approximation of GELU (Gemma).
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-LAYER_TYPES = ("full_attention", "sliding_attention")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# Recurrent layers: Gated DeltaNet (Qwen3.5), Mamba2 (Granite 4.0-H), LFM2's gated short convolution.
+RECURRENT_LAYER_TYPES = ("gated_delta_net", "mamba2", "short_conv")
+LAYER_TYPES = ATTENTION_LAYER_TYPES + RECURRENT_LAYER_TYPES
+# transformers' names of a hybrid's layer kinds (v5 normalises "mamba" and "attention"; v4 configs keep them).
+_HF_LAYER_TYPES = {
+    "full_attention": "full_attention",
+    "attention": "full_attention",
+    "linear_attention": "recurrent",
+    "mamba": "recurrent",
+    "conv": "recurrent",
+}
 # Gemma 3 configs without ``layer_types``: every sixth layer is full attention (transformers' default).
 _GEMMA3_SLIDING_WINDOW_PATTERN = 6
 
@@ -53,6 +83,84 @@ class KVCacheGroup:
             raise ValueError(f"a KV cache group needs distinct layers in increasing order, got {self.layers}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetSpec:
+    """Qwen3.5's linear attention: a causal conv over q, k, v, then the gated delta rule per value head.
+
+    The state per sequence: the conv window (``conv_kernel - 1`` inputs of ``conv_channels``) and one
+    ``[head_k_dim, head_v_dim]`` matrix per value head.
+    """
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    def __post_init__(self) -> None:
+        _check_positive(self)
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"num_v_heads ({self.num_v_heads}) must be a multiple of num_k_heads ({self.num_k_heads})")
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+
+@dataclass(frozen=True)
+class Mamba2Spec:
+    """A Mamba2 mixer (Granite 4.0-H): a causal conv over x, B, C, then the selective state space scan (SSD).
+
+    The state per sequence: the conv window and one ``[state_size, head_dim]`` matrix per head.
+    """
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    num_groups: int
+    conv_kernel: int
+    chunk_size: int
+    conv_bias: bool = True
+    proj_bias: bool = False
+    # Bounds of the softplus'ed time step (transformers' ``time_step_limit``).
+    time_step_min: float = 0.0
+    time_step_max: float = float("inf")
+
+    def __post_init__(self) -> None:
+        _check_positive(self)
+        if self.num_heads % self.num_groups:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_groups ({self.num_groups})")
+
+    @property
+    def inner_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        return self.inner_size + 2 * self.num_groups * self.state_size
+
+
+@dataclass(frozen=True)
+class ShortConvSpec:
+    """LFM2's gated short convolution: ``C * conv(B * x)`` over the hidden size; the state is the conv window."""
+
+    conv_kernel: int
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        _check_positive(self)
+
+
+def _check_positive(spec: Any) -> None:
+    """ValueError unless every integer field of a layer spec is positive and its conv has a window to keep."""
+    for field in fields(spec):
+        value = getattr(spec, field.name)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ValueError(f"{type(spec).__name__}.{field.name} must be positive, got {value}")
+    if spec.conv_kernel < 2:
+        raise ValueError(f"{type(spec).__name__}.conv_kernel must be at least 2, got {spec.conv_kernel}")
 
 
 @dataclass(frozen=True)
@@ -102,6 +210,21 @@ class ModelConfig:
     # RoPE of the sliding-window layers when it differs from the full layers' (Gemma 3's local base).
     sliding_rope_theta: float | None = None
     sliding_rope_scaling: dict[str, Any] | None = None
+    # RoPE rotates the first ``int(head_dim * partial_rotary_factor)`` dims of each head (Qwen3.5: a quarter).
+    partial_rotary_factor: float = 1.0
+    # False: the attention layers have no positional encoding at all (Granite 4.0-H's "nope").
+    use_rope: bool = True
+    # Qwen3.5's gated attention: q_proj also yields a per-head gate, the output is multiplied by sigmoid(gate).
+    attention_output_gate: bool = False
+    # Granite's multipliers: scores scaled by attention_multiplier (instead of head_dim ** -0.5), each residual
+    # branch by residual_multiplier, and logits divided by logits_scaling.
+    attention_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    logits_scaling: float | None = None
+    # The recurrent layers' settings, one per kind present in ``layer_types``.
+    gated_delta_net: GatedDeltaNetSpec | None = None
+    mamba2: Mamba2Spec | None = None
+    short_conv: ShortConvSpec | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -133,6 +256,16 @@ class ModelConfig:
             unknown = set(self.layer_types) - set(LAYER_TYPES)
             if unknown:
                 raise ValueError(f"unsupported layer types {sorted(unknown)}; supported: {', '.join(LAYER_TYPES)}")
+            for kind in RECURRENT_LAYER_TYPES:
+                if kind in self.layer_types and getattr(self, kind) is None:
+                    raise ValueError(f"{kind} layers need their settings ({kind}=...)")
+            if not self.attention_layers:
+                raise ValueError("a model needs at least one attention layer (recurrent-only models are not supported)")
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or int(self.head_dim * self.partial_rotary_factor) % 2:
+            raise ValueError(
+                f"partial_rotary_factor={self.partial_rotary_factor} must leave an even number of rotary dims in "
+                f"(0, head_dim={self.head_dim}]"
+            )
         for scaling in (self.rope_scaling, self.sliding_rope_scaling):
             if scaling is not None and scaling.get("rope_type") not in SUPPORTED_ROPE_TYPES:
                 raise ValueError(f"unsupported RoPE scaling {scaling!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
@@ -140,6 +273,22 @@ class ModelConfig:
             raise ValueError("sliding_rope_scaling needs sliding_rope_theta")
         if self.sliding_rope_theta is not None and not self.layer_types:
             raise ValueError("sliding_rope_theta needs layer_types to tell which layers use it")
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """The recurrent layers (a fixed-size state per sequence, no K/V); empty for attention-only models."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind in RECURRENT_LAYER_TYPES)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers with K/V in the paged cache, in order: every layer but the recurrent ones."""
+        recurrent = set(self.state_layers)
+        return tuple(i for i in range(self.num_layers) if i not in recurrent)
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each attention head RoPE rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of a layer, or None for full attention."""
@@ -154,7 +303,7 @@ class ModelConfig:
         return self.rope_theta, self.rope_scaling
 
     def kv_cache_groups(self, hybrid: bool = True) -> tuple[KVCacheGroup, ...]:
-        """The layers' KV cache groups, in order of their first layer.
+        """The attention layers' KV cache groups, in order of their first layer (recurrent layers are in none).
 
         Without ``hybrid`` (or with one attention spec) one group of every layer: the mask-only layout, whose
         group is full attention to the cache even where layers slide (they mask their window). With it, the
@@ -162,7 +311,7 @@ class ModelConfig:
         are alike; the last group of a kind may have fewer layers (its spare slots stay unused). Gemma 3's five
         sliding layers per full one give groups of one layer; 2 full + 2 sliding layers two groups of two.
         """
-        all_layers = tuple(range(self.num_layers))
+        all_layers = self.attention_layers
         if not hybrid:
             return (KVCacheGroup(None, all_layers),)
         by_window: dict[int | None, list[int]] = {}
@@ -180,15 +329,21 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         """The factor applied to q·k before the softmax."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
-        """Bytes one token's K and V take across all layers, to size a cache before any model is loaded."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        """Bytes one token's K and V take across the attention layers, to size a cache before any model is loaded."""
+        return 2 * len(self.attention_layers) * self.num_kv_heads * self.head_dim * itemsize
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> ModelConfig:
-        """Read a transformers config (v4 or v5 field names); ValueError for anything unsupported."""
+        """Read a transformers config (v4 or v5 field names); ValueError for anything unsupported.
+
+        ``Qwen3_5ForConditionalGeneration`` is read as its text model (``text_config``); its vision tower is
+        not loaded.
+        """
         architectures = getattr(hf_config, "architectures", None) or []
         model_type = getattr(hf_config, "model_type", None)
         arch = architectures[0] if architectures else _ARCH_BY_MODEL_TYPE.get(model_type or "")
@@ -196,6 +351,9 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported architecture {arch or model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if arch == "Qwen3_5ForConditionalGeneration":
+            hf_config = hf_config.text_config
         gemma = arch == "Gemma3ForCausalLM"
         act = getattr(hf_config, "hidden_activation", None) if gemma else None
         act = act or getattr(hf_config, "hidden_act", "silu")
@@ -210,9 +368,14 @@ class ModelConfig:
         num_layers = hf_config.num_hidden_layers
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         full_rope, sliding_rope = _rope_params(hf_config, gemma)
+        partial_rotary_factor = _partial_rotary_factor(hf_config)
+        if partial_rotary_factor != 1.0 and arch not in QWEN3_5_ARCHITECTURES:
+            raise ValueError(
+                f"partial rotary embeddings (partial_rotary_factor={partial_rotary_factor}) are not supported"
+            )
 
         attention_bias = o_proj_bias = mlp_bias = False
-        if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"):
+        if arch in _BIASED_O_PROJ:
             attention_bias = o_proj_bias = bool(getattr(hf_config, "attention_bias", False))
         if arch == "LlamaForCausalLM":
             mlp_bias = bool(getattr(hf_config, "mlp_bias", False))
@@ -223,7 +386,7 @@ class ModelConfig:
         eos = getattr(hf_config, "eos_token_id", None)
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
         softcap = getattr(hf_config, "final_logit_softcapping", None)
-        return cls(
+        settings: dict[str, Any] = dict(
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
             num_layers=num_layers,
@@ -231,11 +394,11 @@ class ModelConfig:
             num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
             intermediate_size=hf_config.intermediate_size,
-            rms_norm_eps=float(hf_config.rms_norm_eps),
+            rms_norm_eps=float(getattr(hf_config, "rms_norm_eps", None) or getattr(hf_config, "norm_eps", 1e-6)),
             rope_theta=full_rope[0],
             max_position_embeddings=hf_config.max_position_embeddings,
             rope_scaling=full_rope[1],
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            tie_word_embeddings=tie_word_embeddings,
             attention_bias=attention_bias,
             is_causal=True,
             eos_token_ids=eos_ids,
@@ -245,15 +408,105 @@ class ModelConfig:
             sliding_window=sliding_window,
             layer_types=layer_types,
             hidden_act=act,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
-            norm_unit_offset=gemma,
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Lfm2ForCausalLM", *QWEN3_5_ARCHITECTURES),
+            norm_unit_offset=gemma or arch in QWEN3_5_ARCHITECTURES,
             sandwich_norm=gemma,
             embed_scale=hf_config.hidden_size**0.5 if gemma else None,
             query_pre_attn_scalar=float(hf_config.query_pre_attn_scalar) if gemma else None,
             final_logit_softcapping=None if softcap is None else float(softcap),
             sliding_rope_theta=None if sliding_rope is None else sliding_rope[0],
             sliding_rope_scaling=None if sliding_rope is None else sliding_rope[1],
+            partial_rotary_factor=partial_rotary_factor,
         )
+        settings |= _hybrid_settings(hf_config, arch, num_layers)
+        return cls(**settings)
+
+
+def _hybrid_settings(hf_config: Any, arch: str, num_layers: int) -> dict[str, Any]:
+    """The settings of a hybrid architecture's recurrent layers and its own layout (none for the others)."""
+    if arch not in (*QWEN3_5_ARCHITECTURES, "GraniteMoeHybridForCausalLM", "Lfm2ForCausalLM"):
+        return {}
+    hf_types = list(getattr(hf_config, "layer_types", None) or getattr(hf_config, "layers_block_type", None) or [])
+    if len(hf_types) != num_layers:
+        raise ValueError(f"{len(hf_types)} layer_types for {num_layers} layers")
+    unknown = sorted(set(hf_types) - set(_HF_LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"unsupported layer types {unknown} in a {arch} config")
+    settings: dict[str, Any] = {}
+    if arch in QWEN3_5_ARCHITECTURES:
+        recurrent = "gated_delta_net"
+        settings["gated_delta_net"] = GatedDeltaNetSpec(
+            num_k_heads=hf_config.linear_num_key_heads,
+            num_v_heads=hf_config.linear_num_value_heads,
+            head_k_dim=hf_config.linear_key_head_dim,
+            head_v_dim=hf_config.linear_value_head_dim,
+            conv_kernel=hf_config.linear_conv_kernel_dim,
+        )
+        settings["attention_output_gate"] = True
+    elif arch == "GraniteMoeHybridForCausalLM":
+        experts = getattr(hf_config, "num_local_experts", 0) or 0
+        if experts > 0:
+            raise ValueError(
+                f"Granite 4.0-H with experts (num_local_experts={experts}) is not supported; only dense configs are"
+            )
+        recurrent = "mamba2"
+        limit = tuple(getattr(hf_config, "time_step_limit", None) or (0.0, float("inf")))
+        settings["mamba2"] = Mamba2Spec(
+            num_heads=hf_config.mamba_n_heads,
+            head_dim=int(hf_config.mamba_d_head),
+            state_size=hf_config.mamba_d_state,
+            num_groups=hf_config.mamba_n_groups,
+            conv_kernel=hf_config.mamba_d_conv,
+            chunk_size=hf_config.mamba_chunk_size,
+            conv_bias=bool(hf_config.mamba_conv_bias),
+            proj_bias=bool(hf_config.mamba_proj_bias),
+            time_step_min=float(limit[0]),
+            time_step_max=float(limit[1]),
+        )
+        if settings["mamba2"].inner_size != int(hf_config.mamba_expand * hf_config.hidden_size):
+            raise ValueError("mamba_n_heads * mamba_d_head must equal mamba_expand * hidden_size")
+        settings["intermediate_size"] = hf_config.shared_intermediate_size
+        settings["use_rope"] = getattr(hf_config, "position_embedding_type", None) == "rope"
+        multiplier = float(hf_config.embedding_multiplier)
+        settings["embed_scale"] = None if multiplier == 1.0 else multiplier
+        settings["attention_multiplier"] = float(hf_config.attention_multiplier)
+        # 1.0 is no scaling: None skips the multiply.
+        settings["residual_multiplier"] = (
+            float(hf_config.residual_multiplier) if hf_config.residual_multiplier != 1 else None
+        )
+        settings["logits_scaling"] = float(hf_config.logits_scaling) if hf_config.logits_scaling != 1 else None
+    else:
+        recurrent = "short_conv"
+        settings["short_conv"] = ShortConvSpec(conv_kernel=hf_config.conv_L_cache, bias=bool(hf_config.conv_bias))
+        settings["intermediate_size"] = _lfm2_intermediate_size(hf_config)
+    settings["layer_types"] = tuple(
+        recurrent if _HF_LAYER_TYPES[kind] == "recurrent" else "full_attention" for kind in hf_types
+    )
+    return settings
+
+
+def _lfm2_intermediate_size(hf_config: Any) -> int:
+    """LFM2's MLP width: ``intermediate_size`` as transformers adjusts it (two thirds, times the multiplier,
+    rounded up to ``block_multiple_of``)."""
+    size = hf_config.intermediate_size
+    if not getattr(hf_config, "block_auto_adjust_ff_dim", False):
+        return size
+    size = int(2 * size / 3)
+    multiplier = getattr(hf_config, "block_ffn_dim_multiplier", None)
+    if multiplier is not None:
+        size = int(multiplier * size)
+        step = hf_config.block_multiple_of
+        size = step * ((size + step - 1) // step)
+    return size
+
+
+def _partial_rotary_factor(hf_config: Any) -> float:
+    """The share of each head RoPE rotates: in ``rope_parameters`` (v5) or on the config (v4); 1.0 without."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor") if isinstance(params, dict) else None
+    if factor is None:
+        factor = getattr(hf_config, "partial_rotary_factor", None)
+    return 1.0 if factor is None else float(factor)
 
 
 RopeParams = tuple[float, dict[str, Any] | None]
@@ -287,9 +540,6 @@ def _one_rope(params: dict[str, Any], hf_config: Any) -> RopeParams:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported RoPE scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
-    if factor not in (None, 1.0):
-        raise ValueError(f"partial rotary embeddings (partial_rotary_factor={factor}) are not supported")
     if rope_type == "default":
         return float(theta), None
     params.pop("type", None)

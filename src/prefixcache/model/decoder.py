@@ -1,8 +1,10 @@
-"""One configurable decoder for every supported architecture (Llama, Mistral, Qwen2, Qwen3, Gemma 3) on a
-paged KV cache.
+"""One configurable decoder for every supported architecture (Llama, Mistral, Qwen2, Qwen3, Gemma 3, and the
+hybrids Qwen3.5, Granite 4.0-H and LFM2) on a paged KV cache and, for the hybrids' recurrent layers, a state cache.
 
 The architectures differ only in settings of :class:`~prefixcache.model.config.ModelConfig`: biases, q/k
-norms, Gemma's norm layout and embedding scale, the MLP activation, per-layer sliding windows and RoPE bases.
+norms, Gemma's norm layout and embedding scale, the MLP activation, per-layer sliding windows and RoPE bases,
+partial RoPE and gated attention (Qwen3.5), Granite's multipliers, and which layers are recurrent
+(:mod:`prefixcache.model.recurrent`).
 The math mirrors HF transformers' implementation op for op (RMSNorm in float32, RoPE cos/sin computed in
 float32 then cast, SDPA with the same scale) so that logits match it. Q/K/V and gate/up projections are fused
 into one matmul each; :meth:`DecoderForCausalLM.load_weights` maps HF's separate weights onto them.
@@ -21,6 +23,11 @@ from torch import nn
 
 from prefixcache.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
 from prefixcache.model.config import SUPPORTED_ARCHITECTURES, KVCacheGroup, ModelConfig
+from prefixcache.model.recurrent import RECURRENT_MODULE_NAMES, build_recurrent_layer, state_dtype
+from prefixcache.model.state import StateMetadata
+
+# The state cache: per recurrent layer (in ``config.state_layers`` order) its tensors, slot-major.
+StateCache = list[tuple[torch.Tensor, ...]]
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -77,10 +84,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """RoPE on the first ``rotary_dim`` dims of each head; the rest pass through."""
+    rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat((rotated * cos + _rotate_half(rotated) * sin, passed), dim=-1)
+
+
 class DecoderAttention(nn.Module):
     """GQA self-attention with one fused QKV matmul; K/V go to the paged cache (see paged_attention).
 
-    With ``qk_norm`` each head's query and key are RMS-normed before RoPE (Qwen3, Gemma 3).
+    With ``qk_norm`` each head's query and key are RMS-normed before RoPE (Qwen3, Gemma 3, Qwen3.5, LFM2). With
+    ``attention_output_gate`` (Qwen3.5) q_proj yields each head's query followed by its gate, and the output is
+    multiplied by ``sigmoid(gate)``. RoPE rotates the first ``rotary_dim`` dims of each head (all of them but on
+    Qwen3.5), or none without ``use_rope``.
     """
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
@@ -90,10 +106,12 @@ class DecoderAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.attention_scale
         self.sliding_window = config.layer_window(layer)
+        self.rotary_dim = config.rotary_dim if config.use_rope else 0
+        self.output_gate = config.attention_output_gate
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.split_sizes = [2 * q_size if self.output_gate else q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split_sizes), bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
         self.q_norm = self.k_norm = None
         if config.qk_norm:
@@ -111,14 +129,22 @@ class DecoderAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        if self.rotary_dim == self.head_dim:
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+        elif self.rotary_dim:
+            q, k = _partial_rope(q, cos, sin, self.rotary_dim), _partial_rope(k, cos, sin, self.rotary_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, self.sliding_window, workspace)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(num_tokens, -1))
         return self.o_proj(out)
 
 
@@ -138,39 +164,45 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
+    """Pre-norm residual block: x + mix(norm(x)), then x + mlp(norm(x)); the mixer is attention or, in a hybrid's
+    recurrent layers, the recurrent layer (named as in transformers: ``linear_attn``, ``mamba``, ``conv``).
 
     With ``sandwich_norm`` (Gemma) the attention and MLP outputs are normed too before each residual add; HF
     names those four norms input, post_attention, pre_feedforward and post_feedforward, while Llama's
-    ``post_attention_layernorm`` is the norm before the MLP.
+    ``post_attention_layernorm`` is the norm before the MLP. Granite scales both residual branches by
+    ``residual_multiplier``.
     """
 
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         eps, offset = config.rms_norm_eps, config.norm_unit_offset
-        self.self_attn = DecoderAttention(config, layer)
+        self.is_attention = layer not in config.state_layers
+        if self.is_attention:
+            self.mixer_name = "self_attn"
+            self.self_attn = DecoderAttention(config, layer)
+        else:
+            self.mixer_name = RECURRENT_MODULE_NAMES[config.layer_types[layer]]
+            self.add_module(self.mixer_name, build_recurrent_layer(config, layer))
         self.mlp = GatedMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, offset)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, offset)
+        self.residual_multiplier = config.residual_multiplier
         self.sandwich_norm = config.sandwich_norm
         if self.sandwich_norm:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        metadata: AttentionMetadata,
-        workspace: GatherWorkspace,
-    ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata, workspace)
+    def forward(self, x: torch.Tensor, *mixer_inputs: Any) -> torch.Tensor:
+        """``mixer_inputs``: attention's (cos, sin, kv_cache, metadata, workspace) or a recurrent layer's (its
+        state tensors, StateMetadata)."""
+        mixed = getattr(self, self.mixer_name)(self.input_layernorm(x), *mixer_inputs)
         if self.sandwich_norm:
-            x = x + self.post_attention_layernorm(attn)
+            x = x + self.post_attention_layernorm(mixed)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + attn
+        if self.residual_multiplier is not None:
+            x = x + mixed * self.residual_multiplier
+            return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
+        x = x + mixed
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -191,14 +223,59 @@ _STACKED = {
     "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
+    "in_proj_qkv": ("in_proj_qkvzba", 0),
+    "in_proj_z": ("in_proj_qkvzba", 1),
+    "in_proj_b": ("in_proj_qkvzba", 2),
+    "in_proj_a": ("in_proj_qkvzba", 3),
 }
-_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_FUSED_PARTS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "in_proj_qkvzba": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+}
+# Checkpoint module paths that differ from ours, per architecture: (transformers' path, ours).
+_RENAMED_MODULES: dict[str, tuple[tuple[str, str], ...]] = {
+    "Qwen3_5ForConditionalGeneration": (("model.language_model", "model"),),
+    # Granite's shared MLP: input_linear is gate and up already fused (loaded whole, see _WHOLE_FUSED).
+    "GraniteMoeHybridForCausalLM": (
+        ("shared_mlp.input_linear", "mlp.gate_up_proj"),
+        ("shared_mlp.output_linear", "mlp.down_proj"),
+    ),
+    "Lfm2ForCausalLM": (
+        ("feed_forward.w1", "mlp.gate_proj"),
+        ("feed_forward.w3", "mlp.up_proj"),
+        ("feed_forward.w2", "mlp.down_proj"),
+        ("operator_norm", "input_layernorm"),
+        ("ffn_norm", "post_attention_layernorm"),
+        ("self_attn.out_proj", "self_attn.o_proj"),
+        ("self_attn.q_layernorm", "self_attn.q_norm"),
+        ("self_attn.k_layernorm", "self_attn.k_norm"),
+        ("model.embedding_norm", "model.norm"),
+    ),
+}
+# Fused parameters a checkpoint stores already fused, per architecture.
+_WHOLE_FUSED: dict[str, frozenset[str]] = {"GraniteMoeHybridForCausalLM": frozenset({"gate_up_proj"})}
+# Checkpoint weights the text decoder does not use: Qwen3.5's multi-token-prediction head and vision tower.
+_UNUSED_WEIGHT_PREFIXES: dict[str, tuple[str, ...]] = {
+    "Qwen3_5ForCausalLM": ("mtp.",),
+    "Qwen3_5ForConditionalGeneration": ("mtp.", "model.visual."),
+}
+
+
+def _rename(name: str, renames: Iterable[tuple[str, str]]) -> str:
+    """``name`` with each whole dotted module path ``old`` in it replaced by ``new``."""
+    dotted = f".{name}."
+    for old, new in renames:
+        dotted = dotted.replace(f".{old}.", f".{new}.")
+    return dotted[1:-1]
 
 
 class DecoderForCausalLM(nn.Module):
-    """Decoder whose attention reads and writes a paged KV cache (see :mod:`prefixcache.model.attention`).
+    """Decoder whose attention reads and writes a paged KV cache (see :mod:`prefixcache.model.attention`) and
+    whose recurrent layers, in a hybrid, read and write a state cache (see :mod:`prefixcache.model.state`).
 
-    Parameter names follow HF's except for the fused ``qkv_proj`` and ``gate_up_proj``.
+    Parameter names follow HF's except for the fused ``qkv_proj``, ``gate_up_proj`` and ``in_proj_qkvzba``, and
+    the modules of ``_RENAMED_MODULES``.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -219,17 +296,20 @@ class DecoderForCausalLM(nn.Module):
         distinct = {repr(rope): rope for rope in ropes}  # scaling dicts are not hashable
         keys = list(distinct)
         self._layer_rope = [keys.index(repr(rope)) for rope in ropes]
-        self._inv_freq_cpu = [rope_inv_freq(config.head_dim, theta, scaling) for theta, scaling in distinct.values()]
+        self._inv_freq_cpu = [rope_inv_freq(config.rotary_dim, theta, scaling) for theta, scaling in distinct.values()]
         self._inv_freq: dict[torch.device, list[torch.Tensor]] = {}
         self._workspace = GatherWorkspace()
         # Per KV cache layout, keyed by its number of groups (mask-only: 1; hybrid: len(kv_cache_groups()), the
-        # same layout when the model has one attention spec): each layer's group, and each group's windows.
+        # same layout when the model has one attention spec): each attention layer's group, and each group's
+        # windows. kv_caches[i] belongs to attention layer attention_layers[i].
         self._layouts: dict[int, tuple[tuple[int, ...], tuple[frozenset[int | None], ...]]] = {}
         for hybrid in (False, True):
             groups = config.kv_cache_groups(hybrid)
             group_of = {layer: g for g, group in enumerate(groups) for layer in group.layers}
             windows = tuple(frozenset(config.layer_window(layer) for layer in group.layers) for group in groups)
-            self._layouts[len(groups)] = (tuple(group_of[i] for i in range(config.num_layers)), windows)
+            self._layouts[len(groups)] = (tuple(group_of[i] for i in config.attention_layers), windows)
+        self._kv_index = {layer: i for i, layer in enumerate(config.attention_layers)}
+        self._state_index = {layer: i for i, layer in enumerate(config.state_layers)}
 
     @torch.inference_mode()
     def forward(
@@ -237,25 +317,35 @@ class DecoderForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attn_metadata: Sequence[AttentionMetadata],
+        group_metadata: Sequence[AttentionMetadata],
+        state_cache: StateCache | None = None,
+        state_metadata: StateMetadata | None = None,
     ) -> torch.Tensor:
         """Run the step's new tokens ``[T]`` at ``positions`` ``[T]``; returns final-normed hidden ``[T, H]``.
 
-        ``attn_metadata`` has one entry per KV cache group of the layout ``kv_caches`` was allocated for
-        (``config.kv_cache_groups(hybrid)``, in that order); each layer attends with its group's. The new
-        tokens' K/V are written into ``kv_caches`` (one (K, V) pair per layer) at the group's ``slot_mapping``
-        before attention reads them.
+        ``group_metadata`` has one entry per KV cache group of the layout ``kv_caches`` was allocated for
+        (``config.kv_cache_groups(hybrid)``, in that order); each attention layer attends with its group's. The
+        new tokens' K/V are written into ``kv_caches`` (one (K, V) pair per attention layer) at the group's
+        ``slot_mapping`` before attention reads them. A hybrid's recurrent layers continue each request's state
+        in ``state_cache`` (``allocate_state_cache``) as ``state_metadata`` says, and leave the saves it asks for.
         """
-        if len(kv_caches) != self.config.num_layers:
-            raise ValueError(f"expected {self.config.num_layers} KV cache layers, got {len(kv_caches)}")
-        layout = self._layouts.get(len(attn_metadata))
+        config = self.config
+        if len(kv_caches) != len(config.attention_layers):
+            raise ValueError(f"expected {len(config.attention_layers)} KV cache layers, got {len(kv_caches)}")
+        if config.state_layers and (state_cache is None or state_metadata is None):
+            raise ValueError(
+                f"{config.architecture} has recurrent layers: forward needs state_cache and state_metadata"
+            )
+        if state_cache is not None and len(state_cache) != len(config.state_layers):
+            raise ValueError(f"expected {len(config.state_layers)} recurrent layer states, got {len(state_cache)}")
+        layout = self._layouts.get(len(group_metadata))
         if layout is None:
             raise ValueError(
                 f"expected one attention metadata per KV cache group ({' or '.join(map(str, self._layouts))} of them), "
-                f"got {len(attn_metadata)}"
+                f"got {len(group_metadata)}"
             )
         group_of, windows = layout
-        for group, metadata in enumerate(attn_metadata):
+        for group, metadata in enumerate(group_metadata):
             if metadata.sliding_window is not None and windows[group] != {metadata.sliding_window}:
                 raise ValueError(
                     f"KV cache group {group} has layers of windows {sorted(windows[group], key=str)}; its "
@@ -266,9 +356,13 @@ class DecoderForCausalLM(nn.Module):
             # Rounded to the model dtype first, as HF's Gemma does (sqrt(3072) becomes 55.5 in bfloat16).
             x = x * torch.tensor(self.config.embed_scale, dtype=torch.float32).to(x.dtype)
         ropes = self._rope(positions, x.dtype)
-        for layer, kv_cache, rope, group in zip(self.model.layers, kv_caches, self._layer_rope, group_of, strict=True):
-            cos, sin = ropes[rope]
-            x = layer(x, cos, sin, kv_cache, attn_metadata[group], self._workspace)
+        for i, layer in enumerate(self.model.layers):
+            if layer.is_attention:
+                cos, sin = ropes[self._layer_rope[i]]
+                kv = self._kv_index[i]
+                x = layer(x, cos, sin, kv_caches[kv], group_metadata[group_of[kv]], self._workspace)
+            else:
+                x = layer(x, state_cache[self._state_index[i]], state_metadata)  # type: ignore[index]
         return self.model.norm(x)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -292,6 +386,8 @@ class DecoderForCausalLM(nn.Module):
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
+        if self.config.logits_scaling is not None:
+            logits = logits / self.config.logits_scaling
         return logits.float()
 
     def allocate_kv_cache(
@@ -302,11 +398,12 @@ class DecoderForCausalLM(nn.Module):
         device: torch.device | str | None = None,
         groups: Sequence[KVCacheGroup] | None = None,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Zeroed per-layer (K, V), each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        """Zeroed (K, V) per attention layer (``config.attention_layers``, in order), each ``[num_blocks,
+        block_size, num_kv_heads, head_dim]``.
 
-        ``groups`` (default: one group of every layer, the mask-only layout) lay the layers out in slots: layer
-        ``groups[g].layers[j]`` gets slot j's tensors, shared with the layers at slot j of the other groups (a
-        block id belongs to one group at a time). Zeroed rather than empty: masked-out slots and the null
+        ``groups`` (default: one group of every attention layer, the mask-only layout) lay the layers out in
+        slots: layer ``groups[g].layers[j]`` gets slot j's tensors, shared with the layers at slot j of the other
+        groups (a block id belongs to one group at a time). Zeroed rather than empty: masked-out slots and the null
         block still enter the attention matmuls, and uninitialised memory could hold NaN/inf that would
         poison the result (0 * NaN = NaN).
         """
@@ -319,10 +416,10 @@ class DecoderForCausalLM(nn.Module):
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(max(len(group.layers) for group in groups))
         ]
-        caches: list[tuple[torch.Tensor, torch.Tensor]] = [slots[0]] * self.config.num_layers
+        caches: list[tuple[torch.Tensor, torch.Tensor]] = [slots[0]] * len(self.config.attention_layers)
         for group in groups:
             for slot, layer in enumerate(group.layers):
-                caches[layer] = slots[slot]
+                caches[self._kv_index[layer]] = slots[slot]
         return caches
 
     def kv_bytes_per_block(
@@ -338,13 +435,77 @@ class DecoderForCausalLM(nn.Module):
         return block_size * slots * 2 * self.config.num_kv_heads * self.config.head_dim * itemsize
 
     def _check_groups(self, groups: Sequence[KVCacheGroup] | None) -> Sequence[KVCacheGroup]:
-        """The groups (default: the mask-only single group); ValueError unless they hold every layer once."""
+        """The groups (default: the mask-only single group); ValueError unless they hold every attention layer once
+        (and no recurrent layer)."""
         if groups is None:
             return self.config.kv_cache_groups(hybrid=False)
         layers = sorted(layer for group in groups for layer in group.layers)
-        if layers != list(range(self.config.num_layers)):
-            raise ValueError(f"KV cache groups must hold each of the {self.config.num_layers} layers once: {groups}")
+        expected = list(self.config.attention_layers)
+        if layers != expected:
+            raise ValueError(
+                f"KV cache groups must hold each of the {len(expected)} layers once (the attention layers {expected}): "
+                f"{groups}"
+            )
         return groups
+
+    def _recurrent_layers(self) -> list[nn.Module]:
+        layers = [self.model.layers[i] for i in self.config.state_layers]
+        return [getattr(layer, layer.mixer_name) for layer in layers]
+
+    def state_bytes_per_slot(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes one sequence's state takes across all recurrent layers (0 without any): each conv window in
+        ``dtype`` (default: the model's) and each matrix state in ``state_dtype(dtype)`` (float32 at least)."""
+        dtype = dtype or self.model.embed_tokens.weight.dtype
+        matrix_itemsize = state_dtype(dtype).itemsize
+        total = 0
+        for mixer in self._recurrent_layers():
+            conv, *matrices = mixer.state_shapes()
+            total += math.prod(conv) * dtype.itemsize + sum(math.prod(shape) for shape in matrices) * matrix_itemsize
+        return total
+
+    def allocate_state_cache(
+        self, num_slots: int, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> StateCache:
+        """Zeroed state tensors per recurrent layer (``config.state_layers`` order), slot-major: the conv window
+        ``[num_slots, kernel - 1, channels]`` in ``dtype`` and, for Gated DeltaNet and Mamba2, the matrix
+        state ``[num_slots, heads, ...]`` in float32 (or float64 for a float64 model). A zeroed slot is the state
+        before any token."""
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be positive, got {num_slots}")
+        param = self.model.embed_tokens.weight
+        dtype = dtype or param.dtype
+        device = device or param.device
+        cache: StateCache = []
+        for mixer in self._recurrent_layers():
+            conv, *matrices = mixer.state_shapes()
+            tensors = [torch.zeros((num_slots, *conv), dtype=dtype, device=device)]
+            tensors += [torch.zeros((num_slots, *shape), dtype=state_dtype(dtype), device=device) for shape in matrices]
+            cache.append(tuple(tensors))
+        return cache
+
+    @staticmethod
+    def copy_states(state_cache: StateCache, src: list[int], dst: list[int]) -> None:
+        """Copy slot ``src[i]`` into slot ``dst[i]`` in every recurrent layer (restore or take a checkpoint)."""
+        if len(src) != len(dst):
+            raise ValueError(f"{len(src)} source slots for {len(dst)} destinations")
+        if not src or not state_cache:
+            return
+        device = state_cache[0][0].device
+        src_index = torch.tensor(src, dtype=torch.long, device=device)
+        dst_index = torch.tensor(dst, dtype=torch.long, device=device)
+        for tensors in state_cache:
+            for tensor in tensors:
+                tensor[dst_index] = tensor[src_index]
+
+    @staticmethod
+    def zero_states(state_cache: StateCache, slots: list[int]) -> None:
+        """Reset ``slots`` in every recurrent layer to the state before any token."""
+        if not slots or not state_cache:
+            return
+        index = torch.tensor(slots, dtype=torch.long, device=state_cache[0][0].device)
+        for tensors in state_cache:
+            for tensor in tensors:
+                tensor[index] = 0
 
     @torch.no_grad()
     def load_weights(
@@ -356,19 +517,26 @@ class DecoderForCausalLM(nn.Module):
         concatenated), so a model built on the meta device loads without a second copy of its weights; pass
         ``device`` then. Each weight is cast to its parameter's current dtype.
         """
+        arch = self.config.architecture
+        renames = _RENAMED_MODULES.get(arch, ())
+        unused = _UNUSED_WEIGHT_PREFIXES.get(arch, ())
+        whole = _WHOLE_FUSED.get(arch, frozenset())
         params = dict(self.named_parameters())
         shards: dict[str, dict[int, torch.Tensor]] = {name: {} for name in params}
         unexpected: list[str] = []
-        for name, tensor in weights:
+        for hf_name, tensor in weights:
+            if hf_name.startswith(unused):
+                continue
+            name = _rename(hf_name, renames)
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
                 continue
             *prefix, module, kind = name.split(".")
-            fused, index = _STACKED.get(module, (module, 0))
+            fused, index = (module, 0) if module in whole else _STACKED.get(module, (module, 0))
             target = ".".join([*prefix, fused, kind])
             if target in shards:
                 shards[target][index] = tensor
             else:
-                unexpected.append(name)
+                unexpected.append(hf_name)
         missing = [
             name
             for target, parts in shards.items()
@@ -386,9 +554,10 @@ class DecoderForCausalLM(nn.Module):
             state[target] = tensor.to(device=param.device if device is None else device, dtype=param.dtype)
         self.load_state_dict(state, strict=True, assign=True)
 
-    @staticmethod
-    def _hf_names(param_name: str) -> list[str]:
+    def _hf_names(self, param_name: str) -> list[str]:
         """The HF checkpoint names stored in one of our parameters, in shard order."""
+        arch = self.config.architecture
         *prefix, module, kind = param_name.split(".")
-        parts = _FUSED_PARTS.get(module, (module,))
-        return [".".join([*prefix, part, kind]) for part in parts]
+        parts = (module,) if module in _WHOLE_FUSED.get(arch, ()) else _FUSED_PARTS.get(module, (module,))
+        back = [(ours, theirs) for theirs, ours in _RENAMED_MODULES.get(arch, ())]
+        return [_rename(".".join([*prefix, part, kind]), back) for part in parts]

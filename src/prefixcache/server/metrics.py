@@ -79,6 +79,15 @@ class ServerMetrics:
                 "prefix_cache_retained_written_tokens",
                 "Prompt tokens computed into blocks the request's retention directives marked retained.",
             ),
+            "state_checkpoints_saved": counter(
+                "state_checkpoints_saved", "Recurrent-state checkpoints saved (models with recurrent layers)."
+            ),
+            "state_checkpoint_hits": counter(
+                "state_checkpoint_hits", "Admissions that restored a recurrent-state checkpoint."
+            ),
+            "state_checkpoints_evicted": counter(
+                "state_checkpoints_evicted", "Recurrent-state checkpoints evicted to make room for new ones."
+            ),
         }
         self._seen: dict[str, int] = {}  # the engine's cumulative counters as last read
         missed = Counter(
