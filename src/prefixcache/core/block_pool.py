@@ -9,8 +9,9 @@ last marked it. Free cached blocks leave in the order expired first (their TTL e
 priority, least recently used within a priority; at the default priority the pool's eviction policy (LRU or ARC)
 decides, so without directives nothing changes. A TTL runs from the block's last use (when it is freed) and its
 end returns the block to the default priority. Retained blocks (priority above the default) are bounded: past
-``max_retained_blocks`` in all, or a tenant's ``max_tenant_retained_blocks``, the least recently marked or used
-ones are demoted to the default priority, so an allocation never fails because of them.
+``max_retained_blocks`` in all, or a tenant's ``max_tenant_retained_blocks``, the least recently marked ones (a
+hit with the same directive marks a block again) are demoted to the default priority, so an allocation never
+fails because of them.
 
 Every KV cache group (:mod:`prefixcache.core.kv_cache_groups`) draws from the one pool and has its own
 map from hash to block: a block belongs to one group at a time, so the same tokens are cached once per
@@ -160,7 +161,7 @@ class BlockPool:
         self.clock = clock
         self.max_retained_blocks = len(self.usable_blocks) if max_retained_blocks is None else max_retained_blocks
         self.max_tenant_retained_blocks = max_tenant_retained_blocks
-        # Blocks above the default priority, free or in use, least recently marked or used first (all, and by tenant).
+        # Blocks above the default priority, free or in use, least recently marked first (all, and by tenant).
         self.retained: OrderedDict[int, Block] = OrderedDict()
         self.retained_by_tenant: dict[str, OrderedDict[int, Block]] = {}
         self.retention_counters = RetentionCounters()
@@ -210,7 +211,7 @@ class BlockPool:
         """Mark cached blocks in use with a directive's priority and TTL; returns the bounds they ran into.
 
         A block another tenant marked is left as it is. Past the tenant's quota, then past the retained share,
-        the least recently marked or used retained blocks (possibly these) are demoted to the default priority.
+        the least recently marked retained blocks (possibly these) are demoted to the default priority.
         """
         retained = self.retained
         raising = priority > DEFAULT_PRIORITY
@@ -441,7 +442,8 @@ class BlockPool:
 
     def free_blocks(self, blocks: Iterable[Block]) -> None:
         """Drop one reference from each block (never the null block), in eviction order (the first freed is
-        evicted first). A block's TTL starts now: it is last used."""
+        evicted first). A block's TTL starts now: it is last used (its place in the retained share moves only when
+        a directive marks it again)."""
         uncached, evictable = self.uncached_free, self.evictable
         if not self.num_marked:  # no directive anywhere: today's loop
             for block in blocks:
@@ -464,15 +466,8 @@ class BlockPool:
                     marked = [block]
                 else:
                     marked.append(block)
-        if marked is None:
-            return
-        self.retained_free.push(marked, self.clock())
-        retained, by_tenant = self.retained, self.retained_by_tenant
-        for block in marked:  # last used now: the last the share would demote
-            if block.priority > DEFAULT_PRIORITY:
-                retained.move_to_end(block.block_id)
-                if block.tenant is not None:
-                    by_tenant[block.tenant].move_to_end(block.block_id)
+        if marked is not None:
+            self.retained_free.push(marked, self.clock())
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while any block is in use."""
