@@ -281,16 +281,12 @@ class BlockPool:
         else:
             block.priority, block.tenant = DEFAULT_PRIORITY, None
 
-    def _pop_cached(self) -> Block:
-        """The next cached block to evict when some free block is not at the default priority."""
-        self.expire()
-        lowest = self.retained_free.lowest_priority()
-        if lowest is None or (lowest > DEFAULT_PRIORITY and len(self.evictable)):
-            self.retention_counters.evictions["default"] += 1
-            return self.evictable.pop()
+    def _pop_retained(self) -> Block:
+        """Evict the least recently freed block of the lowest priority in the retained queue (expired first)."""
+        priority = self.retained_free.priorities[0]
         block = self.retained_free.pop_lowest()
-        self.retention_counters.evictions[priority_class(lowest)] += 1
-        self._forget_retained(block, lowest)
+        self.retention_counters.evictions[priority_class(priority)] += 1
+        self._forget_retained(block, priority)
         self.num_marked -= 1
         block.priority, block.tenant = DEFAULT_PRIORITY, None
         return block
@@ -345,15 +341,17 @@ class BlockPool:
         An evicted block leaves its group's map; listeners hear of the hashes whose last block it was.
         """
         uncached, evictable, on_reused, maps = self.uncached_free, self.evictable, self._on_reused, self.cached
-        retained_levels = self.retained_free.priorities
+        retained_levels = self.retained_free.priorities  # the lowest first
+        if retained_levels:
+            self.expire()  # once: the clock does not move within one call
         out: list[Block] = []
         removed: list[list[BlockHash]] | None = None  # by group, made at the first eviction
         num_default_evicted = 0
         for _ in range(num_blocks):
             if uncached:
                 block = uncached.popleft()
-            elif retained_levels:
-                block = self._pop_cached()
+            elif retained_levels and (retained_levels[0] < DEFAULT_PRIORITY or not len(evictable)):
+                block = self._pop_retained()  # expired or low before the default, retained after it
             else:
                 block = evictable.pop()
                 num_default_evicted += 1

@@ -207,10 +207,6 @@ class RetainedQueue:
         if not level:
             self._drop_level(block.priority)
 
-    def lowest_priority(self) -> int | None:
-        """The lowest priority a free block here has (``EXPIRED`` first), None when empty."""
-        return self.priorities[0] if self.priorities else None
-
     def pop_lowest(self) -> Block:
         """Remove and return the least recently freed block of the lowest priority."""
         priority = self.priorities[0]
