@@ -342,15 +342,17 @@ class BlockPool:
         """
         uncached, evictable, on_reused, maps = self.uncached_free, self.evictable, self._on_reused, self.cached
         retained_levels = self.retained_free.priorities  # the lowest first
+        num_default_free = 0
         if retained_levels:
             self.expire()  # once: the clock does not move within one call
+            num_default_free = len(evictable)
         out: list[Block] = []
         removed: list[list[BlockHash]] | None = None  # by group, made at the first eviction
         num_default_evicted = 0
         for _ in range(num_blocks):
             if uncached:
                 block = uncached.popleft()
-            elif retained_levels and (retained_levels[0] < DEFAULT_PRIORITY or not len(evictable)):
+            elif retained_levels and (retained_levels[0] < DEFAULT_PRIORITY or num_default_evicted == num_default_free):
                 block = self._pop_retained()  # expired or low before the default, retained after it
             else:
                 block = evictable.pop()
