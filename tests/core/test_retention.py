@@ -259,3 +259,18 @@ def test_a_lookup_shows_the_retention_of_the_cached_prefix_and_changes_nothing()
     mgr.free(in_use)
     clock.advance(100)
     assert mgr.lookup(list(range(13))).retention == [RetentionRun(0, 12, DEFAULT_PRIORITY)]  # its TTL ended
+
+
+def test_a_hot_retained_block_freed_again_and_again_keeps_the_expiry_heap_bounded():
+    mgr, clock = retention_manager()
+    run(mgr, range(13), [RetentionRange(0, 8, priority=90, ttl_s=100)])
+    for _ in range(3000):  # each free pushes an expiry; the hit before it makes the last one stale
+        clock.advance(0.01)
+        run(mgr, range(9))
+    queue = mgr.pool.retained_free
+    assert len(queue._expiries) <= 4 * len(queue) + 1024
+    clock.advance(99.9)
+    assert order(mgr)[-2:] == [1, 0]
+    clock.advance(0.2)
+    assert order(mgr)[:2] == [1, 0] and mgr.pool.retention_counters.expirations["retained"] == 2
+    mgr.check_invariants()

@@ -9,8 +9,9 @@ last marked it. Free cached blocks leave in the order expired first (their TTL e
 priority, least recently used within a priority; at the default priority the pool's eviction policy (LRU or ARC)
 decides, so without directives nothing changes. A TTL runs from the block's last use (when it is freed) and its
 end returns the block to the default priority. Retained blocks (priority above the default) are bounded: past
-``max_retained_blocks`` in all, or a tenant's ``max_tenant_retained_blocks``, the least recently marked or used
-ones are demoted to the default priority, so an allocation never fails because of them.
+``max_retained_blocks`` in all, or a tenant's ``max_tenant_retained_blocks``, the least recently marked ones (a
+hit with the same directive marks a block again) are demoted to the default priority, so an allocation never
+fails because of them.
 
 Every KV cache group (:mod:`prefixcache.core.kv_cache_groups`) draws from the one pool and has its own
 map from hash to block: a block belongs to one group at a time, so the same tokens are cached once per
@@ -160,7 +161,7 @@ class BlockPool:
         self.clock = clock
         self.max_retained_blocks = len(self.usable_blocks) if max_retained_blocks is None else max_retained_blocks
         self.max_tenant_retained_blocks = max_tenant_retained_blocks
-        # Blocks above the default priority, free or in use, least recently marked or used first (all, and by tenant).
+        # Blocks above the default priority, free or in use, least recently marked first (all, and by tenant).
         self.retained: OrderedDict[int, Block] = OrderedDict()
         self.retained_by_tenant: dict[str, OrderedDict[int, Block]] = {}
         self.retention_counters = RetentionCounters()
@@ -210,7 +211,7 @@ class BlockPool:
         """Mark cached blocks in use with a directive's priority and TTL; returns the bounds they ran into.
 
         A block another tenant marked is left as it is. Past the tenant's quota, then past the retained share,
-        the least recently marked or used retained blocks (possibly these) are demoted to the default priority.
+        the least recently marked retained blocks (possibly these) are demoted to the default priority.
         """
         retained = self.retained
         raising = priority > DEFAULT_PRIORITY
@@ -280,16 +281,12 @@ class BlockPool:
         else:
             block.priority, block.tenant = DEFAULT_PRIORITY, None
 
-    def _pop_cached(self) -> Block:
-        """The next cached block to evict when some free block is not at the default priority."""
-        self.expire()
-        lowest = self.retained_free.lowest_priority()
-        if lowest is None or (lowest > DEFAULT_PRIORITY and len(self.evictable)):
-            self.retention_counters.evictions["default"] += 1
-            return self.evictable.pop()
+    def _pop_retained(self) -> Block:
+        """Evict the least recently freed block of the lowest priority in the retained queue (expired first)."""
+        priority = self.retained_free.priorities[0]
         block = self.retained_free.pop_lowest()
-        self.retention_counters.evictions[priority_class(lowest)] += 1
-        self._forget_retained(block, lowest)
+        self.retention_counters.evictions[priority_class(priority)] += 1
+        self._forget_retained(block, priority)
         self.num_marked -= 1
         block.priority, block.tenant = DEFAULT_PRIORITY, None
         return block
@@ -344,15 +341,19 @@ class BlockPool:
         An evicted block leaves its group's map; listeners hear of the hashes whose last block it was.
         """
         uncached, evictable, on_reused, maps = self.uncached_free, self.evictable, self._on_reused, self.cached
-        retained_levels = self.retained_free.priorities
+        retained_levels = self.retained_free.priorities  # the lowest first
+        num_default_free = 0
+        if retained_levels:
+            self.expire()  # once: the clock does not move within one call
+            num_default_free = len(evictable)
         out: list[Block] = []
         removed: list[list[BlockHash]] | None = None  # by group, made at the first eviction
         num_default_evicted = 0
         for _ in range(num_blocks):
             if uncached:
                 block = uncached.popleft()
-            elif retained_levels:
-                block = self._pop_cached()
+            elif retained_levels and (retained_levels[0] < DEFAULT_PRIORITY or num_default_evicted == num_default_free):
+                block = self._pop_retained()  # expired or low before the default, retained after it
             else:
                 block = evictable.pop()
                 num_default_evicted += 1
@@ -441,7 +442,8 @@ class BlockPool:
 
     def free_blocks(self, blocks: Iterable[Block]) -> None:
         """Drop one reference from each block (never the null block), in eviction order (the first freed is
-        evicted first). A block's TTL starts now: it is last used."""
+        evicted first). A block's TTL starts now: it is last used (its place in the retained share moves only when
+        a directive marks it again)."""
         uncached, evictable = self.uncached_free, self.evictable
         if not self.num_marked:  # no directive anywhere: today's loop
             for block in blocks:
@@ -464,15 +466,8 @@ class BlockPool:
                     marked = [block]
                 else:
                     marked.append(block)
-        if marked is None:
-            return
-        self.retained_free.push(marked, self.clock())
-        retained, by_tenant = self.retained, self.retained_by_tenant
-        for block in marked:  # last used now: the last the share would demote
-            if block.priority > DEFAULT_PRIORITY:
-                retained.move_to_end(block.block_id)
-                if block.tenant is not None:
-                    by_tenant[block.tenant].move_to_end(block.block_id)
+        if marked is not None:
+            self.retained_free.push(marked, self.clock())
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while any block is in use."""

@@ -158,7 +158,7 @@ class RetainedQueue:
     bounded list operation; a block's expiry is pushed when it is freed (its TTL runs from its last use; the
     blocks a request frees together with one TTL share an entry), and a block that no longer matches its entry
     (hit, demoted or evicted since) is skipped when the entry comes up. The heap is rebuilt from the live blocks
-    when stale ones outnumber them, so a hot block freed again and again under a long TTL cannot grow it
+    when stale ones outnumber them fourfold, so a hot block freed again and again under a long TTL cannot grow it
     without bound.
     """
 
@@ -177,23 +177,26 @@ class RetainedQueue:
         ``ttl_s`` later."""
         expiring: dict[float, list[Block]] = {}
         levels = self._levels
-        for block in blocks:
-            level = levels.get(block.priority)
-            if level is None:
-                self._append(block)
-            else:
-                level[block.block_id] = block
-                self._len += 1
-            expires_at = block.expires_at = now + block.ttl_s
-            same = expiring.get(expires_at)
-            if same is None:
-                expiring[expires_at] = [block]
-            else:
-                same.append(block)
+        priority = ttl_s = None
+        for block in blocks:  # a request's blocks mostly share a priority and a TTL: look each up once a run
+            if block.priority != priority:
+                priority = block.priority
+                level = levels.get(priority)
+                if level is None:
+                    level = levels[priority] = OrderedDict()
+                    bisect.insort(self.priorities, priority)
+            level[block.block_id] = block
+            if block.ttl_s != ttl_s:
+                ttl_s = block.ttl_s
+                expires_at = now + ttl_s
+                same = expiring.setdefault(expires_at, [])
+            block.expires_at = expires_at
+            same.append(block)
+        self._len += len(blocks)
         for expires_at, same in expiring.items():
             heapq.heappush(self._expiries, (expires_at, next(self._order), tuple(same)))
             self._num_expiring += len(same)
-        if self._num_expiring > 2 * self._len + 64:
+        if self._num_expiring > 4 * self._len + 1024:
             self._compact()
 
     def remove(self, block: Block) -> None:
@@ -203,10 +206,6 @@ class RetainedQueue:
         self._len -= 1
         if not level:
             self._drop_level(block.priority)
-
-    def lowest_priority(self) -> int | None:
-        """The lowest priority a free block here has (``EXPIRED`` first), None when empty."""
-        return self.priorities[0] if self.priorities else None
 
     def pop_lowest(self) -> Block:
         """Remove and return the least recently freed block of the lowest priority."""
@@ -267,13 +266,14 @@ class RetainedQueue:
         del self.priorities[bisect.bisect_left(self.priorities, priority)]
 
     def _compact(self) -> None:
-        self._expiries = [
-            (block.expires_at, next(self._order), (block,))
-            for priority, level in self._levels.items()
-            if priority != EXPIRED
-            for block in level.values()
-        ]
-        self._num_expiring = len(self._expiries)
+        """Rebuild the heap from the live blocks, one entry per expiry time."""
+        expiring: dict[float, list[Block]] = {}
+        for priority, level in self._levels.items():
+            if priority != EXPIRED:
+                for block in level.values():
+                    expiring.setdefault(block.expires_at, []).append(block)
+        self._expiries = [(expires_at, next(self._order), tuple(same)) for expires_at, same in expiring.items()]
+        self._num_expiring = self._len - len(self._levels.get(EXPIRED, ()))
         heapq.heapify(self._expiries)
 
 

@@ -764,13 +764,20 @@ class KVCacheManager:
         pool, null, block_size = self.pool, self.null_block, self.block_size
         k = start
         while k < end and directives:  # in runs of positions that the same directive covers
-            directive = next((d for d in directives if d.covers(k)), None)
-            run_end = min([end, *(b for d in directives for b in (d.first, d.end) if b is not None and b > k)])
-            if directive is not None:
-                if null is None:
-                    blocks = tables[0][k:run_end] if len(tables) == 1 else [b for t in tables for b in t[k:run_end]]
+            directive, run_end = None, end
+            for d in directives:  # the best that covers k (they are sorted best first); where coverage changes
+                if directive is None and d.covers(k):
+                    directive = d
+                if k < d.first < run_end:
+                    run_end = d.first
+                if d.end is not None and k < d.end < run_end:
+                    run_end = d.end
+            if directive is not None:  # tail first, as blocks are freed: a run's head is demoted last
+                if null is None and len(tables) == 1:
+                    blocks = tables[0][k:run_end]
+                    blocks.reverse()
                 else:
-                    blocks = [b for t in tables for b in t[k:run_end] if b is not null]
+                    blocks = [t[i] for i in range(run_end - 1, k - 1, -1) for t in tables if t[i] is not null]
                 for bound in pool.retain(blocks, directive.priority, directive.ttl_s, request.tenant):
                     _note_clamp(request, bound)
             k = run_end
