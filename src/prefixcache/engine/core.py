@@ -146,7 +146,9 @@ class EngineCore:
         token_ids = request.prompt_token_ids
         if not token_ids or min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise ValueError(f"request {request.request_id!r}: prompt token ids must be in [0, {self.vocab_size})")
-        total = len(token_ids) + request.sampling_params.max_tokens
+        # The last token sampled is never computed: it takes no position and no KV slot (so a prompt-only echo of
+        # a whole context runs; the input processor holds other requests to vLLM's prompt plus max_tokens).
+        total = len(token_ids) + request.sampling_params.max_tokens - 1
         if total > min(self.max_model_len, self.kv_capacity_tokens):
             raise ValueError(f"request {request.request_id!r}: {total} tokens do not fit the context or KV cache")
         params = request.sampling_params

@@ -6,6 +6,7 @@ engine nothing and gets a clear ``ValueError``. Runs on the API side (tokenizing
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from prefixcache.engine.messages import EngineCoreRequest, EngineInfo
@@ -14,15 +15,35 @@ from prefixcache.engine.sampling_params import SamplingParams
 PromptInput = str | list[int] | dict[str, Any]
 
 
+@dataclass(frozen=True, slots=True)
+class PromptOptions:
+    """How a request's prompt becomes the tokens it runs on, beside its sampling (vLLM's request fields).
+
+    ``add_special_tokens``: a text prompt gets what the tokenizer adds around a text (Llama's, Gemma's or
+    Mistral's BOS), as vLLM's completions and its offline ``generate`` do; without it such models answer
+    from a context they were never trained on. Token ids and chat templates are taken as they are.
+    ``prompt_only`` (echo with ``max_tokens: 0``): the request scores its prompt, so the one token the engine
+    samples after it, never shown, needs no room in the context or the KV cache.
+    """
+
+    add_special_tokens: bool = True
+    prompt_only: bool = False
+
+
+DEFAULT_PROMPT_OPTIONS = PromptOptions()
+
+
 class InputProcessor:
     def __init__(self, tokenizer: Any, info: EngineInfo) -> None:
         self.tokenizer = tokenizer
         self.info = info
 
-    def prompt_token_ids(self, prompt: PromptInput, keep_last: int | None = None) -> tuple[str | None, list[int]]:
+    def prompt_token_ids(
+        self, prompt: PromptInput, keep_last: int | None = None, add_special_tokens: bool = True
+    ) -> tuple[str | None, list[int]]:
         """The prompt's text (None when it came as token ids, or was cut) and its token ids, checked against the
         vocabulary and the context length; ``keep_last`` cuts a longer prompt to its last tokens first."""
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = tokenize_prompt(self.tokenizer, prompt, add_special_tokens)
         if keep_last is not None and len(token_ids) > keep_last:
             text, token_ids = None, token_ids[-keep_last:]
         if not token_ids:
@@ -39,24 +60,26 @@ class InputProcessor:
         request_id: str,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        options: PromptOptions = DEFAULT_PROMPT_OPTIONS,
     ) -> tuple[EngineCoreRequest, str | None]:
         """The core request and the prompt text (None when the prompt came as token ids or was truncated)."""
         vocab_size = self.info.vocab_size
         max_model_len = self.info.max_model_len
+        output_room = 0 if options.prompt_only else params.max_tokens
         keep_last = params.truncate_prompt_tokens
-        if keep_last == -1:  # as much as fits beside max_tokens
-            keep_last = max(1, max_model_len - params.max_tokens)
-        text, token_ids = self.prompt_token_ids(prompt, keep_last)
-        if len(token_ids) + params.max_tokens > max_model_len:
+        if keep_last == -1:  # as much as fits beside max_tokens, in the context and in the KV cache
+            keep_last = max(1, self.info.max_request_tokens - output_room)
+        text, token_ids = self.prompt_token_ids(prompt, keep_last, options.add_special_tokens)
+        if len(token_ids) + output_room > max_model_len:
             raise ValueError(
-                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"prompt ({len(token_ids)} tokens) plus max_tokens ({output_room}) exceeds the "
                 f"model's context length of {max_model_len} tokens"
             )
         capacity = self.info.kv_capacity_tokens
-        if len(token_ids) + params.max_tokens > capacity:
+        if len(token_ids) + output_room > capacity:
             raise ValueError(
-                f"prompt plus max_tokens ({len(token_ids) + params.max_tokens} tokens) cannot fit the KV cache "
-                f"of {capacity} tokens; raise kv_cache_memory"
+                f"prompt plus max_tokens ({len(token_ids) + output_room} tokens) cannot fit the KV cache "
+                f"of {capacity} tokens; raise --kv-cache-memory or lower max_tokens"
             )
         if params.stop_token_ids and max(params.stop_token_ids) >= vocab_size:
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
@@ -69,11 +92,10 @@ class InputProcessor:
         )
         return request, text
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        return chat_token_ids(self.tokenizer, messages, add_generation_prompt)
-
-    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        return tokenize_prompt(self.tokenizer, prompt)
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, add_special_tokens: bool = False
+    ) -> list[int]:
+        return chat_token_ids(self.tokenizer, messages, add_generation_prompt, add_special_tokens)
 
 
 def prompt_too_long(num_tokens: int | str, max_model_len: int) -> str:
@@ -81,15 +103,18 @@ def prompt_too_long(num_tokens: int | str, max_model_len: int) -> str:
     return f"prompt ({num_tokens} tokens) exceeds the model's context length of {max_model_len} tokens"
 
 
-def tokenize_prompt(tokenizer: Any, prompt: PromptInput) -> tuple[str | None, list[int]]:
-    """The prompt text (None for token ids) and its token ids; the router tokenizes through here too."""
+def tokenize_prompt(
+    tokenizer: Any, prompt: PromptInput, add_special_tokens: bool = True
+) -> tuple[str | None, list[int]]:
+    """The prompt text (None for token ids) and its token ids, a text with the tokenizer's special tokens unless
+    ``add_special_tokens`` is false; the router and ``explain`` tokenize through here too."""
     if isinstance(prompt, str):
-        return prompt, tokenizer.encode(prompt, add_special_tokens=False)
+        return prompt, tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             return prompt.get("prompt"), _check_token_ids(prompt["prompt_token_ids"])
         if "prompt" in prompt:
-            return tokenize_prompt(tokenizer, prompt["prompt"])
+            return tokenize_prompt(tokenizer, prompt["prompt"], add_special_tokens)
         raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
     if isinstance(prompt, list | tuple):
         return None, _check_token_ids(prompt)
@@ -102,12 +127,24 @@ def check_vocabulary(token_ids: list[int], vocab_size: int) -> None:
         raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
 
 
-def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-    """The conversation as prompt token ids, through the model's own chat template."""
+def chat_text(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    """The conversation as the model's own chat template writes it (its special tokens are in the text)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+
+def chat_token_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True, add_special_tokens: bool = False
+) -> list[int]:
+    """The conversation as prompt token ids: the template's text tokenized as transformers does it (no special
+    tokens beyond the template's, unless ``add_special_tokens``, vLLM's chat field, asks for them on top)."""
+    return chat_text_token_ids(tokenizer, chat_text(tokenizer, messages, add_generation_prompt), add_special_tokens)
+
+
+def chat_text_token_ids(tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
+    """A rendered conversation's token ids (the router renders it first to bound its length)."""
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def _check_token_ids(token_ids: Any) -> list[int]:

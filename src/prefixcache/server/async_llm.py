@@ -24,7 +24,7 @@ import msgspec
 from prefixcache.config import EngineConfig
 from prefixcache.core import PrefixLookup
 from prefixcache.engine.core_process import EngineCoreProcess
-from prefixcache.engine.input_processor import InputProcessor, PromptInput
+from prefixcache.engine.input_processor import DEFAULT_PROMPT_OPTIONS, InputProcessor, PromptInput, PromptOptions
 from prefixcache.engine.messages import (
     AbortRequests,
     EngineCoreFailure,
@@ -160,6 +160,7 @@ class AsyncLLM:
         request_id: str,
         cache_salt: str | None = None,
         n: int = 1,
+        options: PromptOptions = DEFAULT_PROMPT_OPTIONS,
     ) -> RequestStream:
         """Validate and queue ``n`` choices per prompt; ValueError (nothing queued) for input the engine cannot serve.
 
@@ -173,7 +174,7 @@ class AsyncLLM:
         core_ids = [f"{request_id}-{index}" for index in range(len(prompts) * n)]
         if any(core_id in self._streams for core_id in core_ids):
             raise ValueError(f"a request with id {request_id!r} is already in flight")
-        processed = await self._on_worker(self._process, prompts, params, core_ids, cache_salt, n)
+        processed = await self._on_worker(self._process, prompts, params, core_ids, cache_salt, n, options)
         self._check_accepting()  # the core may have died while the prompt was tokenized
         if any(core_id in self._streams for core_id in core_ids):  # taken while this one was tokenized
             raise ValueError(f"a request with id {request_id!r} is already in flight")
@@ -188,21 +189,26 @@ class AsyncLLM:
             raise
         return stream
 
-    async def render(self, prompts: Sequence[PromptInput], params: SamplingParams) -> list[list[int]]:
+    async def render(
+        self, prompts: Sequence[PromptInput], params: SamplingParams, options: PromptOptions = DEFAULT_PROMPT_OPTIONS
+    ) -> list[list[int]]:
         """The token ids each prompt would run on (tokenized, truncated, validated exactly as ``add_request``
         does); ValueError for a request the engine would refuse. Queues nothing."""
         self._check_accepting()
+        process = self._input_processor.process
         return await self._on_worker(
-            lambda: [self._input_processor.process(p, params, "render")[0].prompt_token_ids for p in prompts]
+            lambda: [process(p, params, "render", options=options)[0].prompt_token_ids for p in prompts]
         )
 
     async def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, add_special_tokens: bool = False
     ) -> list[int]:
         self._check_accepting()
-        return await self._on_worker(self._input_processor.apply_chat_template, messages, add_generation_prompt)
+        return await self._on_worker(
+            self._input_processor.apply_chat_template, messages, add_generation_prompt, add_special_tokens
+        )
 
-    async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The token ids of ``text``; the default is what the completions endpoint feeds the model."""
         return await self._on_worker(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
@@ -216,11 +222,15 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return await self._call("reset_prefix_cache")
 
-    async def lookup(self, prompt: PromptInput, cache_salt: str | None = None) -> tuple[list[int], PrefixLookup]:
-        """The prompt's token ids and what the core's cache and offload tiers hold of them now: the core
-        answers between steps, runs no model and changes nothing. ValueError for a prompt the engine would
-        refuse."""
-        _, token_ids = await self._on_worker(self._input_processor.prompt_token_ids, prompt)
+    async def lookup(
+        self, prompt: PromptInput, cache_salt: str | None = None, add_special_tokens: bool = True
+    ) -> tuple[list[int], PrefixLookup]:
+        """The prompt's token ids (tokenized as ``add_request`` does) and what the core's cache and offload tiers
+        hold of them now: the core answers between steps, runs no model and changes nothing. ValueError for a
+        prompt the engine would refuse."""
+        _, token_ids = await self._on_worker(
+            self._input_processor.prompt_token_ids, prompt, add_special_tokens=add_special_tokens
+        )
         found = await self._call("lookup", token_ids, cache_salt)
         return token_ids, msgspec.convert(found, PrefixLookup)
 
@@ -263,11 +273,12 @@ class AsyncLLM:
         core_ids: list[str],
         cache_salt: str | None,
         n: int,
+        options: PromptOptions,
     ) -> list[tuple[EngineCoreRequest, str | None]]:
         """Every choice's core request (each prompt tokenized and validated once); runs on the worker thread."""
         processed = []
         for p, prompt in enumerate(prompts):
-            request, text = self._input_processor.process(prompt, params, core_ids[p * n], cache_salt)
+            request, text = self._input_processor.process(prompt, params, core_ids[p * n], cache_salt, options=options)
             processed.append((request, text))
             for i in range(1, n):
                 child_params = params if params.seed is None else replace(params, seed=(params.seed + i) % 2**64)

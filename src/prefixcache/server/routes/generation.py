@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from prefixcache.engine.input_processor import DEFAULT_PROMPT_OPTIONS, PromptOptions
 from prefixcache.engine.sampling_params import InvalidParameter, SamplingParams
 from prefixcache.server.async_llm import AsyncLLM
 from prefixcache.server.errors import APIError
@@ -35,7 +36,8 @@ async def create_completion(body: CompletionRequest, request: Request, engine: E
     name = model_name(settings, body.model)
     max_tokens, prompt_logprobs = _completion_limits(body)
     shaper = _shaper(engine, body, COMPLETION, body.logprobs, body.echo, body.prompt_only)
-    return await _generate(request, engine, body, name, body.prompts, max_tokens, shaper, prompt_logprobs)
+    options = _completion_options(body)
+    return await _generate(request, engine, body, name, body.prompts, max_tokens, shaper, prompt_logprobs, options)
 
 
 @router.post("/v1/chat/completions")
@@ -56,7 +58,8 @@ async def render_completion(
     the sampling parameters it would get; runs no model (vllm-router calls it before routing)."""
     name = model_name(settings, body.model)
     max_tokens, prompt_logprobs = _completion_limits(body)
-    return await _render(request, engine, body, name, body.prompts, max_tokens, COMPLETION, prompt_logprobs)
+    options = _completion_options(body)
+    return await _render(request, engine, body, name, body.prompts, max_tokens, COMPLETION, prompt_logprobs, options)
 
 
 @router.post("/v1/chat/completions/render")
@@ -79,16 +82,21 @@ def _completion_limits(body: CompletionRequest) -> tuple[int, int | None]:
     return max_tokens, body.logprobs if body.echo else None
 
 
+def _completion_options(body: CompletionRequest) -> PromptOptions:
+    return PromptOptions(add_special_tokens=body.add_special_tokens, prompt_only=body.prompt_only)
+
+
 async def _chat_prompt(engine: AsyncLLM, body: ChatCompletionRequest) -> tuple[dict[str, Any], int]:
     """The conversation as a prompt of token ids, and the engine's max_tokens for it."""
-    prompt_ids = await apply_chat_template(engine, body.messages)
+    prompt_ids = await apply_chat_template(engine, body.messages, add_special_tokens=body.add_special_tokens)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    # Unset: generate up to the context; at least 1, so an overlong prompt gets the context error (or, with
-    # truncate_prompt_tokens -1, keeps all but one token of the context).
+    # Unset: generate as far as the request may grow (the context, or less where the KV cache holds less); at
+    # least 1, so an overlong prompt gets the context error (or, with truncate_prompt_tokens -1, keeps all but
+    # one token of what fits).
     prompt_len = len(prompt_ids)
     if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens > 0:
         prompt_len = min(prompt_len, body.truncate_prompt_tokens)
-    max_tokens = requested if requested is not None else max(1, engine.info.max_model_len - prompt_len)
+    max_tokens = requested if requested is not None else max(1, engine.info.max_request_tokens - prompt_len)
     return {"prompt": None, "prompt_token_ids": prompt_ids}, max_tokens
 
 
@@ -113,11 +121,12 @@ async def _render(
     max_tokens: int,
     endpoint: Endpoint,
     prompt_logprobs: int | None = None,
+    options: PromptOptions = DEFAULT_PROMPT_OPTIONS,
 ) -> list[dict[str, Any]]:
     num_logprobs = body.logprobs if isinstance(body, CompletionRequest) else body.num_logprobs
     params = _sampling_params(body, max_tokens, num_logprobs, prompt_logprobs)
     try:
-        rendered = await engine.render(prompts, params)
+        rendered = await engine.render(prompts, params, options)
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
     request_id = f"{endpoint.id_prefix}-{record_of(request.scope).request_id}"
@@ -159,6 +168,7 @@ async def _generate(
     max_tokens: int,
     shaper: ChoiceShaper,
     prompt_logprobs: int | None = None,
+    options: PromptOptions = DEFAULT_PROMPT_OPTIONS,
 ) -> Response:
     """Queue the request and answer it, streamed or whole; bad sampling values or prompts are 400s."""
     record = record_of(request.scope)
@@ -167,7 +177,7 @@ async def _generate(
     params = _sampling_params(body, max_tokens, shaper.num_logprobs, prompt_logprobs)
     try:
         salt = engine_salt(tenant_of(request.scope), body.cache_salt)
-        stream = await engine.add_request(prompts, params, response_id, salt, body.n)
+        stream = await engine.add_request(prompts, params, response_id, salt, body.n, options)
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
     base = {"id": response_id, "object": endpoint.chunk_object, "created": int(time.time()), "model": name}

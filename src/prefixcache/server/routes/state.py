@@ -33,9 +33,12 @@ def model_name(settings: ServerSettings, requested: str | None) -> str:
     return requested
 
 
-async def apply_chat_template(engine: AsyncLLM, messages: list[Any], add_generation_prompt: bool = True) -> list[int]:
+async def apply_chat_template(
+    engine: AsyncLLM, messages: list[Any], add_generation_prompt: bool = True, add_special_tokens: bool = False
+) -> list[int]:
     """The conversation's prompt token ids; a template that fails on these messages is the client's 400."""
     try:
-        return await engine.apply_chat_template([m.template_dict() for m in messages], add_generation_prompt)
+        conversation = [m.template_dict() for m in messages]
+        return await engine.apply_chat_template(conversation, add_generation_prompt, add_special_tokens)
     except (ValueError, TemplateError) as exc:
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
