@@ -22,6 +22,21 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):  # NaN fails the comparison
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def port(text: str) -> int:
+    """A TCP port; 0 asks the system for a free one (the server logs the one it got)."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {value}")
+    return value
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Descriptions keep their paragraphs (they are docstrings) without their reST double backticks; every option
     with a default worth showing says it, with or without help text (not ``None`` or ``False``: an option that is

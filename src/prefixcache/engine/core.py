@@ -46,9 +46,13 @@ class EngineCore:
             )
         model_config = self.loaded.config
         self.vocab_size = model_config.vocab_size
-        self.max_model_len = min(
-            config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
-        )
+        positions = model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > positions:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} (--max-model-len) is longer than the {positions:,} positions "
+                f"the model was trained for (max_position_embeddings in its config); use at most {positions}"
+            )
+        self.max_model_len = config.max_model_len or positions
         enable_caching = config.enable_prefix_caching
         if enable_caching and not model_config.is_causal:
             logger.warning("prefix caching turned off: %s attention is not causal", model_config.architecture)
@@ -61,7 +65,7 @@ class EngineCore:
         self.block_bytes = model.kv_bytes_per_block(config.block_size, dtype, model_groups)
         num_blocks = config.num_blocks or parse_memory(config.kv_cache_memory) // self.block_bytes
         if num_blocks < 2:
-            raise ValueError(f"kv_cache_memory={config.kv_cache_memory!r} holds fewer than 2 blocks")
+            raise ValueError(_too_few_blocks(config, self.block_bytes))
         check_sub_blocks(groups, config.block_size, config.sub_block_size)  # before any tier starts
         self.kv_events = KVEventSink.create(config.kv_events_config, groups)
         listeners = [self.kv_events.collector] if self.kv_events is not None else []
@@ -83,6 +87,15 @@ class EngineCore:
             listeners=listeners,
         )
         self.kv_capacity_tokens = self.manager.max_request_tokens(config.max_num_batched_tokens)
+        if config.max_model_len is not None and config.max_model_len > self.kv_capacity_tokens:
+            logger.warning(
+                "max_model_len %d (--max-model-len) is more than the KV cache can ever hold for one request (%d "
+                "tokens): longer requests are refused, and a request without max_tokens may grow to %d tokens; "
+                "raise --kv-cache-memory (or --num-gpu-blocks-override) or lower --max-model-len",
+                config.max_model_len,
+                self.kv_capacity_tokens,
+                self.kv_capacity_tokens,
+            )
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         device = torch.device(config.device)
         kv_caches = model.allocate_kv_cache(num_blocks, config.block_size, dtype, device, model_groups)
@@ -280,3 +293,13 @@ class EngineCore:
         del self.requests[request.request_id]
         if request.num_cached_tokens is not None:  # it was admitted, so its lookup counts
             self._recent.append((request.num_prompt_tokens, request.num_cached_tokens))
+
+
+def _too_few_blocks(config: EngineConfig, block_bytes: int) -> str:
+    """Why the KV cache cannot work, naming the setting the user gave: the exact count, or the memory budget."""
+    if config.num_blocks is not None:
+        return f"num_blocks {config.num_blocks} (--num-gpu-blocks-override) is fewer than the 2 KV blocks needed"
+    return (
+        f"kv_cache_memory {config.kv_cache_memory!r} (--kv-cache-memory) holds fewer than 2 KV blocks of "
+        f"{block_bytes:,} bytes each; raise it"
+    )

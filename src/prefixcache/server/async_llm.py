@@ -127,7 +127,7 @@ class AsyncLLM:
         return len(self._streams)
 
     async def start(self) -> None:
-        """Start the core process and wait for its handshake (raises RuntimeError if it fails to start)."""
+        """Start the core process and wait for its handshake (raises EngineStartupError if it fails to start)."""
         self._core = EngineCoreProcess(self.config)
         try:
             self.info = await self._core.start()

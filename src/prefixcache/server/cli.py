@@ -14,6 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from prefixcache.argtypes import non_negative_float, port
 from prefixcache.config import parse_memory
 from prefixcache.engine.args import add_engine_args, engine_kwargs
 from prefixcache.server.settings import LOG_STATS_INTERVAL_S, ServerSettings
@@ -47,7 +48,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     add_engine_args(parser, model_positional=True)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--port", type=port, default=8000, help="0 for any free port")
     group.add_argument(
         "--served-model-name", nargs="+", default=None, help="names clients use for the model (default: its name)"
     )
@@ -85,7 +86,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     group.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
     group.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=non_negative_float,
         default=30.0,
         help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they are ended (default 30)",
     )
@@ -182,5 +183,7 @@ def serve(args: argparse.Namespace) -> None:
     )
     engine.on_dead = server.exit_soon
     server.run(sockets=[listener])
+    if server.startup_error is not None:
+        raise SystemExit(f"prefixcache serve: {server.startup_error}")
     if engine.dead or not server.started:
         raise SystemExit(1)
