@@ -235,13 +235,22 @@ class TextPart(_Body):
     text: Text
 
 
-ChatRole = Literal["system", "developer", "user", "assistant"]
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def _chat_role(role: str) -> str:
+    if role not in CHAT_ROLES:
+        raise ValueError(
+            f"role must be one of {', '.join(CHAT_ROLES)}, not {role!r} (a tool's message needs tool calling, "
+            "which this server does not implement)"
+        )
+    return role
 
 
 class ChatMessage(_Body):
-    """OpenAI's roles; a tool's message needs tool calling, which this server does not implement."""
+    """OpenAI's roles (checked after the text itself, so a lone surrogate is named as such)."""
 
-    role: ChatRole
+    role: Annotated[Text, AfterValidator(_chat_role)]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
 
