@@ -119,9 +119,11 @@ def test_a_text_prompt_gets_the_tokenizers_bos_unless_asked_not_to():
     unmarked = PromptOptions(add_special_tokens=False)
     assert processor.process("The quick", SamplingParams(), "c", options=unmarked)[0].prompt_token_ids == bare
     assert processor.process(bare, SamplingParams(), "d")[0].prompt_token_ids == bare  # token ids as they are
-    # truncation keeps the prompt's end: the BOS goes with the rest of what is cut, as in vLLM
+    # truncation keeps the text's end behind its BOS, as vLLM's left-truncating tokenizer does; given ids are cut
     cut = processor.process("The quick", SamplingParams(truncate_prompt_tokens=2), "e")[0].prompt_token_ids
-    assert cut == bare[-2:]
+    assert len(bare) > 1 and cut == [bos, bare[-1]]
+    given = processor.process([bos, *bare], SamplingParams(truncate_prompt_tokens=2), "f")[0].prompt_token_ids
+    assert given == bare[-2:]
     chat = processor.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert chat.count(bos) == 1 and chat[0] == bos  # the template's own
     assert processor.apply_chat_template([{"role": "user", "content": "Hi"}], add_special_tokens=True) == [bos, *chat]

@@ -6,6 +6,7 @@ engine nothing and gets a clear ``ValueError``. Runs on the API side (tokenizing
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,10 +43,19 @@ class InputProcessor:
         self, prompt: PromptInput, keep_last: int | None = None, add_special_tokens: bool = True
     ) -> tuple[str | None, list[int]]:
         """The prompt's text (None when it came as token ids, or was cut) and its token ids, checked against the
-        vocabulary and the context length; ``keep_last`` cuts a longer prompt to its last tokens first."""
+        vocabulary and the context length; ``keep_last`` cuts a longer prompt to its last tokens first. A text
+        cut so keeps the special tokens its tokenizer put around it (the BOS), as a tokenizer truncating from
+        the left does in vLLM: the model still reads a well-formed start."""
         text, token_ids = tokenize_prompt(self.tokenizer, prompt, add_special_tokens)
         if keep_last is not None and len(token_ids) > keep_last:
-            text, token_ids = None, token_ids[-keep_last:]
+            wrapped = add_special_tokens and _is_text(prompt)
+            before, after = self._special_wrapping if wrapped else (0, 0)
+            if keep_last > before + after:
+                end, kept = len(token_ids) - after, keep_last - before - after
+                token_ids = token_ids[:before] + token_ids[end - kept : end] + token_ids[end:]
+            else:
+                token_ids = token_ids[-keep_last:]
+            text = None
         if not token_ids:
             raise ValueError("the prompt is empty")
         check_vocabulary(token_ids, self.info.vocab_size)
@@ -92,10 +102,27 @@ class InputProcessor:
         )
         return request, text
 
+    @functools.cached_property
+    def _special_wrapping(self) -> tuple[int, int]:
+        """How many ids the tokenizer adds before and after a text (a BOS alone: ``(1, 0)``)."""
+        bare = self.tokenizer.encode("a", add_special_tokens=False)
+        full = self.tokenizer.encode("a", add_special_tokens=True)
+        for start in range(len(full) - len(bare) + 1):
+            if full[start : start + len(bare)] == bare:
+                return start, len(full) - start - len(bare)
+        return 0, 0
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, add_special_tokens: bool = False
     ) -> list[int]:
         return chat_token_ids(self.tokenizer, messages, add_generation_prompt, add_special_tokens)
+
+
+def _is_text(prompt: PromptInput) -> bool:
+    """Whether the prompt's ids come from tokenizing a text here (not ids the caller gave)."""
+    if isinstance(prompt, dict):
+        return "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str)
+    return isinstance(prompt, str)
 
 
 def prompt_too_long(num_tokens: int | str, max_model_len: int) -> str:
