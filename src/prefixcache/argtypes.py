@@ -7,6 +7,8 @@ import argparse
 import copy
 from typing import NoReturn
 
+from prefixcache.units import parse_memory
+
 
 def positive_int(text: str) -> int:
     value = int(text)
@@ -27,6 +29,14 @@ def non_negative_float(text: str) -> float:
     if not value >= 0 or value == float("inf"):  # NaN fails the comparison
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
+
+
+def memory_size(text: str) -> int:
+    """A size such as ``8MiB`` or a byte count (``parse_memory``), its own words when it cannot be read."""
+    try:
+        return parse_memory(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def port(text: str) -> int:

@@ -14,8 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from prefixcache.argtypes import non_negative_float, port
-from prefixcache.config import parse_memory
+from prefixcache.argtypes import memory_size, non_negative_float, port
 from prefixcache.engine.args import add_engine_args, engine_kwargs
 from prefixcache.server.settings import LOG_STATS_INTERVAL_S, ServerSettings
 
@@ -32,7 +31,7 @@ def add_max_request_bytes(parser: argparse._ActionsContainer) -> None:
     """``--max-request-bytes``, which the server and the router both enforce (``BodyLimitMiddleware``)."""
     parser.add_argument(
         "--max-request-bytes",
-        type=parse_memory,
+        type=memory_size,
         default=_default("max_request_bytes"),
         help="refuse request bodies larger than this with 413, e.g. 8MiB (default 8MiB)",
     )
@@ -97,7 +96,11 @@ def api_keys(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str,
     """The keys of --api-key and --api-key-file, in order, without repeats; else ${API_KEY_ENV} if set."""
     keys = list(args.api_key or [])
     if args.api_key_file is not None:
-        for line in args.api_key_file.read_text().splitlines():
+        try:
+            text = args.api_key_file.read_text()
+        except OSError as exc:
+            raise OSError(f"--api-key-file {args.api_key_file}: {exc.strerror or exc}") from exc
+        for line in text.splitlines():
             key = line.split("#", 1)[0].strip()
             if key:
                 keys.append(key)

@@ -77,6 +77,15 @@ def only_false(what_we_do: str) -> Any:
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """OpenAI's fields are nullable: a declared field sent as null takes its default (clients that send
+        every field, ``"n": null`` and ``"logprobs": null`` among them, are answered, not refused)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
+
 
 class StreamOptions(_Body):
     """``continuous_usage_stats`` (vLLM's) puts the choice's usage so far in every chunk; like vLLM, only
