@@ -210,6 +210,11 @@ def test_settings_the_engine_cannot_run_are_refused_naming_the_flag(make_llm, se
         make_llm(**settings)
 
 
+def test_a_device_torch_cannot_use_is_refused_before_the_model_loads(make_llm):
+    with pytest.raises(ValueError, match=r"device 'tpu' \(--device\) cannot be used here"):
+        make_llm(device="tpu")
+
+
 def test_a_context_beyond_what_the_kv_cache_holds_is_warned_about_at_start_up(make_llm, caplog):
     llm = make_llm(num_blocks=8, max_model_len=1024)  # 32 tokens of KV cache
     assert "max_model_len 1024 (--max-model-len) is more than the KV cache can ever hold" in caplog.text

@@ -37,6 +37,7 @@ ROLLING_WINDOW = 1000
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        _check_device(config.device)  # before minutes of loading, in words that name the flag
         self.loaded = loaded or load_model(config.model, dtype=config.dtype, device=config.device)
         weights_dtype = str(next(self.loaded.model.parameters()).dtype).removeprefix("torch.")
         if weights_dtype != config.dtype:
@@ -303,3 +304,11 @@ def _too_few_blocks(config: EngineConfig, block_bytes: int) -> str:
         f"kv_cache_memory {config.kv_cache_memory!r} (--kv-cache-memory) holds fewer than 2 KV blocks of "
         f"{block_bytes:,} bytes each; raise it"
     )
+
+
+def _check_device(device: str) -> None:
+    """ValueError for a device torch cannot use here (a GPU on a CPU-only build, a name torch does not know)."""
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as exc:
+        raise ValueError(f"device {device!r} (--device) cannot be used here: {exc}") from exc
