@@ -20,6 +20,12 @@ def tiny_llama_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_bos_dir(tmp_path_factory):
+    """The tiny Llama with a tokenizer that adds a BOS to every text (as Llama's, Gemma's and Mistral's do)."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-bos"), bos=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_loaded(tiny_llama_dir):
     """The tiny checkpoint loaded once in float32 on the CPU, shared by every engine a test builds."""
     from prefixcache.model import load_model

@@ -26,9 +26,15 @@ CORPUS = [
 ]
 
 
-def build_tokenizer():
-    """A byte-level BPE tokenizer (exact round trip for any text) with an EOS token and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+BOS = "<|bos|>"
+
+
+def build_tokenizer(bos: bool = False):
+    """A byte-level BPE tokenizer (exact round trip for any text) with an EOS token and a chat template.
+
+    ``bos``: it also adds a BOS token before every text it encodes with special tokens, as Llama's, Gemma's and
+    Mistral's do (id 2; the chat template writes it too, so a chat has exactly one)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
@@ -36,22 +42,35 @@ def build_tokenizer():
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=400,
-        special_tokens=["<|eos|>", "<|end|>"],
+        special_tokens=["<|eos|>", "<|end|>", *([BOS] if bos else [])],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator(CORPUS * 4, trainer)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|eos|>", pad_token="<|eos|>")
-    wrapped.chat_template = CHAT_TEMPLATE
+    extra = {}
+    if bos:
+        bos_id = tokenizer.token_to_id(BOS)
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+        )
+        extra["bos_token"] = BOS
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|eos|>", pad_token="<|eos|>", **extra)
+    wrapped.chat_template = (BOS if bos else "") + CHAT_TEMPLATE
     return wrapped
 
 
 def write_tiny_checkpoint(
-    path: Path, architecture: str = "llama", seed: int = 0, randomize_norms: bool = False, **overrides
+    path: Path,
+    architecture: str = "llama",
+    seed: int = 0,
+    randomize_norms: bool = False,
+    bos: bool = False,
+    **overrides,
 ) -> Path:
-    """Save a tiny random-weight checkpoint with the tokenizer above; ``architecture`` is a transformers
-    model type (llama, mistral, qwen2, qwen3, gemma3_text, qwen3_5_text, granitemoehybrid, lfm2) and
-    ``overrides`` are its config fields. ``qwen3_5`` saves a ``Qwen3_5ForConditionalGeneration`` (the text
-    fields go into its ``text_config``, beside a one-block vision tower).
+    """Save a tiny random-weight checkpoint with the tokenizer above (``bos``: the one that adds a BOS);
+    ``architecture`` is a transformers model type (llama, mistral, qwen2, qwen3, gemma3_text, qwen3_5_text,
+    granitemoehybrid, lfm2) and ``overrides`` are its config fields. ``qwen3_5`` saves a
+    ``Qwen3_5ForConditionalGeneration`` (the text fields go into its ``text_config``, beside a one-block vision
+    tower).
 
     ``randomize_norms`` draws norm weights and biases at random too (transformers sets them to constants), and
     slow decays for recurrent layers, so that every parameter visibly moves the logits and a mistake in any of
@@ -60,7 +79,7 @@ def write_tiny_checkpoint(
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(bos)
     common = dict(
         vocab_size=512,
         hidden_size=64,
@@ -70,7 +89,7 @@ def write_tiny_checkpoint(
         num_key_value_heads=2,
         max_position_embeddings=1024,
         eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
+        bos_token_id=tokenizer.bos_token_id,
         tie_word_embeddings=False,
     )
     common.update(overrides)

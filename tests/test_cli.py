@@ -2,7 +2,10 @@
 they were cut."""
 
 import argparse
+import contextlib
+import json
 import logging
+import socket
 
 import pytest
 
@@ -75,3 +78,46 @@ def test_the_start_up_line_names_the_dtype_and_why_under_the_default_level(tiny_
     main(["generate", "hi", "--model", str(tiny_llama_dir), "--dtype", "float32", "--max-tokens", "1"])
     line = next(r.getMessage() for r in caplog.records if r.name == "prefixcache.engine.core")
     assert "in float32 (float32 as asked)" in line and "KV cache:" in line
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        ("--port", "99999", "must be a port in [0, 65535]"),
+        ("--shutdown-timeout", "-1", "must be a finite number >= 0"),
+        ("--shutdown-timeout", "nan", "must be a finite number >= 0"),
+    ],
+)
+def test_serve_refuses_a_bad_port_or_timeout_before_loading_anything(flag, value, expected, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "missing-model", flag, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"argument {flag}: {expected}" in err
+
+
+def _held_port() -> socket.socket:
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    return held
+
+
+@pytest.mark.parametrize("case", ["too few blocks", "KV events endpoint in use"])
+def test_an_engine_that_cannot_start_is_one_line_and_exit_1(tiny_llama_dir, case, capsys):
+    """Raised in the engine core's process while it starts: once two tracebacks (the core's and uvicorn's
+    lifespan) and exit 3, or an empty "prefixcache serve: " when closing the exiting core timed out."""
+    with contextlib.ExitStack() as stack:
+        if case == "too few blocks":
+            flags, expected = ["--num-gpu-blocks-override", "1"], "(--num-gpu-blocks-override) is fewer than"
+        else:
+            held = stack.enter_context(_held_port())
+            endpoint = f"tcp://127.0.0.1:{held.getsockname()[1]}"
+            events = {"enable_kv_cache_events": True, "endpoint": endpoint, "endpoint_mode": "bind"}
+            flags, expected = ["--kv-events-config", json.dumps(events)], "cannot open KV events endpoint"
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve", str(tiny_llama_dir), "--port", "0", "--dtype", "float32", *flags])
+    message = exit_info.value.code
+    assert isinstance(message, str) and "\n" not in message  # sys.exit(str): printed as one line, exit 1
+    assert message.startswith("prefixcache serve: ") and expected in message
+    assert "Traceback" not in capsys.readouterr().err

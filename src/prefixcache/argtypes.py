@@ -7,6 +7,8 @@ import argparse
 import copy
 from typing import NoReturn
 
+from prefixcache.units import parse_memory
+
 
 def positive_int(text: str) -> int:
     value = int(text)
@@ -19,6 +21,29 @@ def non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):  # NaN fails the comparison
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def memory_size(text: str) -> int:
+    """A size such as ``8MiB`` or a byte count (``parse_memory``), its own words when it cannot be read."""
+    try:
+        return parse_memory(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def port(text: str) -> int:
+    """A TCP port; 0 asks the system for a free one (the server logs the one it got)."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {value}")
     return value
 
 

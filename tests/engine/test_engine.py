@@ -197,6 +197,35 @@ def test_prompt_larger_than_the_kv_cache_is_rejected(make_llm):
         run(llm, [list(range(3, 20))])
 
 
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"max_model_len": 1025}, r"max_model_len 1025 \(--max-model-len\) is longer than the 1,024 positions"),
+        ({"num_blocks": 1}, r"num_blocks 1 \(--num-gpu-blocks-override\) is fewer than the 2 KV blocks"),
+        ({"num_blocks": None, "kv_cache_memory": "1KiB"}, r"kv_cache_memory '1KiB' \(--kv-cache-memory\) holds"),
+    ],
+)
+def test_settings_the_engine_cannot_run_are_refused_naming_the_flag(make_llm, settings, message):
+    with pytest.raises(ValueError, match=message):
+        make_llm(**settings)
+
+
+def test_a_device_torch_cannot_use_is_refused_before_the_model_loads(make_llm):
+    with pytest.raises(ValueError, match=r"device 'tpu' \(--device\) cannot be used here"):
+        make_llm(device="tpu")
+
+
+def test_a_context_beyond_what_the_kv_cache_holds_is_warned_about_at_start_up(make_llm, caplog):
+    llm = make_llm(num_blocks=8, max_model_len=1024)  # 32 tokens of KV cache
+    assert "max_model_len 1024 (--max-model-len) is more than the KV cache can ever hold" in caplog.text
+    assert llm.engine.info.max_request_tokens == 32
+    fits = SamplingParams(max_tokens=8, ignore_eos=True)
+    [out] = llm.generate({"prompt_token_ids": list(range(3, 27))}, fits, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 8  # 24 + 8: the whole KV cache
+    with pytest.raises(ValueError, match="cannot fit the KV cache of 32 tokens"):
+        llm.generate({"prompt_token_ids": list(range(3, 28))}, fits, use_tqdm=False)
+
+
 def test_non_causal_model_turns_prefix_caching_off(tiny_loaded, caplog):
     loaded = dataclasses.replace(tiny_loaded, config=dataclasses.replace(tiny_loaded.config, is_causal=False))
     from prefixcache.config import EngineConfig

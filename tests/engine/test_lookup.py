@@ -31,6 +31,22 @@ def test_lookup_tokenizes_text_like_generate(make_llm):
     assert found.cached_tokens == (len(out.prompt_token_ids) - 1) // 4 * 4
 
 
+def test_generate_gives_a_text_the_tokenizers_bos_and_lookup_hashes_it_alike(make_llm, tiny_bos_dir):
+    """vLLM's offline generate adds the tokenizer's special tokens to a text prompt; so do generate and lookup."""
+    from prefixcache.model import load_model
+
+    llm = make_llm(loaded=load_model(str(tiny_bos_dir), dtype="float32", device="cpu"))
+    tokenizer = llm.get_tokenizer()
+    text = "Prefix caching reuses the keys and values of shared prompt prefixes."
+    [out] = llm.generate([text], ONE_TOKEN, use_tqdm=False)
+    assert out.prompt_token_ids == [tokenizer.bos_token_id, *tokenizer.encode(text, add_special_tokens=False)]
+    follow_up = text + " The quick brown fox"
+    found = llm.lookup(follow_up)
+    [again] = llm.generate([follow_up], ONE_TOKEN, use_tqdm=False)
+    assert again.prompt_token_ids[0] == tokenizer.bos_token_id
+    assert again.num_cached_tokens == found.cached_tokens > 0
+
+
 def test_stats_count_missed_tokens_by_reason(make_llm):
     llm = make_llm(num_blocks=8)  # 32 token slots
     first = list(range(3, 13))  # 10 tokens: 8 hittable, 2 in the partial block

@@ -7,7 +7,7 @@ import pytest
 
 from prefixcache.engine import SamplingParams
 from prefixcache.engine.detokenizer import IncrementalDetokenizer
-from prefixcache.engine.input_processor import InputProcessor
+from prefixcache.engine.input_processor import InputProcessor, PromptOptions
 from prefixcache.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineInfo
 from prefixcache.engine.output_processor import OutputProcessor
 from tests.helpers import build_tokenizer
@@ -85,6 +85,48 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(tokenizer):
     assert text == "The quick" and short.prompt_token_ids == tokenizer.encode("The quick", add_special_tokens=False)
     with pytest.raises(ValueError, match="context length"):
         processor.process(prompt, SamplingParams(max_tokens=4), "d")
+
+
+def test_truncate_prompt_tokens_minus_one_keeps_what_fits_a_kv_cache_smaller_than_the_context(tokenizer):
+    small_cache = EngineInfo("tiny", 32, 512, 4, 6, "sha256", "prefixcache", True, 20)  # 20 tokens, context 32
+    processor = InputProcessor(tokenizer, small_cache)
+    prompt = list(range(10, 50))
+    request, _ = processor.process(prompt, SamplingParams(max_tokens=4, truncate_prompt_tokens=-1), "a")
+    assert request.prompt_token_ids == prompt[-16:]  # the KV cache (20) less max_tokens (4)
+    with pytest.raises(ValueError, match="cannot fit the KV cache of 20 tokens"):
+        processor.process(prompt[:17], SamplingParams(max_tokens=4), "b")
+
+
+def test_a_prompt_only_request_takes_a_whole_context(tokenizer):
+    """echo with max_tokens 0: the one token sampled after the prompt is never shown, so it needs no room."""
+    processor = InputProcessor(tokenizer, INFO)
+    prompt = list(range(10, 42))  # exactly the 32-token context
+    request, _ = processor.process(prompt, SamplingParams(max_tokens=1), "a", options=PromptOptions(prompt_only=True))
+    assert request.prompt_token_ids == prompt
+    with pytest.raises(ValueError, match="context length"):
+        processor.process(prompt, SamplingParams(max_tokens=1), "b")
+    with pytest.raises(ValueError, match="context length"):
+        processor.process([*prompt, 5], SamplingParams(max_tokens=1), "c", options=PromptOptions(prompt_only=True))
+
+
+def test_a_text_prompt_gets_the_tokenizers_bos_unless_asked_not_to():
+    bos_tokenizer = build_tokenizer(bos=True)
+    processor = InputProcessor(bos_tokenizer, INFO)
+    bare = bos_tokenizer.encode("The quick", add_special_tokens=False)
+    bos = bos_tokenizer.bos_token_id
+    assert processor.process("The quick", SamplingParams(), "a")[0].prompt_token_ids == [bos, *bare]
+    assert processor.process({"prompt": "The quick"}, SamplingParams(), "b")[0].prompt_token_ids == [bos, *bare]
+    unmarked = PromptOptions(add_special_tokens=False)
+    assert processor.process("The quick", SamplingParams(), "c", options=unmarked)[0].prompt_token_ids == bare
+    assert processor.process(bare, SamplingParams(), "d")[0].prompt_token_ids == bare  # token ids as they are
+    # truncation keeps the text's end behind its BOS, as vLLM's left-truncating tokenizer does; given ids are cut
+    cut = processor.process("The quick", SamplingParams(truncate_prompt_tokens=2), "e")[0].prompt_token_ids
+    assert len(bare) > 1 and cut == [bos, bare[-1]]
+    given = processor.process([bos, *bare], SamplingParams(truncate_prompt_tokens=2), "f")[0].prompt_token_ids
+    assert given == bare[-2:]
+    chat = processor.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert chat.count(bos) == 1 and chat[0] == bos  # the template's own
+    assert processor.apply_chat_template([{"role": "user", "content": "Hi"}], add_special_tokens=True) == [bos, *chat]
 
 
 def test_the_stop_token_is_left_out_of_the_text_unless_asked_for(tokenizer):

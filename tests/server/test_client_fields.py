@@ -37,6 +37,16 @@ def greedy(prompt: list[int], **fields) -> dict:
     return {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, **fields}
 
 
+def test_a_field_sent_as_null_takes_its_default(server):
+    """OpenAI's fields are nullable; some clients send every one, null when unset."""
+    nulls = {"n": None, "stream": None, "logprobs": None, "temperature": None, "stop": None, "user": None}
+    completion = post(server.url, COMPLETIONS, {"prompt": "hi", **nulls, "max_tokens": None, "echo": None})
+    assert len(completion["choices"]) == 1 and completion["usage"]["completion_tokens"] <= 16
+    chat = post(server.url, CHAT, {"messages": [{"role": "user", "content": None}], **nulls, "max_tokens": 2})
+    assert chat["choices"][0]["logprobs"] is None
+    assert "prompt" in refused(server.url, COMPLETIONS, {"prompt": None}, "prompt")  # required stays required
+
+
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
 def test_continuous_usage_stats_put_the_choice_usage_in_every_chunk(server, path):
     body = greedy(random_prompt("continuous", 9)) if path == COMPLETIONS else {"messages": HI, "max_tokens": 6}

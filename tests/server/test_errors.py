@@ -49,6 +49,15 @@ BAD_REQUESTS = [
     pytest.param(CHAT, {"messages": HI, "top_logprobs": 2}, 400, None, id="top-logprobs-without-logprobs"),
     pytest.param(CHAT, {"messages": HI, "logprobs": 3}, 400, "logprobs", id="chat-logprobs-not-bool"),
     pytest.param(COMPLETIONS, {"prompt": "hi", "logprobs": True}, 400, "logprobs", id="completion-logprobs-bool"),
+    # Types are strict, as OpenAI's API checks them: no coercion from strings, numbers or floats.
+    pytest.param(COMPLETIONS, {"prompt": "hi", "stream": "yes"}, 400, "stream", id="yes-is-not-a-boolean"),
+    pytest.param(COMPLETIONS, {"prompt": "hi", "echo": 1}, 400, "echo", id="one-is-not-a-boolean"),
+    pytest.param(COMPLETIONS, {"prompt": "hi", "max_tokens": 2.0}, 400, "max_tokens", id="float-token-count"),
+    pytest.param(COMPLETIONS, {"prompt": "hi", "seed": "7"}, 400, "seed", id="string-seed"),
+    pytest.param(COMPLETIONS, {"prompt": "hi", "add_special_tokens": "no"}, 400, "add_special_tokens", id="special"),
+    pytest.param(CHAT, {"messages": HI, "max_completion_tokens": 2.5}, 400, "max_completion_tokens", id="chat-float"),
+    pytest.param(CHAT, {"messages": [{"role": "bogus", "content": "hi"}]}, 400, "messages", id="chat-bad-role"),
+    pytest.param("/tokenize", {"prompt": "hi", "add_special_tokens": 0}, 400, "add_special_tokens", id="tok-bool"),
 ]
 
 # Values that would reach the sampler and poison a batch, or overflow torch: each is a 400 naming its field.
@@ -108,6 +117,13 @@ def test_bad_input_is_a_clear_4xx_and_the_server_keeps_serving(server, client, m
     assert_openai_error(response, status, param)
     good = client.completions.create(model=model_name, prompt="hello", max_tokens=2)
     assert good.usage.completion_tokens >= 1
+
+
+def test_a_bad_role_names_the_field_and_the_roles_taken(server):
+    response = httpx.post(f"{server.url}{CHAT}", json={"messages": [{"role": "bogus", "content": "hi"}]}, timeout=30)
+    assert_openai_error(response, 400, "messages")
+    message = response.json()["error"]["message"]
+    assert message.startswith("messages.0.role: role must be one of system, developer, user, assistant, not 'bogus'")
 
 
 def test_the_openai_client_raises_its_own_error_types(client, model_name):

@@ -53,9 +53,6 @@ def test_completions_of_ids_with_bos_give_llamacpps_tokens(gemma_server, llamacp
     assert sum(compared) >= len(compared) * REAL_MODEL_MAX_TOKENS // 2, f"near-ties came early: {compared}"
 
 
-@pytest.mark.xfail(
-    strict=True, reason="completions add the tokenizer's BOS to a text prompt once branch firstrun-api lands"
-)
 def test_a_text_prompt_gets_the_tokenizers_bos(gemma_server, llamacpp_gemma3_270m):
     text, ref = REAL_MODEL_PROMPTS[0], llamacpp_gemma3_270m[0]
     body = complete(gemma_server, text)

@@ -51,6 +51,7 @@ from prefixcache.bench.serve import RequestResult, Target, reset_prefix_cache, s
 from prefixcache.config import EngineConfig
 from prefixcache.core import Request, hittable_blocks
 from prefixcache.core.hashing import root_hash
+from prefixcache.engine.input_processor import tokenize_prompt
 
 VLLM_SERVE_ENV = "PREFIXCACHE_VLLM_SERVE"
 WORKLOADS = ("tenants", "fleet")
@@ -416,7 +417,8 @@ def run_row(ctx: RunContext, row: RouterRow, workload: LiveWorkload) -> dict[str
         "engines": args.engines,
         "tenants": args.tenants,
         "ideal_hit_rate": ideal_hit_rate(
-            [ctx.tokenizer.encode(p, add_special_tokens=False) for p in sent], ctx.block_size
+            [tokenize_prompt(ctx.tokenizer, p)[1] for p in sent],
+            ctx.block_size,  # as the backends run them
         ),
         **summarize(results, duration, percentiles=(90, 99)),
         "requests_per_backend": [a - b for a, b in zip(after, before, strict=True)],

@@ -54,11 +54,12 @@ def chat_prompt(
     tools: list[dict[str, Any]] | None,
     breakpoints: Sequence[Breakpoint],
     add_generation_prompt: bool = True,
+    add_special_tokens: bool = False,
 ) -> tuple[list[int], list[int]]:
     """The conversation's prompt token ids and each breakpoint's token position (the number of prompt tokens
     before it). ``ChatTemplateError`` when the template drops the tools it was given (with or without
     breakpoints)."""
-    token_ids = chat_token_ids(tokenizer, messages, add_generation_prompt, tools)
+    token_ids = chat_token_ids(tokenizer, messages, add_generation_prompt, add_special_tokens, tools)
     if not breakpoints and not tools:
         return token_ids, []
 
@@ -93,7 +94,7 @@ def chat_prompt(
     positions = []
     for point in breakpoints:
         end = min(_common_prefix(text, variant) for variant in variants(point))
-        prefix_ids = tokenizer(text[:end], add_special_tokens=False)["input_ids"]
+        prefix_ids = tokenizer(text[:end], add_special_tokens=add_special_tokens)["input_ids"]
         positions.append(_common_prefix(prefix_ids, token_ids))
     return token_ids, positions
 

@@ -39,6 +39,7 @@ ROLLING_WINDOW = 1000
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        _check_device(config.device)  # before minutes of loading, in words that name the flag
         self.loaded = loaded or load_model(config.model, dtype=config.dtype, device=config.device)
         weights_dtype = str(next(self.loaded.model.parameters()).dtype).removeprefix("torch.")
         if weights_dtype != config.dtype:
@@ -48,9 +49,13 @@ class EngineCore:
             )
         model_config = self.loaded.config
         self.vocab_size = model_config.vocab_size
-        self.max_model_len = min(
-            config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
-        )
+        positions = model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > positions:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} (--max-model-len) is longer than the {positions:,} positions "
+                f"the model was trained for (max_position_embeddings in its config); use at most {positions}"
+            )
+        self.max_model_len = config.max_model_len or positions
         enable_caching = config.enable_prefix_caching
         if enable_caching and not model_config.is_causal:
             logger.warning("prefix caching turned off: %s attention is not causal", model_config.architecture)
@@ -76,10 +81,7 @@ class EngineCore:
         self.state_bytes = (num_working + num_checkpoints) * self.state_slot_bytes
         num_blocks = config.num_blocks or max(0, memory - self.state_bytes) // self.block_bytes
         if num_blocks < 2:
-            raise ValueError(
-                f"kv_cache_memory={config.kv_cache_memory!r} holds fewer than 2 blocks"
-                + (f" beside {self.state_bytes:,} bytes of recurrent states" if has_state else "")
-            )
+            raise ValueError(_too_few_blocks(config, self.block_bytes, self.state_bytes))
         check_sub_blocks(groups, config.block_size, config.sub_block_size)  # before any tier starts
         self.kv_events = KVEventSink.create(config.kv_events_config, groups)
         listeners = [self.kv_events.collector] if self.kv_events is not None else []
@@ -109,6 +111,15 @@ class EngineCore:
             ),
         )
         self.kv_capacity_tokens = self.manager.max_request_tokens(config.max_num_batched_tokens)
+        if config.max_model_len is not None and config.max_model_len > self.kv_capacity_tokens:
+            logger.warning(
+                "max_model_len %d (--max-model-len) is more than the KV cache can ever hold for one request (%d "
+                "tokens): longer requests are refused, and a request without max_tokens may grow to %d tokens; "
+                "raise --kv-cache-memory (or --num-gpu-blocks-override) or lower --max-model-len",
+                config.max_model_len,
+                self.kv_capacity_tokens,
+                self.kv_capacity_tokens,
+            )
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
         device = torch.device(config.device)
         kv_caches = model.allocate_kv_cache(num_blocks, config.block_size, dtype, device, model_groups)
@@ -177,7 +188,9 @@ class EngineCore:
         token_ids = request.prompt_token_ids
         if not token_ids or min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise ValueError(f"request {request.request_id!r}: prompt token ids must be in [0, {self.vocab_size})")
-        total = len(token_ids) + request.sampling_params.max_tokens
+        # The last token sampled is never computed: it takes no position and no KV slot (so a prompt-only echo of
+        # a whole context runs; the input processor holds other requests to vLLM's prompt plus max_tokens).
+        total = len(token_ids) + request.sampling_params.max_tokens - 1
         if total > min(self.max_model_len, self.kv_capacity_tokens):
             raise ValueError(f"request {request.request_id!r}: {total} tokens do not fit the context or KV cache")
         params = request.sampling_params
@@ -339,3 +352,24 @@ def _retention_accounting(request: EngineRequest) -> dict[str, Any]:
         "num_retained_read_tokens": request.num_retained_read_tokens,
         "retention_clamped": ", ".join(request.retention_clamped) or None,
     }
+
+
+def _too_few_blocks(config: EngineConfig, block_bytes: int, state_bytes: int) -> str:
+    """Why the KV cache cannot work, naming the setting the user gave: the exact count, or the memory budget (of
+    which a model with recurrent layers first takes ``state_bytes`` for its states)."""
+    if config.num_blocks is not None:
+        return f"num_blocks {config.num_blocks} (--num-gpu-blocks-override) is fewer than the 2 KV blocks needed"
+    return (
+        f"kv_cache_memory {config.kv_cache_memory!r} (--kv-cache-memory) holds fewer than 2 KV blocks of "
+        f"{block_bytes:,} bytes each"
+        + (f" beside {state_bytes:,} bytes of recurrent states" if state_bytes else "")
+        + "; raise it"
+    )
+
+
+def _check_device(device: str) -> None:
+    """ValueError for a device torch cannot use here (a GPU on a CPU-only build, a name torch does not know)."""
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as exc:
+        raise ValueError(f"device {device!r} (--device) cannot be used here: {exc}") from exc

@@ -71,12 +71,18 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     try:
         from prefixcache.engine.core import EngineCore
 
-        core = EngineCore(config)
         try:
-            outputs.send(encoder.encode(core.info()))
-            _serve(core, inputs, outputs, parent_pid)
-        finally:
-            core.close()
+            core = EngineCore(config)
+        except Exception as exc:  # the settings cannot run here: the server says why in one line and exits
+            logger.debug("engine core failed to start", exc_info=True)
+            outputs.send(encoder.encode(EngineCoreFailure(startup_failure(exc))))
+            exit_code = 1
+        else:
+            try:
+                outputs.send(encoder.encode(core.info()))
+                _serve(core, inputs, outputs, parent_pid)
+            finally:
+                core.close()
     except Exception as exc:
         logger.exception("engine core failed")
         outputs.send(encoder.encode(EngineCoreFailure(f"the engine core failed: {exc!r}")))
@@ -86,6 +92,14 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         outputs.close(linger=2000)  # let the last message (outputs or the failure) reach the server
         context.term()
     sys.exit(exit_code)
+
+
+def startup_failure(exc: Exception) -> str:
+    """What an engine that cannot start says: a configuration error's own words (it names the setting), else
+    the error's kind too (a device torch cannot use, say); ``--log-level DEBUG`` logs the traceback."""
+    if isinstance(exc, ValueError | OSError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _serve(core: Any, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
@@ -142,6 +156,10 @@ def _die_with_parent() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+class EngineStartupError(RuntimeError):
+    """The engine core could not start (its settings cannot run here, or it died while loading)."""
+
+
 class EngineCoreProcess:
     """The API side of a running engine core process: its sockets, its process, its handshake."""
 
@@ -162,16 +180,16 @@ class EngineCoreProcess:
         self.info: EngineInfo | None = None
 
     async def start(self) -> EngineInfo:
-        """Start the child and wait for its handshake; raises RuntimeError if it fails or exits first."""
+        """Start the child and wait for its handshake; raises EngineStartupError if it fails or exits first."""
         self.process.start()
         while not await self._outputs.poll(100):
             if not self.process.is_alive():
-                raise RuntimeError(f"the engine core exited during startup (exit code {self.process.exitcode})")
+                raise EngineStartupError(f"the engine core exited during startup (exit code {self.process.exitcode})")
         message = await self.recv()
         if isinstance(message, EngineCoreFailure):
-            raise RuntimeError(message.message)
+            raise EngineStartupError(message.message)
         if not isinstance(message, EngineInfo):
-            raise RuntimeError(f"unexpected first message from the engine core: {type(message).__name__}")
+            raise EngineStartupError(f"unexpected first message from the engine core: {type(message).__name__}")
         self.info = message
         return message
 
@@ -184,7 +202,8 @@ class EngineCoreProcess:
     async def close(self, timeout: float = 10.0) -> None:
         """Ask the core to exit after its current step; terminate, then kill it if it does not. Always reaps."""
         if self.process.is_alive():
-            with contextlib.suppress(zmq.ZMQError):
+            # a core that is exiting takes no message: the send times out, and terminate follows
+            with contextlib.suppress(zmq.ZMQError, TimeoutError):
                 await asyncio.wait_for(self.send(Shutdown()), 1.0)
             for stop in (None, self.process.terminate, self.process.kill):
                 if stop is not None:

@@ -6,6 +6,8 @@ engine nothing and gets a clear ``ValueError``. Runs on the API side (tokenizing
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 from prefixcache.core.retention import RetentionRange, check_retention
@@ -15,17 +17,46 @@ from prefixcache.engine.sampling_params import SamplingParams
 PromptInput = str | list[int] | dict[str, Any]
 
 
+@dataclass(frozen=True, slots=True)
+class PromptOptions:
+    """How a request's prompt becomes the tokens it runs on, beside its sampling (vLLM's request fields).
+
+    ``add_special_tokens``: a text prompt gets what the tokenizer adds around a text (Llama's, Gemma's or
+    Mistral's BOS), as vLLM's completions and its offline ``generate`` do; without it such models answer
+    from a context they were never trained on. Token ids and chat templates are taken as they are.
+    ``prompt_only`` (echo with ``max_tokens: 0``): the request scores its prompt, so the one token the engine
+    samples after it, never shown, needs no room in the context or the KV cache.
+    """
+
+    add_special_tokens: bool = True
+    prompt_only: bool = False
+
+
+DEFAULT_PROMPT_OPTIONS = PromptOptions()
+
+
 class InputProcessor:
     def __init__(self, tokenizer: Any, info: EngineInfo) -> None:
         self.tokenizer = tokenizer
         self.info = info
 
-    def prompt_token_ids(self, prompt: PromptInput, keep_last: int | None = None) -> tuple[str | None, list[int]]:
+    def prompt_token_ids(
+        self, prompt: PromptInput, keep_last: int | None = None, add_special_tokens: bool = True
+    ) -> tuple[str | None, list[int]]:
         """The prompt's text (None when it came as token ids, or was cut) and its token ids, checked against the
-        vocabulary and the context length; ``keep_last`` cuts a longer prompt to its last tokens first."""
-        text, token_ids = self._tokenize(prompt)
+        vocabulary and the context length; ``keep_last`` cuts a longer prompt to its last tokens first. A text
+        cut so keeps the special tokens its tokenizer put around it (the BOS), as a tokenizer truncating from
+        the left does in vLLM: the model still reads a well-formed start."""
+        text, token_ids = tokenize_prompt(self.tokenizer, prompt, add_special_tokens)
         if keep_last is not None and len(token_ids) > keep_last:
-            text, token_ids = None, token_ids[-keep_last:]
+            wrapped = add_special_tokens and _is_text(prompt)
+            before, after = self._special_wrapping if wrapped else (0, 0)
+            if keep_last > before + after:
+                end, kept = len(token_ids) - after, keep_last - before - after
+                token_ids = token_ids[:before] + token_ids[end - kept : end] + token_ids[end:]
+            else:
+                token_ids = token_ids[-keep_last:]
+            text = None
         if not token_ids:
             raise ValueError("the prompt is empty")
         check_vocabulary(token_ids, self.info.vocab_size)
@@ -42,26 +73,28 @@ class InputProcessor:
         lora_name: str | None = None,
         retention: tuple[RetentionRange, ...] = (),
         tenant: str | None = None,
+        options: PromptOptions = DEFAULT_PROMPT_OPTIONS,
     ) -> tuple[EngineCoreRequest, str | None]:
         """The core request and the prompt text (None when the prompt came as token ids or was truncated).
 
         ``retention`` ranges index the prompt as it is after truncation; one past it is a ValueError."""
         vocab_size = self.info.vocab_size
         max_model_len = self.info.max_model_len
+        output_room = 0 if options.prompt_only else params.max_tokens
         keep_last = params.truncate_prompt_tokens
-        if keep_last == -1:  # as much as fits beside max_tokens
-            keep_last = max(1, max_model_len - params.max_tokens)
-        text, token_ids = self.prompt_token_ids(prompt, keep_last)
-        if len(token_ids) + params.max_tokens > max_model_len:
+        if keep_last == -1:  # as much as fits beside max_tokens, in the context and in the KV cache
+            keep_last = max(1, self.info.max_request_tokens - output_room)
+        text, token_ids = self.prompt_token_ids(prompt, keep_last, options.add_special_tokens)
+        if len(token_ids) + output_room > max_model_len:
             raise ValueError(
-                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"prompt ({len(token_ids)} tokens) plus max_tokens ({output_room}) exceeds the "
                 f"model's context length of {max_model_len} tokens"
             )
         capacity = self.info.kv_capacity_tokens
-        if len(token_ids) + params.max_tokens > capacity:
+        if len(token_ids) + output_room > capacity:
             raise ValueError(
-                f"prompt plus max_tokens ({len(token_ids) + params.max_tokens} tokens) cannot fit the KV cache "
-                f"of {capacity} tokens; raise kv_cache_memory"
+                f"prompt plus max_tokens ({len(token_ids) + output_room} tokens) cannot fit the KV cache "
+                f"of {capacity} tokens; raise --kv-cache-memory or lower max_tokens"
             )
         if params.stop_token_ids and max(params.stop_token_ids) >= vocab_size:
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")
@@ -77,11 +110,27 @@ class InputProcessor:
         )
         return request, text
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        return chat_token_ids(self.tokenizer, messages, add_generation_prompt)
+    @functools.cached_property
+    def _special_wrapping(self) -> tuple[int, int]:
+        """How many ids the tokenizer adds before and after a text (a BOS alone: ``(1, 0)``)."""
+        bare = self.tokenizer.encode("a", add_special_tokens=False)
+        full = self.tokenizer.encode("a", add_special_tokens=True)
+        for start in range(len(full) - len(bare) + 1):
+            if full[start : start + len(bare)] == bare:
+                return start, len(full) - start - len(bare)
+        return 0, 0
 
-    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        return tokenize_prompt(self.tokenizer, prompt)
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, add_special_tokens: bool = False
+    ) -> list[int]:
+        return chat_token_ids(self.tokenizer, messages, add_generation_prompt, add_special_tokens)
+
+
+def _is_text(prompt: PromptInput) -> bool:
+    """Whether the prompt's ids come from tokenizing a text here (not ids the caller gave)."""
+    if isinstance(prompt, dict):
+        return "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str)
+    return isinstance(prompt, str)
 
 
 def prompt_too_long(num_tokens: int | str, max_model_len: int) -> str:
@@ -89,15 +138,18 @@ def prompt_too_long(num_tokens: int | str, max_model_len: int) -> str:
     return f"prompt ({num_tokens} tokens) exceeds the model's context length of {max_model_len} tokens"
 
 
-def tokenize_prompt(tokenizer: Any, prompt: PromptInput) -> tuple[str | None, list[int]]:
-    """The prompt text (None for token ids) and its token ids; the router tokenizes through here too."""
+def tokenize_prompt(
+    tokenizer: Any, prompt: PromptInput, add_special_tokens: bool = True
+) -> tuple[str | None, list[int]]:
+    """The prompt text (None for token ids) and its token ids, a text with the tokenizer's special tokens unless
+    ``add_special_tokens`` is false; the router and ``explain`` tokenize through here too."""
     if isinstance(prompt, str):
-        return prompt, tokenizer.encode(prompt, add_special_tokens=False)
+        return prompt, tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             return prompt.get("prompt"), _check_token_ids(prompt["prompt_token_ids"])
         if "prompt" in prompt:
-            return tokenize_prompt(tokenizer, prompt["prompt"])
+            return tokenize_prompt(tokenizer, prompt["prompt"], add_special_tokens)
         raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
     if isinstance(prompt, list | tuple):
         return None, _check_token_ids(prompt)
@@ -110,19 +162,38 @@ def check_vocabulary(token_ids: list[int], vocab_size: int) -> None:
         raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
 
 
-def chat_token_ids(
+def chat_text(
     tokenizer: Any,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
-) -> list[int]:
-    """The conversation as prompt token ids, through the model's own chat template (given ``tools``, the
-    definitions it renders for the model to read)."""
+) -> str:
+    """The conversation as the model's own chat template writes it (its special tokens are in the text; given
+    ``tools``, the definitions it renders for the model to read)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
     kwargs = {"tools": tools} if tools else {}
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+    )
+
+
+def chat_token_ids(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    add_special_tokens: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """The conversation as prompt token ids: the template's text tokenized as transformers does it (no special
+    tokens beyond the template's, unless ``add_special_tokens``, vLLM's chat field, asks for them on top)."""
+    text = chat_text(tokenizer, messages, add_generation_prompt, tools)
+    return chat_text_token_ids(tokenizer, text, add_special_tokens)
+
+
+def chat_text_token_ids(tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
+    """A rendered conversation's token ids (the router renders it first to bound its length)."""
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def _check_token_ids(token_ids: Any) -> list[int]:

@@ -89,7 +89,7 @@ class LLMEngine:
 
     def lookup(self, prompt: PromptInput, cache_salt: str | None = None, lora_name: str | None = None) -> PrefixLookup:
         """How much of ``prompt`` the prefix cache holds now; runs no model and leaves the eviction order alone."""
-        _, token_ids = self.input_processor.prompt_token_ids(prompt)
+        _, token_ids = self.input_processor.prompt_token_ids(prompt)  # tokenized as ``add_request`` does
         return self.core.lookup(token_ids, cache_salt, lora_name)
 
     def close(self) -> None:

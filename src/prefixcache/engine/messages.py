@@ -174,6 +174,12 @@ class EngineInfo(msgspec.Struct, array_like=True, tag=True, frozen=True):
     kv_cache_bytes: int = 0
     kv_cache_groups: tuple[KVCacheGroupSpec, ...] = (FULL_ATTENTION,)
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The longest request (prompt plus output) this engine takes: its context, or less where the KV cache
+        holds less (a small ``--kv-cache-memory``); what a request without ``max_tokens`` may grow to."""
+        return min(self.max_model_len, self.kv_capacity_tokens)
+
 
 CoreInput = EngineCoreRequest | AbortRequests | UtilityCall | Shutdown
 CoreOutput = EngineCoreOutputs | UtilityResult | EngineCoreFailure | EngineInfo

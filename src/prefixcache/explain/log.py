@@ -3,7 +3,9 @@
 A line is an OpenAI completion body (``prompt``: a string or a list of token ids), a chat body
 (``messages``, turned into tokens by the model's chat template, as the server does), or an offline
 prompt (``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``). ``cache_salt`` and ``lora_name`` name the
-cache namespace a request reads; every other field is ignored. A line that cannot be read is reported
+cache namespace a request reads; ``add_special_tokens`` says whether a text gets the tokenizer's special
+tokens (the server's default: a completion's text does, a chat adds none beyond its template); every other
+field is ignored. A line that cannot be read is reported
 with its number and skipped, whatever it holds: JSON nested deeper than the parser goes, text with a lone
 surrogate (not Unicode), token ids outside the model's vocabulary (refused as the server refuses them).
 """
@@ -20,7 +22,7 @@ from jinja2 import TemplateError
 from pydantic import TypeAdapter, ValidationError
 
 from prefixcache.engine.input_processor import chat_token_ids, check_vocabulary, tokenize_prompt
-from prefixcache.server.protocol import ChatMessage, Text
+from prefixcache.server.protocol import ChatMessage, Text, adds_special_tokens
 
 # The largest token id any server accepts (vLLM's bound; ids are int64 in the analysis).
 MAX_TOKEN_ID = 2**63 - 1
@@ -136,19 +138,19 @@ def token_ids_of(body: dict[str, Any], tokenizer: Any, vocab_size: int | None = 
     if "prompt_token_ids" in kinds:
         ids = checked_token_ids(body["prompt_token_ids"], "prompt_token_ids")
     elif "messages" in kinds:
-        ids = chat_token_ids(tokenizer, chat_turns(body))
+        ids = chat_token_ids(tokenizer, chat_turns(body), add_special_tokens=adds_special_tokens(body, chat=True))
     else:
-        ids = _prompt_token_ids(body.get("prompt"), tokenizer)
+        ids = _prompt_token_ids(body.get("prompt"), tokenizer, adds_special_tokens(body, chat=False))
     if vocab_size is not None:
         check_vocabulary(ids, vocab_size)
     return ids
 
 
-def _prompt_token_ids(prompt: Any, tokenizer: Any) -> list[int]:
+def _prompt_token_ids(prompt: Any, tokenizer: Any, add_special_tokens: bool) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("the prompt is empty")
-        return tokenize_prompt(tokenizer, valid_text(prompt, "prompt"))[1]
+        return tokenize_prompt(tokenizer, valid_text(prompt, "prompt"), add_special_tokens)[1]
     if isinstance(prompt, list):
         if prompt and isinstance(prompt[0], str | list):
             raise ValueError("a list of prompts: explain takes one prompt per logged request")

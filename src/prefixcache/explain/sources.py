@@ -27,6 +27,7 @@ from prefixcache.explain.log import (
     token_ids_of,
     tokenize_log,
 )
+from prefixcache.server.protocol import adds_special_tokens
 
 
 def through_tokenizer(
@@ -142,11 +143,10 @@ def _through_tokenize(
                 ids = checked_token_ids(body[field], field)
                 _post(client, "/detokenize", {"tokens": ids})  # ids the server refuses are a bad line
             elif body.get("messages") is not None:
-                ids = _post(client, "/tokenize", {"messages": body["messages"], "add_generation_prompt": True})[
-                    "tokens"
-                ]
+                chat = {"messages": body["messages"], "add_generation_prompt": True, **_special_tokens(body, True)}
+                ids = _post(client, "/tokenize", chat)["tokens"]
             elif isinstance(body.get("prompt"), str):
-                ids = _post(client, "/tokenize", {"prompt": body["prompt"]})["tokens"]
+                ids = _post(client, "/tokenize", {"prompt": body["prompt"], **_special_tokens(body, False)})["tokens"]
             else:
                 raise ValueError("no prompt: expected prompt, prompt_token_ids or messages")
             if not ids:
@@ -176,14 +176,20 @@ def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...] | None:
     return None if turns is None else tuple(turns)
 
 
+def _special_tokens(body: dict[str, Any], chat: bool) -> dict[str, bool]:
+    """The body's ``add_special_tokens`` as the endpoint defaults it, said explicitly: /tokenize tokenizes as
+    the endpoint the body was sent to would."""
+    return {"add_special_tokens": adds_special_tokens(body, chat)}
+
+
 def _lookup_body(body: dict[str, Any]) -> dict[str, Any]:
     """The parts of a logged body the lookup needs (sampling fields would only be validated)."""
     if body.get("prompt_token_ids") is not None:
         prompt: dict[str, Any] = {"prompt": body["prompt_token_ids"]}
     elif body.get("messages") is not None:
-        prompt = {"messages": body["messages"]}
+        prompt = {"messages": body["messages"], **_special_tokens(body, True)}
     else:
-        prompt = {"prompt": body.get("prompt")}
+        prompt = {"prompt": body.get("prompt"), **_special_tokens(body, False)}
     return {**prompt, "cache_salt": body.get("cache_salt"), "return_token_ids": True}
 
 

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import logging
 import os
+import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -182,10 +183,16 @@ def _write_hf_checkpoint(gguf: Path, out: Path) -> None:
 
 
 def gguf_architecture(gguf: Path) -> str:
-    """The ``general.architecture`` a GGUF file declares (llama.cpp's name, e.g. ``gemma3``)."""
+    """The ``general.architecture`` a GGUF file declares (llama.cpp's name, e.g. ``gemma3``). ValueError in one
+    line for a file the reader cannot parse: it reads every field and tensor's extent up front, so a file cut
+    short (an interrupted download) or overwritten fails here, not as a numpy traceback while converting."""
     from gguf import GGUFReader
 
-    field = GGUFReader(gguf).fields.get("general.architecture")
+    try:
+        reader = GGUFReader(gguf)
+    except (ValueError, IndexError, KeyError, OverflowError, struct.error) as exc:
+        raise ValueError(f"{gguf}: GGUF file is truncated or corrupt ({exc})") from exc
+    field = reader.fields.get("general.architecture")
     if field is None:
         raise ValueError(f"{gguf} declares no general.architecture")
     return bytes(field.parts[field.data[0]]).decode()

@@ -11,6 +11,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from prefixcache.argtypes import port
 from prefixcache.router.policy import DEFAULT_AFFINITY_BALANCE, DEFAULT_PREFIX_WEIGHT, POLICIES
 from prefixcache.router.wire import DEFAULT_CONTENT_BLOCK_SIZE
 from prefixcache.server.cli import add_max_request_bytes
@@ -72,7 +73,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "%(default)s)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--port", type=port, default=8080, help="0 for any free port")
     parser.add_argument("--policy", choices=POLICIES, default="prefix")
     parser.add_argument(
         "--prefix-weight",

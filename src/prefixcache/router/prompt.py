@@ -1,12 +1,12 @@
 """A request body as the engine will see it: prompt token ids and the block hashes the index is keyed by.
 
-Two kinds of keys. For ``prefixcache serve`` backends: tokenized by the server's own functions (a text
-prompt without special tokens, token ids as given, chat messages through the model's chat template with
-the generation prompt) and hashed with the engine's algorithm and seed. For content-keyed backends
-(vLLM): tokenized as vLLM's completions endpoint does (a text prompt with the tokenizer's special tokens
-unless the body says ``add_special_tokens: false``; chat and token ids alike) and hashed with the
-router's own content hash (:mod:`prefixcache.router.blocks`). Both go through ``Request.hash_blocks``
-(chained, with the cache salt and LoRA keys), then into the integer form the KV events carry.
+Both kinds of backend tokenize alike, as vLLM does and with the server's own functions: a text prompt with
+the tokenizer's special tokens unless the body says ``add_special_tokens: false``, token ids as given, chat
+messages through the model's chat template with the generation prompt (and special tokens on top only with
+``add_special_tokens: true``). The keys differ: for ``prefixcache serve`` backends hashed with the engine's
+algorithm and seed, for content-keyed backends (vLLM) with the router's own content hash
+(:mod:`prefixcache.router.blocks`). Both go through ``Request.hash_blocks`` (chained, with the cache salt and
+LoRA keys), then into the integer form the KV events carry.
 
 What one request costs here is bounded by the context where the router knows it (the ``max_model_len``
 ``prefixcache serve`` backends report): a prompt that cannot fit it is refused (``PromptTooLong``) before
@@ -24,11 +24,11 @@ from pydantic import ValidationError
 
 from prefixcache.core import Request, hittable_blocks
 from prefixcache.core.hashing import root_hash
-from prefixcache.engine.input_processor import chat_token_ids, prompt_too_long, tokenize_prompt
+from prefixcache.engine.input_processor import chat_text, chat_text_token_ids, prompt_too_long, tokenize_prompt
 from prefixcache.router.backend_config import CacheConfig
 from prefixcache.router.blocks import CONTENT_HASH_ALGO, CONTENT_ROOT
 from prefixcache.router.wire import external_block_hash
-from prefixcache.server.protocol import ChatMessage, ChatTool
+from prefixcache.server.protocol import ChatMessage, ChatTool, adds_special_tokens
 
 # What the server generates when a completion request gives no max_tokens (OpenAI's default); also the
 # router's guess for a chat request without a limit.
@@ -59,7 +59,6 @@ def longest_token_chars(tokenizer: Any) -> int:
 
 class PromptHasher:
     """``keyed``: the backends salt each request by its API key's tenant, which the caller must add.
-    ``text_special_tokens``: a text completion prompt gets the tokenizer's special tokens (vLLM's default).
     ``max_model_len``: the backends' context, where known (None: not checked); ``max_text_chars`` is then the
     longest text that may still fit it (None also without a tokenizer, when only token ids can be read)."""
 
@@ -70,7 +69,6 @@ class PromptHasher:
         root: bytes,
         block_size: int,
         keyed: bool = False,
-        text_special_tokens: bool = False,
         max_model_len: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
@@ -78,7 +76,6 @@ class PromptHasher:
         self.root = root
         self.block_size = block_size
         self.keyed = keyed
-        self.text_special_tokens = text_special_tokens
         self.max_model_len = max_model_len
         known = max_model_len is not None and tokenizer is not None
         self.max_text_chars = max_model_len * longest_token_chars(tokenizer) if known else None
@@ -94,11 +91,12 @@ class PromptHasher:
     @classmethod
     def by_content(cls, tokenizer: Any, block_size: int) -> PromptHasher:
         """The router's own content keys, for backends indexed by the tokens of their events."""
-        return cls(tokenizer, CONTENT_HASH_ALGO, CONTENT_ROOT, block_size, text_special_tokens=True)
+        return cls(tokenizer, CONTENT_HASH_ALGO, CONTENT_ROOT, block_size)
 
     def token_ids(self, body: dict[str, Any], chat: bool) -> list[int] | None:
         """The prompt's token ids as the backend makes them, or None when it would refuse the body for another
         reason than its length (it answers that in its own words); raises PromptTooLong."""
+        special_tokens = adds_special_tokens(body, chat)
         try:
             if chat:
                 messages = body.get("messages")
@@ -106,21 +104,16 @@ class PromptHasher:
                     return None
                 conversation = [ChatMessage.model_validate(m).template_dict() for m in messages]
                 tools = [ChatTool.model_validate(t).template_dict() for t in body.get("tools") or ()] or None
-                if self.max_text_chars is not None:  # rendered first: the template's text is what is tokenized
-                    kwargs = {"tools": tools} if tools else {}
-                    self._check_text(self.tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs))
-                token_ids = chat_token_ids(self.tokenizer, conversation, tools=tools)
+                text = chat_text(self.tokenizer, conversation, tools=tools)  # rendered first: what is tokenized
+                self._check_text(text)
+                token_ids = chat_text_token_ids(self.tokenizer, text, special_tokens)
             else:
                 prompt = body.get("prompt")
                 if not isinstance(prompt, str | list):
                     return None
                 if isinstance(prompt, str):
                     self._check_text(prompt)
-                if isinstance(prompt, str) and self.text_special_tokens:
-                    special = body.get("add_special_tokens", True)
-                    token_ids = self.tokenizer.encode(prompt, add_special_tokens=special is not False)
-                else:
-                    token_ids = tokenize_prompt(self.tokenizer, prompt)[1]
+                token_ids = tokenize_prompt(self.tokenizer, prompt, special_tokens)[1]
         except PromptTooLong:
             raise
         except (ValidationError, TemplateError, ValueError, TypeError):

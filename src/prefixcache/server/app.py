@@ -32,11 +32,12 @@ logger = logging.getLogger(__name__)
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Starts the engine's core process (and the periodic stats line) with the app; stops it after."""
+    """Writes the start-up summary and starts the periodic stats line with the app; stops the engine after.
+    The engine is started before (``DrainingServer``), so an engine that cannot start is one line, not an
+    application startup traceback."""
     engine: AsyncLLM = app.state.engine
     interval = app.state.settings.log_stats_interval
-    await engine.start()
-    for line in startup_lines(engine.info, engine.config):
+    for line in startup_lines(engine.info, engine.config, engine.latest_stats):
         logger.info("%s", line)
     log_task = asyncio.create_task(_log_stats_every(engine, interval)) if interval else None
     try:
@@ -48,7 +49,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
-    """The app around a not-yet-started engine; the app's lifespan starts its core process and stops it."""
+    """The app around an engine started before its lifespan runs; the lifespan stops it."""
     app = FastAPI(title="prefixcache", lifespan=_lifespan)
     app.state.engine = engine
     app.state.settings = settings

@@ -26,7 +26,7 @@ from prefixcache.core import PrefixLookup
 from prefixcache.core.retention import RetentionRange
 from prefixcache.engine.chat_breakpoints import Breakpoint, chat_prompt
 from prefixcache.engine.core_process import EngineCoreProcess
-from prefixcache.engine.input_processor import InputProcessor, PromptInput
+from prefixcache.engine.input_processor import DEFAULT_PROMPT_OPTIONS, InputProcessor, PromptInput, PromptOptions
 from prefixcache.engine.messages import (
     AbortRequests,
     EngineCoreFailure,
@@ -129,7 +129,7 @@ class AsyncLLM:
         return len(self._streams)
 
     async def start(self) -> None:
-        """Start the core process and wait for its handshake (raises RuntimeError if it fails to start)."""
+        """Start the core process and wait for its handshake (raises EngineStartupError if it fails to start)."""
         self._core = EngineCoreProcess(self.config)
         try:
             self.info = await self._core.start()
@@ -164,6 +164,7 @@ class AsyncLLM:
         n: int = 1,
         retention: tuple[RetentionRange, ...] = (),
         tenant: str | None = None,
+        options: PromptOptions = DEFAULT_PROMPT_OPTIONS,
     ) -> RequestStream:
         """Validate and queue ``n`` choices per prompt; ValueError (nothing queued) for input the engine cannot serve.
 
@@ -179,7 +180,9 @@ class AsyncLLM:
         core_ids = [f"{request_id}-{index}" for index in range(len(prompts) * n)]
         if any(core_id in self._streams for core_id in core_ids):
             raise ValueError(f"a request with id {request_id!r} is already in flight")
-        processed = await self._on_worker(self._process, prompts, params, core_ids, cache_salt, n, retention, tenant)
+        processed = await self._on_worker(
+            self._process, prompts, params, core_ids, cache_salt, n, retention, tenant, options
+        )
         self._check_accepting()  # the core may have died while the prompt was tokenized
         if any(core_id in self._streams for core_id in core_ids):  # taken while this one was tokenized
             raise ValueError(f"a request with id {request_id!r} is already in flight")
@@ -195,31 +198,46 @@ class AsyncLLM:
         return stream
 
     async def render(
-        self, prompts: Sequence[PromptInput], params: SamplingParams, retention: tuple[RetentionRange, ...] = ()
+        self,
+        prompts: Sequence[PromptInput],
+        params: SamplingParams,
+        retention: tuple[RetentionRange, ...] = (),
+        options: PromptOptions = DEFAULT_PROMPT_OPTIONS,
     ) -> list[list[int]]:
         """The token ids each prompt would run on (tokenized, truncated, validated exactly as ``add_request``
         does, ``retention`` included); ValueError for a request the engine would refuse. Queues nothing."""
         self._check_accepting()
         process = self._input_processor.process
         return await self._on_worker(
-            lambda: [process(p, params, "render", retention=retention)[0].prompt_token_ids for p in prompts]
+            lambda: [
+                process(p, params, "render", retention=retention, options=options)[0].prompt_token_ids for p in prompts
+            ]
         )
 
     async def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, add_special_tokens: bool = False
     ) -> list[int]:
         self._check_accepting()
-        return await self._on_worker(self._input_processor.apply_chat_template, messages, add_generation_prompt)
+        return await self._on_worker(
+            self._input_processor.apply_chat_template, messages, add_generation_prompt, add_special_tokens
+        )
 
     async def chat_prompt(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, breakpoints: list[Breakpoint]
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        breakpoints: list[Breakpoint],
+        add_special_tokens: bool = False,
     ) -> tuple[list[int], list[int]]:
-        """The conversation's prompt token ids (with ``tools`` for the template) and the token position of each
-        breakpoint (``engine/chat_breakpoints.py``)."""
+        """The conversation's prompt token ids (with ``tools`` for the template, and the tokenizer's special
+        tokens on top when ``add_special_tokens``) and the token position of each breakpoint
+        (``engine/chat_breakpoints.py``)."""
         self._check_accepting()
-        return await self._on_worker(chat_prompt, self.tokenizer, messages, tools, breakpoints)
+        return await self._on_worker(
+            chat_prompt, self.tokenizer, messages, tools, breakpoints, True, add_special_tokens
+        )
 
-    async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The token ids of ``text``; the default is what the completions endpoint feeds the model."""
         return await self._on_worker(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
@@ -233,11 +251,15 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return await self._call("reset_prefix_cache")
 
-    async def lookup(self, prompt: PromptInput, cache_salt: str | None = None) -> tuple[list[int], PrefixLookup]:
-        """The prompt's token ids and what the core's cache and offload tiers hold of them now: the core
-        answers between steps, runs no model and changes nothing. ValueError for a prompt the engine would
-        refuse."""
-        _, token_ids = await self._on_worker(self._input_processor.prompt_token_ids, prompt)
+    async def lookup(
+        self, prompt: PromptInput, cache_salt: str | None = None, add_special_tokens: bool = True
+    ) -> tuple[list[int], PrefixLookup]:
+        """The prompt's token ids (tokenized as ``add_request`` does) and what the core's cache and offload tiers
+        hold of them now: the core answers between steps, runs no model and changes nothing. ValueError for a
+        prompt the engine would refuse."""
+        _, token_ids = await self._on_worker(
+            self._input_processor.prompt_token_ids, prompt, add_special_tokens=add_special_tokens
+        )
         found = await self._call("lookup", token_ids, cache_salt)
         return token_ids, msgspec.convert(found, PrefixLookup)
 
@@ -282,12 +304,13 @@ class AsyncLLM:
         n: int,
         retention: tuple[RetentionRange, ...],
         tenant: str | None,
+        options: PromptOptions,
     ) -> list[tuple[EngineCoreRequest, str | None]]:
         """Every choice's core request (each prompt tokenized and validated once); runs on the worker thread."""
         processed = []
         for p, prompt in enumerate(prompts):
             request, text = self._input_processor.process(
-                prompt, params, core_ids[p * n], cache_salt, retention=retention, tenant=tenant
+                prompt, params, core_ids[p * n], cache_salt, retention=retention, tenant=tenant, options=options
             )
             processed.append((request, text))
             for i in range(1, n):

@@ -14,7 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from prefixcache.config import parse_memory
+from prefixcache.argtypes import memory_size, non_negative_float, port
 from prefixcache.engine.args import add_engine_args, engine_kwargs
 from prefixcache.server.settings import LOG_STATS_INTERVAL_S, ServerSettings
 
@@ -31,7 +31,7 @@ def add_max_request_bytes(parser: argparse._ActionsContainer) -> None:
     """``--max-request-bytes``, which the server and the router both enforce (``BodyLimitMiddleware``)."""
     parser.add_argument(
         "--max-request-bytes",
-        type=parse_memory,
+        type=memory_size,
         default=_default("max_request_bytes"),
         help="refuse request bodies larger than this with 413, e.g. 8MiB (default 8MiB)",
     )
@@ -47,7 +47,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     add_engine_args(parser, model_positional=True)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--port", type=port, default=8000, help="0 for any free port")
     group.add_argument(
         "--served-model-name", nargs="+", default=None, help="names clients use for the model (default: its name)"
     )
@@ -85,7 +85,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     group.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
     group.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=non_negative_float,
         default=30.0,
         help="on SIGTERM/SIGINT, seconds in-flight requests may take to finish before they are ended (default 30)",
     )
@@ -96,7 +96,11 @@ def api_keys(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str,
     """The keys of --api-key and --api-key-file, in order, without repeats; else ${API_KEY_ENV} if set."""
     keys = list(args.api_key or [])
     if args.api_key_file is not None:
-        for line in args.api_key_file.read_text().splitlines():
+        try:
+            text = args.api_key_file.read_text()
+        except OSError as exc:
+            raise OSError(f"--api-key-file {args.api_key_file}: {exc.strerror or exc}") from exc
+        for line in text.splitlines():
             key = line.split("#", 1)[0].strip()
             if key:
                 keys.append(key)
@@ -182,5 +186,7 @@ def serve(args: argparse.Namespace) -> None:
     )
     engine.on_dead = server.exit_soon
     server.run(sockets=[listener])
+    if server.startup_error is not None:
+        raise SystemExit(f"prefixcache serve: {server.startup_error}")
     if engine.dead or not server.started:
         raise SystemExit(1)

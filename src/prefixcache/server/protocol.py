@@ -11,6 +11,9 @@ README's table lists each with what it does). Any other field, whether one this 
 parameter would let a user believe it took effect. A field whose value asks for what this server always
 does (SGLang's ``return_hidden_states: false``) is accepted; the value that asks for more is refused by
 name. Strings holding a lone surrogate (the JSON escape ``"\\ud800"`` is not Unicode text) are refused.
+
+Types are strict, as OpenAI's API checks them: ``"yes"`` or ``1`` is not a boolean, ``2.0`` or ``"2"`` not a
+token count (a float field takes an integer); a message's ``role`` is one of OpenAI's.
 """
 
 from __future__ import annotations
@@ -54,7 +57,6 @@ UNSUPPORTED_FIELD_HINTS = {
     "parallel_tool_calls": "tool calling is not implemented",
     "prompt_logprobs": "for the prompt's log-probabilities use a completion with echo and logprobs",
     "truncation_side": "truncate_prompt_tokens always keeps the prompt's last tokens (vLLM's default side)",
-    "add_special_tokens": "prompts are tokenized without special tokens; send token ids to choose them exactly",
 }
 
 
@@ -82,7 +84,16 @@ def only_false(what_we_do: str) -> Any:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """OpenAI's fields are nullable: a declared field sent as null takes its default (clients that send
+        every field, ``"n": null`` and ``"logprobs": null`` among them, are answered, not refused)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
 
 
 class StreamOptions(_Body):
@@ -221,6 +232,7 @@ class CompletionRequest(_GenerationRequest):
     max_tokens: int | None = 16  # OpenAI's default for legacy completions
     echo: bool = False
     logprobs: StrictInt | None = None
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's BOS (token ids never do)
 
     @model_validator(mode="after")
     def _bounded(self) -> CompletionRequest:
@@ -250,11 +262,23 @@ class TextPart(_Body):
     cache_control: CacheControl | None = None
 
 
-class ChatMessage(_Body):
-    """``cache_control`` on the message, or on its content parts, is a retention breakpoint
-    (``server/retention.py``)."""
+CHAT_ROLES = ("system", "developer", "user", "assistant")
 
-    role: Text
+
+def _chat_role(role: str) -> str:
+    if role not in CHAT_ROLES:
+        raise ValueError(
+            f"role must be one of {', '.join(CHAT_ROLES)}, not {role!r} (a tool's message needs tool calling, "
+            "which this server does not implement)"
+        )
+    return role
+
+
+class ChatMessage(_Body):
+    """OpenAI's roles (checked after the text itself, so a lone surrogate is named as such). ``cache_control``
+    on the message, or on its content parts, is a retention breakpoint (``server/retention.py``)."""
+
+    role: Annotated[Text, AfterValidator(_chat_role)]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
     cache_control: CacheControl | None = None
@@ -317,6 +341,7 @@ class ChatCompletionRequest(_GenerationRequest):
     separate_reasoning: bool = True
     stream_reasoning: bool = True
     include_reasoning: bool = True
+    add_special_tokens: bool = False  # vLLM's: the chat template writes the special tokens; true adds more
 
     @field_validator("messages")
     @classmethod
@@ -365,12 +390,13 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 class TokenizeRequest(_Body):
-    """vLLM's /tokenize: a ``prompt`` (tokenized as the completions endpoint does) or chat ``messages``."""
+    """vLLM's /tokenize: a ``prompt`` or chat ``messages``, tokenized as the completions or the chat endpoint
+    does (``add_special_tokens`` defaults, as there, to true for a prompt and false for messages)."""
 
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = False
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
 
     @model_validator(mode="after")
@@ -378,6 +404,12 @@ class TokenizeRequest(_Body):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give either prompt or messages")
         return self
+
+    @property
+    def special_tokens(self) -> bool:
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return adds_special_tokens({}, chat=self.messages is not None)
 
 
 class DetokenizeRequest(_Body):
@@ -412,6 +444,16 @@ def lookup_request(body: dict[str, Any]) -> CompletionLookupRequest | ChatLookup
         raise ValueError("send either prompt (a completion body) or messages (a chat body)")
     model = ChatLookupRequest if "messages" in body else CompletionLookupRequest
     return model.model_validate(body)
+
+
+def adds_special_tokens(body: Mapping[str, Any], chat: bool) -> bool:
+    """Whether the server gives a raw body's prompt the tokenizer's special tokens (its ``add_special_tokens``,
+    defaulted as the endpoint's model defaults it), for the router and ``explain``, which read bodies as logged."""
+    value = body.get("add_special_tokens")
+    if isinstance(value, bool):
+        return value
+    endpoint = ChatCompletionRequest if chat else CompletionRequest
+    return endpoint.model_fields["add_special_tokens"].default
 
 
 def usage(outputs: Mapping[int, RequestOutput], n: int, retention: bool = False) -> dict[str, Any]:

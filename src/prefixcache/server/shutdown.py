@@ -15,6 +15,7 @@ from typing import Any
 
 import uvicorn
 
+from prefixcache.engine.core_process import EngineStartupError
 from prefixcache.server.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
@@ -30,9 +31,17 @@ class DrainingServer(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        self.startup_error: str | None = None
 
     async def serve(self, sockets: Any = None) -> None:
+        """Start the engine, then serve; an engine that cannot start leaves ``startup_error`` saying why and
+        serves nothing (uvicorn would print the failure as two tracebacks and exit 3)."""
         self._loop = asyncio.get_running_loop()
+        try:
+            await self.engine.start()
+        except EngineStartupError as exc:
+            self.startup_error = str(exc)
+            return
         await super().serve(sockets)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:

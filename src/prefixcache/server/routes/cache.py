@@ -32,11 +32,15 @@ async def cache_lookup(request: Request, raw: dict[str, Any], engine: Engine, se
         raise APIError(400, str(exc)) from exc
     model_name(settings, body.model)
     if isinstance(body, ChatLookupRequest):
-        prompt: PromptInput = (await chat_prompt(engine, body.template_messages(), body.template_tools()))[0]
+        prompt_ids, _ = await chat_prompt(
+            engine, body.template_messages(), body.template_tools(), add_special_tokens=body.add_special_tokens
+        )
+        prompt: PromptInput = prompt_ids
     else:
         prompt = body.prompts[0]
-    try:
-        token_ids, found = await engine.lookup(prompt, engine_salt(tenant_of(request.scope), body.cache_salt))
+    salt = engine_salt(tenant_of(request.scope), body.cache_salt)
+    try:  # a chat's ids are final; a text completion prompt is tokenized as the completions endpoint does
+        token_ids, found = await engine.lookup(prompt, salt, body.add_special_tokens)
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
     answer = asdict(found)

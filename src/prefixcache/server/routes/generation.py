@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixcache.core.retention import RetentionRange
+from prefixcache.engine.input_processor import DEFAULT_PROMPT_OPTIONS, PromptOptions
 from prefixcache.engine.sampling_params import InvalidParameter, SamplingParams
 from prefixcache.server.async_llm import AsyncLLM, RequestStream
 from prefixcache.server.errors import APIError
@@ -38,7 +39,10 @@ async def create_completion(body: CompletionRequest, request: Request, engine: E
     max_tokens, prompt_logprobs = _completion_limits(body)
     shaper = _shaper(engine, body, COMPLETION, body.logprobs, body.echo, body.prompt_only)
     retention = request_ranges(body.retention, body.prompt_cache_retention)
-    return await _generate(request, engine, body, name, body.prompts, max_tokens, shaper, retention, prompt_logprobs)
+    options = _completion_options(body)
+    return await _generate(
+        request, engine, body, name, body.prompts, max_tokens, shaper, retention, prompt_logprobs, options
+    )
 
 
 @router.post("/v1/chat/completions")
@@ -61,7 +65,10 @@ async def render_completion(
     name = model_name(settings, body.model)
     max_tokens, prompt_logprobs = _completion_limits(body)
     retention = request_ranges(body.retention, body.prompt_cache_retention)
-    return await _render(request, engine, body, name, body.prompts, max_tokens, COMPLETION, retention, prompt_logprobs)
+    options = _completion_options(body)
+    return await _render(
+        request, engine, body, name, body.prompts, max_tokens, COMPLETION, retention, prompt_logprobs, options
+    )
 
 
 @router.post("/v1/chat/completions/render")
@@ -86,20 +93,25 @@ def _completion_limits(body: CompletionRequest) -> tuple[int, int | None]:
     return max_tokens, body.logprobs if body.echo else None
 
 
+def _completion_options(body: CompletionRequest) -> PromptOptions:
+    return PromptOptions(add_special_tokens=body.add_special_tokens, prompt_only=body.prompt_only)
+
+
 async def _chat_prompt(
     engine: AsyncLLM, body: ChatCompletionRequest
 ) -> tuple[dict[str, Any], int, list[RetentionRange]]:
     """The conversation as a prompt of token ids, the engine's max_tokens for it and its breakpoints' ranges."""
     prompt_ids, breakpoints = await chat_prompt(
-        engine, body.template_messages(), body.template_tools(), body.breakpoints()
+        engine, body.template_messages(), body.template_tools(), body.breakpoints(), body.add_special_tokens
     )
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    # Unset: generate up to the context; at least 1, so an overlong prompt gets the context error (or, with
-    # truncate_prompt_tokens -1, keeps all but one token of the context).
+    # Unset: generate as far as the request may grow (the context, or less where the KV cache holds less); at
+    # least 1, so an overlong prompt gets the context error (or, with truncate_prompt_tokens -1, keeps all but
+    # one token of what fits).
     prompt_len = len(prompt_ids)
     if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens > 0:
         prompt_len = min(prompt_len, body.truncate_prompt_tokens)
-    max_tokens = requested if requested is not None else max(1, engine.info.max_model_len - prompt_len)
+    max_tokens = requested if requested is not None else max(1, engine.info.max_request_tokens - prompt_len)
     return {"prompt": None, "prompt_token_ids": prompt_ids}, max_tokens, breakpoints
 
 
@@ -125,11 +137,12 @@ async def _render(
     endpoint: Endpoint,
     retention: list[RetentionRange],
     prompt_logprobs: int | None = None,
+    options: PromptOptions = DEFAULT_PROMPT_OPTIONS,
 ) -> list[dict[str, Any]]:
     num_logprobs = body.logprobs if isinstance(body, CompletionRequest) else body.num_logprobs
     params = _sampling_params(body, max_tokens, num_logprobs, prompt_logprobs)
     try:
-        rendered = await engine.render(prompts, params, tuple(retention))
+        rendered = await engine.render(prompts, params, tuple(retention), options)
     except ValueError as exc:
         raise _refused(exc) from exc
     request_id = f"{endpoint.id_prefix}-{record_of(request.scope).request_id}"
@@ -173,6 +186,7 @@ async def _generate(
     shaper: ChoiceShaper,
     retention: list[RetentionRange],
     prompt_logprobs: int | None = None,
+    options: PromptOptions = DEFAULT_PROMPT_OPTIONS,
 ) -> Response:
     """Queue the request and answer it, streamed or whole; bad sampling values, prompts or retention ranges
     (one past a prompt) are 400s."""
@@ -180,7 +194,9 @@ async def _generate(
     endpoint = shaper.endpoint
     response_id = f"{endpoint.id_prefix}-{record.request_id}"
     params = _sampling_params(body, max_tokens, shaper.num_logprobs, prompt_logprobs)
-    stream = await queue_request(request, engine, prompts, params, response_id, body.cache_salt, body.n, retention)
+    stream = await queue_request(
+        request, engine, prompts, params, response_id, body.cache_salt, body.n, retention, options
+    )
     base = {"id": response_id, "object": endpoint.chunk_object, "created": int(time.time()), "model": name}
     if body.stream:
         events = sse_events(
@@ -212,13 +228,14 @@ async def queue_request(
     cache_salt: str | None,
     n: int,
     retention: list[RetentionRange],
+    options: PromptOptions = DEFAULT_PROMPT_OPTIONS,
 ) -> RequestStream:
     """Queue the request for its tenant (salted by its API key, which also bounds its retention); a prompt or a
     retention range the engine refuses is a 400 (naming ``retention`` for a range past the prompt)."""
     tenant = tenant_of(request.scope)
     try:
         return await engine.add_request(
-            prompts, params, response_id, engine_salt(tenant, cache_salt), n, tuple(retention), tenant
+            prompts, params, response_id, engine_salt(tenant, cache_salt), n, tuple(retention), tenant, options
         )
     except ValueError as exc:
         raise _refused(exc) from exc

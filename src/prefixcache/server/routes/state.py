@@ -37,10 +37,13 @@ def model_name(settings: ServerSettings, requested: str | None) -> str:
     return requested
 
 
-async def apply_chat_template(engine: AsyncLLM, messages: list[Any], add_generation_prompt: bool = True) -> list[int]:
+async def apply_chat_template(
+    engine: AsyncLLM, messages: list[Any], add_generation_prompt: bool = True, add_special_tokens: bool = False
+) -> list[int]:
     """The conversation's prompt token ids; a template that fails on these messages is the client's 400."""
     try:
-        return await engine.apply_chat_template([m.template_dict() for m in messages], add_generation_prompt)
+        conversation = [m.template_dict() for m in messages]
+        return await engine.apply_chat_template(conversation, add_generation_prompt, add_special_tokens)
     except (ValueError, TemplateError) as exc:
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
 
@@ -50,12 +53,15 @@ async def chat_prompt(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     marks: list[tuple[Breakpoint, CacheControl]] | None = None,
+    add_special_tokens: bool = False,
 ) -> tuple[list[int], list[RetentionRange]]:
     """The conversation's prompt token ids (``tools`` rendered by the template) and the retention ranges of its
     ``cache_control`` breakpoints; a template that fails on them is the client's 400, naming the field."""
     marks = marks or []
     try:
-        token_ids, positions = await engine.chat_prompt(messages, tools, [point for point, _ in marks])
+        token_ids, positions = await engine.chat_prompt(
+            messages, tools, [point for point, _ in marks], add_special_tokens
+        )
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param=exc.param) from exc
     except (ValueError, TemplateError) as exc:

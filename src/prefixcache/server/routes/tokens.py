@@ -15,12 +15,13 @@ router = APIRouter()
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, engine: Engine, settings: Settings) -> dict[str, Any]:
-    """vLLM's shape; a prompt is tokenized as the completions endpoint does (no special tokens added)."""
+    """vLLM's shape; a prompt is tokenized as the completions endpoint does (with the tokenizer's special
+    tokens unless ``add_special_tokens`` is false), messages as the chat endpoint does."""
     model_name(settings, body.model)
     if body.messages is not None:
-        tokens = await apply_chat_template(engine, body.messages, body.add_generation_prompt)
+        tokens = await apply_chat_template(engine, body.messages, body.add_generation_prompt, body.special_tokens)
     else:
-        tokens = await engine.tokenize(body.prompt, body.add_special_tokens)
+        tokens = await engine.tokenize(body.prompt, body.special_tokens)
     return {"count": len(tokens), "max_model_len": engine.info.max_model_len, "tokens": tokens}
 
 
@@ -46,6 +47,6 @@ async def tokenizer_info(engine: Engine) -> dict[str, Any]:
         "unk_token": tokenizer.unk_token,
         "model_max_length": engine.info.max_model_len,
         "vocab_size": engine.info.vocab_size,
-        "add_special_tokens": False,  # what /tokenize and the completions endpoint do with a text prompt
+        "add_special_tokens": True,  # what /tokenize and the completions endpoint do with a text prompt
         "chat_template": getattr(tokenizer, "chat_template", None),
     }
