@@ -85,6 +85,7 @@ class EngineCore:
             max_retained_fraction=config.max_retained_fraction,
             max_retention_ttl_s=config.max_retention_ttl_s,
             max_tenant_retained_fraction=config.max_tenant_retained_fraction,
+            retention_rule=config.retention_rule,
         )
         self.kv_capacity_tokens = self.manager.max_request_tokens(config.max_num_batched_tokens)
         self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
