@@ -74,10 +74,12 @@ class HeldCache:
         self._in_flight: list[tuple[float, int, Request, int]] = []  # (finish time, index, request, tokens)
 
     def advance(self, now: float) -> None:
-        """Move the clock to ``now`` (never back) and free every request finished by then."""
-        self.now = max(self.now, now)
-        while self._in_flight and self._in_flight[0][0] <= self.now:
+        """Move the clock to ``now`` (never back) and free every request finished by then, each at its finish time
+        (a TTL starts when its blocks are freed)."""
+        while self._in_flight and self._in_flight[0][0] <= now:
+            self.now = max(self.now, self._in_flight[0][0])
             self._release()
+        self.now = max(self.now, now)
 
     def admit(self, index: int, request: Request, output_length: int) -> int:
         """Look ``request`` up and admit it with room for ``output_length`` more tokens, waiting as needed.
