@@ -2,7 +2,6 @@
 
 import pytest
 
-from prefixcache.config import EngineConfig
 from prefixcache.core import KVCacheManager, RetentionRange
 from prefixcache.core.eviction import EXPIRED
 from prefixcache.core.retention import DEFAULT_PRIORITY
@@ -133,9 +132,6 @@ def test_no_rule_by_default_and_bad_names_are_clear_errors():
     assert list(RETENTION_RULES) == ["shared"]
     with pytest.raises(ValueError, match="unknown retention rule 'sticky'; choose one of shared"):
         KVCacheManager(num_blocks=4, block_size=BLOCK_SIZE, retention_rule="sticky")
-    with pytest.raises(ValueError, match="retention_rule must be one of shared or None"):
-        EngineConfig(retention_rule="sticky")
-    assert EngineConfig(retention_rule="shared").retention_rule == "shared"
     pool = KVCacheManager(num_blocks=4, block_size=BLOCK_SIZE).pool
     assert isinstance(make_retention_rule("shared", pool), SharedPrefixRetention)
     for bad, message in (
