@@ -24,6 +24,7 @@ class ManagerMachine(RuleBasedStateMachine):
     SUB_BLOCK_SIZE: int | None = None
     GROUPS = (FULL_ATTENTION,)
     NUM_BLOCKS = 12
+    RETENTION_RULE: str | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -33,6 +34,7 @@ class ManagerMachine(RuleBasedStateMachine):
             eviction_policy=self.POLICY,
             sub_block_size=self.SUB_BLOCK_SIZE,
             groups=self.GROUPS,
+            retention_rule=self.RETENTION_RULE,
         )
         self.running: list[Request] = []
         self.preempted: list[Request] = []
@@ -166,6 +168,13 @@ for _policy in EVICTION_POLICIES:
         "GROUPS": (FULL_ATTENTION, KVCacheGroupSpec(sliding_window=6)),
         "NUM_BLOCKS": 25,
     }
+# The shared retention rule marking what requests share, alone and with a sliding group.
+_variants["_shared_retention"] = {"RETENTION_RULE": "shared"}
+_variants["_hybrid_shared_retention"] = {
+    "RETENTION_RULE": "shared",
+    "GROUPS": (FULL_ATTENTION, KVCacheGroupSpec(sliding_window=6)),
+    "NUM_BLOCKS": 25,
+}
 for _suffix, _attrs in _variants.items():
     _machine = type(f"ManagerMachine{_suffix}", (ManagerMachine,), _attrs)
     _machine.TestCase.settings = ManagerMachine.TestCase.settings
