@@ -18,7 +18,7 @@ def _bench_manager(args: argparse.Namespace) -> None:
     from prefixcache.bench.manager import ManagerTraceConfig, run
 
     config = ManagerTraceConfig(num_requests=args.num_requests, num_blocks=args.num_blocks, seed=args.seed)
-    run(args.hash_algo, args.repeats, args.json, config, compare_vllm=args.compare_vllm)
+    run(args.hash_algo, args.repeats, args.json, config, compare_vllm=args.compare_vllm, retention=args.retention)
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     manager.add_argument("--seed", type=int, default=0, help="of the trace")
     manager.add_argument("--json", type=Path, help="also write the results as JSON here")
     manager.add_argument("--compare-vllm", action="store_true", help="also replay the trace through vLLM's manager")
+    manager.add_argument(
+        "--retention", action="store_true", help="also replay with every shared prefix marked retained (directives)"
+    )
     manager.set_defaults(func=_bench_manager)
     offline.register(bench)
     bench_serve.register(bench)

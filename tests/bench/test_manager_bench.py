@@ -59,3 +59,11 @@ def test_trace_is_deterministic_per_seed():
     other = make_trace(ManagerTraceConfig(num_requests=200, num_blocks=4000, seed=1))
     assert other != make_trace(CONFIG)
     assert len(other) == 200
+
+
+def test_the_retention_replay_is_a_row_beside_the_plain_one():
+    report = run(["sha256"], 1, None, CONFIG, retention=True)
+    plain, retained = report["results"]["sha256"], report["results"]["sha256+retention"]
+    assert set(retained) == set(plain)
+    # Every shared prefix marked retained survives the unique tails' evictions: at least the plain hit rate.
+    assert retained["hit_rate"] >= plain["hit_rate"]

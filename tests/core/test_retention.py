@@ -6,8 +6,9 @@ import pytest
 from prefixcache.core import KVCacheManager, RetentionRange
 from prefixcache.core.block_pool import PRIORITY_CLASSES
 from prefixcache.core.eviction import EXPIRED
+from prefixcache.core.miss import RetentionRun
 from prefixcache.core.retention import DEFAULT_PRIORITY, BlockDirective, block_directives, check_retention
-from tests.core.conftest import BLOCK_SIZE, FakeClock, admit, make_request, unique_tokens
+from tests.core.conftest import BLOCK_SIZE, FakeClock, admit, make_request, manager_state, unique_tokens
 
 
 def retention_manager(num_blocks=12, **kwargs) -> tuple[KVCacheManager, FakeClock]:
@@ -242,3 +243,34 @@ def test_counters_cover_every_priority_class():
     mgr, _ = retention_manager()
     counters = mgr.pool.retention_counters
     assert set(counters.hits) == set(counters.evictions) == set(counters.expirations) == set(PRIORITY_CLASSES)
+
+
+def test_a_lookup_shows_the_retention_of_the_cached_prefix_and_changes_nothing():
+    mgr, clock = retention_manager()
+    run(mgr, range(13), [RetentionRange(0, 8, priority=90, ttl_s=100)])
+    clock.advance(40)
+    before = manager_state(mgr)
+    found = mgr.lookup(list(range(13)))
+    assert manager_state(mgr) == before
+    assert found.retention == [RetentionRun(0, 8, 90, 100, 60.0), RetentionRun(8, 12, DEFAULT_PRIORITY)]
+    in_use = make_request(range(9))
+    admit(mgr, in_use)  # a TTL does not run under a request
+    assert mgr.lookup(list(range(13))).retention[0] == RetentionRun(0, 8, 90, 100, None)
+    mgr.free(in_use)
+    clock.advance(100)
+    assert mgr.lookup(list(range(13))).retention == [RetentionRun(0, 12, DEFAULT_PRIORITY)]  # its TTL ended
+
+
+def test_a_hot_retained_block_freed_again_and_again_keeps_the_expiry_heap_bounded():
+    mgr, clock = retention_manager()
+    run(mgr, range(13), [RetentionRange(0, 8, priority=90, ttl_s=100)])
+    for _ in range(3000):  # each free pushes an expiry; the hit before it makes the last one stale
+        clock.advance(0.01)
+        run(mgr, range(9))
+    queue = mgr.pool.retained_free
+    assert len(queue._expiries) <= 4 * len(queue) + 1024
+    clock.advance(99.9)
+    assert order(mgr)[-2:] == [1, 0]
+    clock.advance(0.2)
+    assert order(mgr)[:2] == [1, 0] and mgr.pool.retention_counters.expirations["retained"] == 2
+    mgr.check_invariants()

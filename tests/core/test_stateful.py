@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from prefixcache.core import EVICTION_POLICIES, FULL_ATTENTION, KVCacheGroupSpec, KVCacheManager, Request
-from tests.core.conftest import manager_state
+from prefixcache.core.eviction import EXPIRED
+from prefixcache.core.retention import DEFAULT_PRIORITY, RetentionRange
+from tests.core.conftest import FakeClock, manager_state
 
 BLOCK_SIZE = 4
 PREFIXES = [list(range(100, 112)), list(range(200, 206)), list(range(100, 108)) + [7, 7]]
@@ -24,16 +26,22 @@ class ManagerMachine(RuleBasedStateMachine):
     SUB_BLOCK_SIZE: int | None = None
     GROUPS = (FULL_ATTENTION,)
     NUM_BLOCKS = 12
+    RETENTION = False  # requests with retention directives and tenants, a clock that moves
     RETENTION_RULE: str | None = None
 
     def __init__(self) -> None:
         super().__init__()
+        self.clock = FakeClock()
         self.mgr = KVCacheManager(
             num_blocks=self.NUM_BLOCKS,
             block_size=BLOCK_SIZE,
             eviction_policy=self.POLICY,
             sub_block_size=self.SUB_BLOCK_SIZE,
             groups=self.GROUPS,
+            max_retained_fraction=0.5,
+            max_tenant_retained_fraction=0.25,
+            max_retention_ttl_s=40.0,
+            clock=self.clock,
             retention_rule=self.RETENTION_RULE,
         )
         self.running: list[Request] = []
@@ -84,6 +92,38 @@ class ManagerMachine(RuleBasedStateMachine):
     def admit_new(self, prefix, suffix, salt, chunk):
         req = Request(f"r{next(self.ids)}", PREFIXES[prefix] + suffix, cache_salt=salt)
         self._admit(req, chunk)
+
+    @precondition(lambda self: self.RETENTION)
+    @rule(
+        prefix=st.integers(0, len(PREFIXES) - 1),
+        suffix=st.lists(st.integers(0, 3), max_size=9),
+        tenant=st.sampled_from([None, "A", "B"]),
+        chunk=st.integers(1, 24),
+        ranges=st.lists(
+            st.tuples(
+                st.integers(0, 11),
+                st.one_of(st.none(), st.integers(1, 12)),
+                st.sampled_from([0, 10, DEFAULT_PRIORITY, 60, 100]),
+                st.sampled_from([None, 5.0, 20.0, 100.0]),
+            ),
+            min_size=1,
+            max_size=3,
+        ),
+    )
+    def admit_retained(self, prefix, suffix, tenant, chunk, ranges):
+        """A request whose ranges mark parts of its prompt (tenants share the salt, so they meet on blocks)."""
+        tokens = PREFIXES[prefix] + suffix
+        retention = [
+            RetentionRange(start, None if length is None else min(start + length, len(tokens)), priority, ttl)
+            for start, length, priority, ttl in ranges
+            if start < len(tokens)
+        ]
+        self._admit(Request(f"r{next(self.ids)}", tokens, retention=retention, tenant=tenant), chunk)
+
+    @precondition(lambda self: self.RETENTION)
+    @rule(seconds=st.sampled_from([1.0, 5.0, 30.0]))
+    def advance_clock(self, seconds):
+        self.clock.advance(seconds)
 
     @precondition(lambda self: self.running)
     @rule(index=st.integers(0, 100), num=st.integers(1, 8), token=st.integers(0, 3))
@@ -153,6 +193,14 @@ class ManagerMachine(RuleBasedStateMachine):
         assert self.mgr.num_free_blocks == self.mgr.num_usable_blocks - len(held)
         assert null is None or null.block_id not in self.slots, "the null block was written"
 
+    @invariant()
+    def free_blocks_leave_expired_first_then_by_priority(self):
+        pool = self.mgr.pool
+        ranks = [block.priority for block in pool.eviction_order()]  # expires what is due first
+        assert ranks == sorted(ranks), "the eviction order is not expired, then lowest priority first"
+        for block in pool.retained_free:
+            assert block.priority == EXPIRED or block.expires_at > self.clock.now, "a due expiry was missed"
+
 
 ManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestManagerMachine = ManagerMachine.TestCase
@@ -168,8 +216,18 @@ for _policy in EVICTION_POLICIES:
         "GROUPS": (FULL_ATTENTION, KVCacheGroupSpec(sliding_window=6)),
         "NUM_BLOCKS": 25,
     }
-# The shared retention rule marking what requests share, alone and with a sliding group.
+# Directives, tenants and TTLs under every eviction policy, and beside a sliding group.
+for _policy in EVICTION_POLICIES:
+    _variants[f"_retention_{_policy}"] = {"POLICY": _policy, "RETENTION": True}
+_variants["_hybrid_retention"] = {
+    "RETENTION": True,
+    "GROUPS": (FULL_ATTENTION, KVCacheGroupSpec(sliding_window=6)),
+    "NUM_BLOCKS": 25,
+}
+# The shared retention rule marking what requests share: alone, beside users' directives (their clock moves, so
+# the rule's marks expire too), and with a sliding group.
 _variants["_shared_retention"] = {"RETENTION_RULE": "shared"}
+_variants["_shared_retention_with_directives"] = {"RETENTION_RULE": "shared", "RETENTION": True}
 _variants["_hybrid_shared_retention"] = {
     "RETENTION_RULE": "shared",
     "GROUPS": (FULL_ATTENTION, KVCacheGroupSpec(sliding_window=6)),

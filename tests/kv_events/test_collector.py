@@ -4,7 +4,14 @@ import random
 
 import msgspec
 
-from prefixcache.core import KVCacheGroupSpec, KVCacheManager, MultiModalFeature, longest_common_hit, root_hash
+from prefixcache.core import (
+    KVCacheGroupSpec,
+    KVCacheManager,
+    MultiModalFeature,
+    RetentionRange,
+    longest_common_hit,
+    root_hash,
+)
 from prefixcache.core.miss import hittable_blocks
 from prefixcache.kv_events.collector import KVEventCollector
 from prefixcache.kv_events.events import KVEventBatch, encode_block_hash
@@ -273,3 +280,17 @@ def test_a_consumer_of_a_hybrid_backends_events_predicts_every_hit_exactly():
                 assert consumer.predicted_hit(probe) == manager.lookup(probe.prompt_token_ids).cached_tokens
                 checked += consumer.predicted_hit(probe) > 0
     assert checked > 100  # the hits were not all zero
+
+
+def test_stored_blocks_carry_their_retention_last_and_vllms_decoder_still_reads_them():
+    manager, collector = make_manager()
+    retention = [RetentionRange(0, 4, priority=90, ttl_s=600), RetentionRange(4, 8, priority=10, ttl_s=30)]
+    admit(manager, make_request(unique_tokens(13, 0), retention=retention))
+    payload = wire(collector)
+    raw = msgspec.msgpack.decode(payload)[1][0]
+    assert list(raw)[-1] == "retention"
+    assert raw["retention"] == [[90, 600.0], [10, 30.0], [35, None]]
+    [event] = vllm_wire.decoder.decode(payload).events
+    assert isinstance(event, vllm_wire.BlockStored) and len(event.block_hashes) == 3
+    admit(manager, make_request(unique_tokens(9, 100)))  # no directive: the field is left out
+    assert "retention" not in msgspec.msgpack.decode(wire(collector))[1][0]

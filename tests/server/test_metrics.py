@@ -72,3 +72,34 @@ def test_hits_of_resumed_preempted_requests_are_their_own_series():
     assert found[("prefixcache:prefix_cache_preempted_queries_total", None)] == 50
     assert found[("prefixcache:prefix_cache_preempted_hits_total", None)] == 48
     assert found[("prefixcache:prefix_cache_hits_total", None)] == 20
+
+
+def test_retention_counters_by_priority_class_and_retained_blocks_by_tenant():
+    metrics = ServerMetrics("m")
+    by_class = {"expired": 1, "low": 2, "default": 3, "retained": 4}
+    metrics.update(
+        engine_stats(
+            [],
+            prefix_cache_retained_read_tokens=32,
+            prefix_cache_retained_written_tokens=16,
+            kv_cache_block_hits=by_class,
+            kv_cache_block_evictions=by_class | {"retained": 9},
+            kv_cache_block_expirations={"retained": 5},
+            retained_blocks_by_tenant={"tenant-a": 6, "": 2},
+        )
+    )
+    metrics.update(engine_stats([], retained_blocks_by_tenant={"tenant-a": 1}))  # a stale counter read moves none
+    text = metrics.render().decode()
+    found = {
+        (sample.name, sample.labels.get("priority_class") or sample.labels.get("tenant")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    assert found[("prefixcache:prefix_cache_retained_read_tokens_total", None)] == 32
+    assert found[("prefixcache:prefix_cache_retained_written_tokens_total", None)] == 16
+    assert found[("prefixcache:kv_cache_block_hits_total", "low")] == 2
+    assert found[("prefixcache:kv_cache_block_evictions_total", "retained")] == 9
+    assert found[("prefixcache:kv_cache_block_expirations_total", "retained")] == 5
+    assert found[("prefixcache:kv_cache_block_expirations_total", "low")] == 0
+    assert found[("prefixcache:kv_cache_retained_blocks", "tenant-a")] == 1
+    assert ("prefixcache:kv_cache_retained_blocks", "") not in found  # the latest batch has no such tenant

@@ -4,6 +4,10 @@
 unique tokens; at most 32 live (oldest freed first); 10,000 blocks of 16 tokens. No model runs: this
 measures hashing, lookup, allocation and free per request, the part that must vanish next to a model.
 
+``--retention`` also replays it with directives: every request marks its shared prefix retained (priority
+``RETAINED_PRIORITY`` for ``RETAINED_TTL_S``), the cost of honouring them (vLLM has no such directive, so its
+row stays the plain replay).
+
 ``--compare-vllm`` replays the same trace through vLLM's own v1 KVCacheManager in the same run, via
 ``benchmarks/peers/vllm_manager_replay.py`` under vLLM's CPU build (a separate venv: vLLM is never a
 dependency of ours), and adds it as a row of the table.
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from prefixcache.core import KVCacheManager, Request
+from prefixcache.core import KVCacheManager, Request, RetentionRange
 
 PREFIX_LENGTHS = (512, 1024, 1536, 2048)
 VOCAB_SIZE = 32_000
@@ -33,6 +37,9 @@ VLLM_SETUP = "../shared/peers/vllm-cpu/setup.sh"
 VLLM_PEER_SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "peers" / "vllm_manager_replay.py"
 VLLM_HASH_ALGO = "sha256"
 VLLM_TIMEOUT_S = 900
+RETAINED_PRIORITY = 80
+RETAINED_TTL_S = 300.0
+RETENTION_SUFFIX = "+retention"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +57,11 @@ class ManagerTraceConfig:
 
 def make_trace(config: ManagerTraceConfig) -> list[list[int]]:
     """Prompts as token ids: a Zipf-popular shared prefix followed by unique tokens."""
+    return [prompt for prompt, _ in make_trace_with_prefixes(config)]
+
+
+def make_trace_with_prefixes(config: ManagerTraceConfig) -> list[tuple[list[int], int]]:
+    """The trace's prompts, each with the length of its shared prefix."""
     rng = np.random.default_rng(config.seed)
     prefixes = [
         rng.integers(0, VOCAB_SIZE, PREFIX_LENGTHS[i % len(PREFIX_LENGTHS)]).tolist()
@@ -59,7 +71,7 @@ def make_trace(config: ManagerTraceConfig) -> list[list[int]]:
     choices = rng.choice(config.num_prefixes, size=config.num_requests, p=weights / weights.sum())
     unique_lens = rng.integers(config.min_unique, config.max_unique + 1, config.num_requests)
     return [
-        prefixes[c] + rng.integers(0, VOCAB_SIZE, n).tolist()
+        (prefixes[c] + rng.integers(0, VOCAB_SIZE, n).tolist(), len(prefixes[c]))
         for c, n in zip(choices.tolist(), unique_lens.tolist(), strict=True)
     ]
 
@@ -77,10 +89,22 @@ class PhaseTimes:
     hash_ns_per_token: float
 
 
-def replay(prompts: list[list[int]], config: ManagerTraceConfig, hash_algo: str) -> PhaseTimes:
-    """Replay the trace once; per-request phase times in microseconds."""
+def replay(
+    prompts: list[list[int]], config: ManagerTraceConfig, hash_algo: str, prefix_lengths: list[int] | None = None
+) -> PhaseTimes:
+    """Replay the trace once; per-request phase times in microseconds. With ``prefix_lengths`` every request
+    marks its shared prefix retained."""
     manager = KVCacheManager(num_blocks=config.num_blocks, block_size=config.block_size, hash_algo=hash_algo)
-    requests = [Request(request_id=str(i), prompt_token_ids=p) for i, p in enumerate(prompts)]
+    requests = [
+        Request(
+            request_id=str(i),
+            prompt_token_ids=p,
+            retention=()
+            if prefix_lengths is None
+            else (RetentionRange(0, prefix_lengths[i], priority=RETAINED_PRIORITY, ttl_s=RETAINED_TTL_S),),
+        )
+        for i, p in enumerate(prompts)
+    ]
     clock = time.perf_counter_ns
     phases = np.zeros((len(requests), 4), dtype=np.int64)
     live: list[Request] = []
@@ -122,14 +146,25 @@ def run(
     json_path: Path | None,
     config: ManagerTraceConfig,
     compare_vllm: bool = False,
+    retention: bool = False,
 ) -> dict:
-    """Best of ``repeats`` replays per algorithm (the machine is shared and noisy), printed as a table."""
-    prompts = make_trace(config)
+    """Best of ``repeats`` replays per algorithm (the machine is shared and noisy), printed as a table; with
+    ``retention`` each algorithm also replays with directives (alternating with the plain replays, so both see
+    the same load)."""
+    trace = make_trace_with_prefixes(config)
+    prompts = [prompt for prompt, _ in trace]
+    prefix_lengths = [length for _, length in trace] if retention else None
     results: dict[str, dict] = {}
     for algo in hash_algos:
-        runs = [replay(prompts, config, algo) for _ in range(repeats)]
-        best = min(runs, key=lambda r: r.total_us)
-        results[algo] = asdict(best) | {"total_us_runs": [round(r.total_us, 1) for r in runs]}
+        plain, retained = [], []
+        for _ in range(repeats):
+            plain.append(replay(prompts, config, algo))
+            if prefix_lengths is not None:
+                retained.append(replay(prompts, config, algo, prefix_lengths))
+        for key, runs in ((algo, plain), (algo + RETENTION_SUFFIX, retained)):
+            if runs:
+                best = min(runs, key=lambda r: r.total_us)
+                results[key] = asdict(best) | {"total_us_runs": [round(r.total_us, 1) for r in runs]}
     report = {
         "config": asdict(config),
         "machine": {"python": platform.python_version(), "processor": platform.machine(), "cpus": _cpus()},
@@ -143,6 +178,9 @@ def run(
             # p50 too: the two sides run one after the other, so a busy neighbour can skew either mean.
             vllm["ours_over_vllm_total"] = ours["total_us"] / vllm["total_us"] if ours else None
             vllm["ours_over_vllm_p50"] = ours["p50_us"] / vllm["p50_us"] if ours else None
+            retained = results.get(VLLM_HASH_ALGO + RETENTION_SUFFIX)
+            if retained is not None:
+                vllm["ours_retention_over_vllm_total"] = retained["total_us"] / vllm["total_us"]
             report["vllm"] = vllm
     _print_table(report)
     if json_path is not None:
@@ -215,7 +253,7 @@ def _print_table(report: dict) -> None:
         f"{report['mean_prompt_tokens']:.0f} prompt tokens on average, {cfg['num_blocks']} blocks of "
         f"{cfg['block_size']}, at most {cfg['max_live']} live; python {report['machine']['python']}"
     )
-    header = f"{'hash':<20}{'hash µs':>9}{'lookup':>8}{'alloc':>8}{'free':>8}{'total':>8}{'p50':>8}{'p99':>8}"
+    header = f"{'hash':<22}{'hash µs':>9}{'lookup':>8}{'alloc':>8}{'free':>8}{'total':>8}{'p50':>8}{'p99':>8}"
     print(header + f"{'hit rate':>10}{'ns/token':>10}")
     rows = list(report["results"].items())
     vllm = report.get("vllm")
@@ -224,7 +262,7 @@ def _print_table(report: dict) -> None:
         rows.append((f"vllm {major_minor} ({vllm['hash_algo']})", vllm))
     for label, r in rows:
         print(
-            f"{label:<20}{r['hashing_us']:>9.1f}{r['lookup_us']:>8.1f}{r['allocate_us']:>8.1f}{r['free_us']:>8.1f}"
+            f"{label:<22}{r['hashing_us']:>9.1f}{r['lookup_us']:>8.1f}{r['allocate_us']:>8.1f}{r['free_us']:>8.1f}"
             f"{r['total_us']:>8.1f}{r['p50_us']:>8.1f}{r['p99_us']:>8.1f}{r['hit_rate']:>10.3f}"
             f"{r['hash_ns_per_token']:>10.1f}"
         )
@@ -237,4 +275,8 @@ def _print_table(report: dict) -> None:
                 f"ours/vLLM ({vllm['hash_algo']}): total {vllm['ours_over_vllm_total']:.2f}x, "
                 f"p50 {vllm['ours_over_vllm_p50']:.2f}x; "
                 f"hit rate ours {ours['hit_rate']:.6f} vs vLLM {vllm['hit_rate']:.6f} ({same})"
+            )
+        if "ours_retention_over_vllm_total" in vllm:
+            print(
+                f"ours with retention directives / vLLM (no directives): {vllm['ours_retention_over_vllm_total']:.2f}x"
             )

@@ -9,8 +9,9 @@ last marked it. Free cached blocks leave in the order expired first (their TTL e
 priority, least recently used within a priority; at the default priority the pool's eviction policy (LRU or ARC)
 decides, so without directives nothing changes. A TTL runs from the block's last use (when it is freed) and its
 end returns the block to the default priority. Retained blocks (priority above the default) are bounded: past
-``max_retained_blocks`` in all, or a tenant's ``max_tenant_retained_blocks``, the least recently marked or used
-ones are demoted to the default priority, so an allocation never fails because of them.
+``max_retained_blocks`` in all, or a tenant's ``max_tenant_retained_blocks``, the least recently marked ones (a
+hit with the same directive marks a block again) are demoted to the default priority, so an allocation never
+fails because of them.
 
 Every KV cache group (:mod:`prefixcache.core.kv_cache_groups`) draws from the one pool and has its own
 map from hash to block: a block belongs to one group at a time, so the same tokens are cached once per
@@ -78,7 +79,9 @@ class StoredBlocks:
 
     ``parent_block_hash`` is the hash of the block before the first one, None at the start of a
     prompt; ``token_ids`` are all the blocks' tokens in order; ``extra_keys`` has one entry a block;
-    ``group`` is the KV cache group whose map now holds them.
+    ``group`` is the KV cache group whose map now holds them. ``retention`` has each block's ``(priority,
+    ttl_s)`` (``ttl_s`` None at the default priority) when a retention directive marked some of them (None: none
+    was).
     """
 
     block_hashes: list[BlockHash]
@@ -88,6 +91,7 @@ class StoredBlocks:
     lora_name: str | None
     extra_keys: list[ExtraKeys | None]
     group: int = 0
+    retention: list[tuple[int, float | None]] | None = None
 
 
 class BlockPoolListener:
@@ -157,10 +161,12 @@ class BlockPool:
         self.clock = clock
         self.max_retained_blocks = len(self.usable_blocks) if max_retained_blocks is None else max_retained_blocks
         self.max_tenant_retained_blocks = max_tenant_retained_blocks
-        # Blocks above the default priority, free or in use, least recently marked or used first (all, and by tenant).
+        # Blocks above the default priority, free or in use, least recently marked first (all, and by tenant).
         self.retained: OrderedDict[int, Block] = OrderedDict()
         self.retained_by_tenant: dict[str, OrderedDict[int, Block]] = {}
         self.retention_counters = RetentionCounters()
+        # Blocks not at the default priority, in any state: while none is, hits and frees run today's loops.
+        self.num_marked = 0
         # One map a group, never replaced (the groups' managers hold them).
         self.cached: list[dict[BlockHash, Block | dict[int, Block]]] = [{} for _ in range(num_groups)]
         self.listeners = list(listeners)
@@ -176,7 +182,8 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.uncached_free) + len(self.evictable) + len(self.retained_free)
+        num_free = len(self.uncached_free) + len(self.evictable)
+        return num_free + len(self.retained_free) if self.retained_free.priorities else num_free
 
     def eviction_order(self) -> list[Block]:
         """The free cached blocks in the order they would be evicted now (for tests and ``explain``)."""
@@ -200,29 +207,44 @@ class BlockPool:
             self._forget_retained(block, priority)
             block.tenant = None
 
-    def retain(self, block: Block, priority: int, ttl_s: float, tenant: str | None) -> list[str]:
-        """Mark a cached block in use with a directive's priority and TTL; returns the bounds it ran into.
+    def retain(self, blocks: Iterable[Block], priority: int, ttl_s: float, tenant: str | None) -> list[str]:
+        """Mark cached blocks in use with a directive's priority and TTL; returns the bounds they ran into.
 
-        A block another tenant marked is left as it is. Past the retained share or the tenant's quota, the least
-        recently marked or used retained blocks (possibly this one) are demoted to the default priority.
+        A block another tenant marked is left as it is. Past the tenant's quota, then past the retained share,
+        the least recently marked retained blocks (possibly these) are demoted to the default priority.
         """
-        old = block.priority
-        if old != DEFAULT_PRIORITY and block.tenant != tenant:
-            return []
-        self._forget_retained(block, old)
-        block.priority, block.ttl_s, block.tenant = priority, ttl_s, tenant
-        if priority == DEFAULT_PRIORITY:
-            block.tenant = None
-            return []
-        if priority < DEFAULT_PRIORITY:
-            return []
-        self.retained[block.block_id] = block
+        retained = self.retained
+        raising = priority > DEFAULT_PRIORITY
+        owned = self.retained_by_tenant.setdefault(tenant, OrderedDict()) if raising and tenant is not None else None
+        for block in blocks:
+            old = block.priority
+            if old != DEFAULT_PRIORITY:
+                if block.tenant != tenant:
+                    continue
+                if old == priority and block.ttl_s == ttl_s:  # renewed: only its place among the retained moves
+                    if raising:
+                        retained.move_to_end(block.block_id)
+                        if owned is not None:
+                            owned.move_to_end(block.block_id)
+                    continue
+                self._forget_retained(block, old)
+                self.num_marked -= priority == DEFAULT_PRIORITY
+            else:
+                self.num_marked += priority != DEFAULT_PRIORITY
+            block.priority, block.ttl_s = priority, ttl_s
+            block.tenant = None if priority == DEFAULT_PRIORITY else tenant
+            if raising:
+                retained[block.block_id] = block
+                if owned is not None:
+                    owned[block.block_id] = block
+        return self._enforce_bounds(owned) if raising else []
+
+    def _enforce_bounds(self, owned: OrderedDict[int, Block] | None) -> list[str]:
+        """Demote the oldest retained blocks past the tenant's quota (its own first), then past the share."""
         bounds: list[str] = []
-        if tenant is not None:
-            owned = self.retained_by_tenant.setdefault(tenant, OrderedDict())
-            owned[block.block_id] = block
+        if owned is not None:
             quota = self.max_tenant_retained_blocks
-            if quota is not None and len(owned) > quota:  # the tenant's own oldest go before anyone else's
+            if quota is not None and len(owned) > quota:
                 bounds.append("max_tenant_retained_fraction")
                 while len(owned) > quota:
                     self._demote(next(iter(owned.values())))
@@ -245,15 +267,13 @@ class BlockPool:
         """Drop a block that was above the default priority from the retained share (and its tenant's)."""
         if priority > DEFAULT_PRIORITY:
             del self.retained[block.block_id]
-            if block.tenant is not None:
-                owned = self.retained_by_tenant[block.tenant]
-                del owned[block.block_id]
-                if not owned:
-                    del self.retained_by_tenant[block.tenant]
+            if block.tenant is not None:  # the tenant's table stays, if empty: a retain call may be filling it
+                del self.retained_by_tenant[block.tenant][block.block_id]
 
     def _demote(self, block: Block) -> None:
         """Return a retained block to the default priority; a free one joins the eviction policy's queue."""
         self._forget_retained(block, block.priority)
+        self.num_marked -= 1
         if block.ref_cnt == 0:
             self.retained_free.remove(block)
             block.priority, block.tenant = DEFAULT_PRIORITY, None
@@ -261,16 +281,13 @@ class BlockPool:
         else:
             block.priority, block.tenant = DEFAULT_PRIORITY, None
 
-    def _pop_cached(self) -> Block:
-        """The next cached block to evict when some free block is not at the default priority."""
-        self.expire()
-        lowest = self.retained_free.lowest_priority()
-        if lowest is None or (lowest > DEFAULT_PRIORITY and len(self.evictable)):
-            self.retention_counters.evictions["default"] += 1
-            return self.evictable.pop()
+    def _pop_retained(self) -> Block:
+        """Evict the least recently freed block of the lowest priority in the retained queue (expired first)."""
+        priority = self.retained_free.priorities[0]
         block = self.retained_free.pop_lowest()
-        self.retention_counters.evictions[priority_class(lowest)] += 1
-        self._forget_retained(block, lowest)
+        self.retention_counters.evictions[priority_class(priority)] += 1
+        self._forget_retained(block, priority)
+        self.num_marked -= 1
         block.priority, block.tenant = DEFAULT_PRIORITY, None
         return block
 
@@ -280,31 +297,43 @@ class BlockPool:
             return entry
         return next(iter(entry.values()))
 
-    def touch(self, blocks: Iterable[Block]) -> None:
+    def touch(self, blocks: Sequence[Block]) -> None:
         """Take a reference on hit blocks (never the null block); a free one leaves the free queue. A hit on a
         block whose TTL ended finds it back at the default priority."""
         evictable = self.evictable
-        if self.retained_free:
-            self.expire()
-        num_default = 0
-        for block in blocks:
-            if block.priority != DEFAULT_PRIORITY:
-                self._touch_marked(block)
-            else:
-                num_default += 1
+        hits = self.retention_counters.hits
+        if not self.num_marked:  # no directive anywhere: today's loop
+            for block in blocks:
                 if block.ref_cnt == 0:
                     evictable.remove(block)
+                block.ref_cnt += 1
+            hits["default"] += len(blocks)
+            return
+        self.expire()
+        retained_free = self.retained_free
+        num_retained = num_low = num_expired = 0
+        for block in blocks:
+            priority = block.priority
+            if priority == DEFAULT_PRIORITY:
+                if block.ref_cnt == 0:
+                    evictable.remove(block)
+            else:
+                if priority > DEFAULT_PRIORITY:
+                    num_retained += 1
+                elif priority == EXPIRED:
+                    num_expired += 1
+                else:
+                    num_low += 1
+                if block.ref_cnt == 0:
+                    retained_free.remove(block)
+                    if priority == EXPIRED:
+                        block.priority = DEFAULT_PRIORITY
+                        self.num_marked -= 1
             block.ref_cnt += 1
-        self.retention_counters.hits["default"] += num_default
-
-    def _touch_marked(self, block: Block) -> None:
-        """A hit on a block a directive marked: counted by its class; a free one leaves the retained queue."""
-        priority = block.priority
-        self.retention_counters.hits[priority_class(priority)] += 1
-        if block.ref_cnt == 0:
-            self.retained_free.remove(block)
-            if priority == EXPIRED:
-                block.priority = DEFAULT_PRIORITY
+        hits["default"] += len(blocks) - num_retained - num_low - num_expired
+        hits["retained"] += num_retained
+        hits["low"] += num_low
+        hits["expired"] += num_expired
 
     def get_new_blocks(self, num_blocks: int) -> list[Block]:
         """Pop ``num_blocks`` free blocks (caller checked there are enough), evicting cached ones last.
@@ -312,15 +341,19 @@ class BlockPool:
         An evicted block leaves its group's map; listeners hear of the hashes whose last block it was.
         """
         uncached, evictable, on_reused, maps = self.uncached_free, self.evictable, self._on_reused, self.cached
-        retained_free = self.retained_free
+        retained_levels = self.retained_free.priorities  # the lowest first
+        num_default_free = 0
+        if retained_levels:
+            self.expire()  # once: the clock does not move within one call
+            num_default_free = len(evictable)
         out: list[Block] = []
         removed: list[list[BlockHash]] | None = None  # by group, made at the first eviction
         num_default_evicted = 0
         for _ in range(num_blocks):
             if uncached:
                 block = uncached.popleft()
-            elif retained_free:
-                block = self._pop_cached()
+            elif retained_levels and (retained_levels[0] < DEFAULT_PRIORITY or num_default_evicted == num_default_free):
+                block = self._pop_retained()  # expired or low before the default, retained after it
             else:
                 block = evictable.pop()
                 num_default_evicted += 1
@@ -390,6 +423,8 @@ class BlockPool:
         if not self._on_stored:
             return
         for first, last in runs:
+            blocks = table[first:last]
+            marked = any(block.priority != DEFAULT_PRIORITY for block in blocks)
             stored = StoredBlocks(
                 block_hashes=block_hashes[first:last],
                 parent_block_hash=block_hashes[first - 1] if first else None,
@@ -398,15 +433,28 @@ class BlockPool:
                 lora_name=request.lora_name,
                 extra_keys=[request.block_extra_keys(k, block_size) for k in range(first, last)],
                 group=group,
+                retention=[(b.priority, None if b.priority == DEFAULT_PRIORITY else b.ttl_s) for b in blocks]
+                if marked
+                else None,
             )
             for listener in self._on_stored:
                 listener.blocks_stored(stored)
 
     def free_blocks(self, blocks: Iterable[Block]) -> None:
         """Drop one reference from each block (never the null block), in eviction order (the first freed is
-        evicted first). A block's TTL starts now: it is last used."""
+        evicted first). A block's TTL starts now: it is last used (its place in the retained share moves only when
+        a directive marks it again)."""
         uncached, evictable = self.uncached_free, self.evictable
-        now = None
+        if not self.num_marked:  # no directive anywhere: today's loop
+            for block in blocks:
+                block.ref_cnt -= 1
+                if block.ref_cnt == 0:
+                    if block.block_hash is None:
+                        uncached.append(block)
+                    else:
+                        evictable.push(block)
+            return
+        marked: list[Block] | None = None
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
@@ -414,14 +462,12 @@ class BlockPool:
                     uncached.append(block)
                 elif block.priority == DEFAULT_PRIORITY:
                     evictable.push(block)
+                elif marked is None:
+                    marked = [block]
                 else:
-                    if now is None:
-                        now = self.clock()
-                    self.retained_free.push(block, now)
-                    if block.priority > DEFAULT_PRIORITY:
-                        self.retained.move_to_end(block.block_id)
-                        if block.tenant is not None:
-                            self.retained_by_tenant[block.tenant].move_to_end(block.block_id)
+                    marked.append(block)
+        if marked is not None:
+            self.retained_free.push(marked, self.clock())
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while any block is in use."""
@@ -436,6 +482,7 @@ class BlockPool:
         self.retained_free.clear()
         self.retained.clear()
         self.retained_by_tenant.clear()
+        self.num_marked = 0
         self.uncached_free = deque(self.usable_blocks)
         for listener in self._on_cleared:
             listener.cache_cleared()
@@ -474,6 +521,7 @@ class BlockPool:
         for block in self.retained_free:
             assert block.block_hash is not None, f"retained free block {block.block_id} carries no hash"
             assert block.priority != DEFAULT_PRIORITY, f"default block {block.block_id} is in the retained queue"
+        assert self.num_marked == sum(b.priority != DEFAULT_PRIORITY for b in self.blocks), "num_marked is off"
         above = {b.block_id for b in self.blocks if b.priority > DEFAULT_PRIORITY}
         assert above == set(self.retained), "the retained share does not list exactly the blocks above default"
         assert len(above) <= self.max_retained_blocks, "retained blocks exceed the share"
@@ -483,11 +531,14 @@ class BlockPool:
             )
             assert block.priority != EXPIRED or block.ref_cnt == 0, f"block {block.block_id} in use is expired"
         for tenant, owned in self.retained_by_tenant.items():
-            assert owned and all(self.retained.get(i) is b and b.tenant == tenant for i, b in owned.items()), (
+            assert all(self.retained.get(i) is b and b.tenant == tenant for i, b in owned.items()), (
                 f"tenant {tenant!r}'s retained blocks disagree with the share"
             )
             quota = self.max_tenant_retained_blocks
             assert quota is None or len(owned) <= quota, f"tenant {tenant!r} exceeds its quota"
+        assert sum(map(len, self.retained_by_tenant.values())) == sum(
+            b.tenant is not None for b in self.retained.values()
+        ), "a tenant's retained block is missing from its table"
         indexed = 0
         for group, cached in enumerate(self.cached):
             for block_hash, entry in cached.items():

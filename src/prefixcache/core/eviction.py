@@ -10,7 +10,7 @@ import bisect
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 from typing import TYPE_CHECKING, Protocol
 
@@ -155,25 +155,48 @@ class RetainedQueue:
     included), a sorted list of those priorities and a heap of expiries with lazy deletion.
 
     Every operation is O(1) or O(log n): at most 102 priorities exist, so finding the lowest one in use is a
-    bounded list operation; a block's expiry is pushed when it is freed (its TTL runs from its last use), and an
-    entry that no longer matches the block (hit, demoted or evicted since) is skipped when it comes up. The heap
-    is rebuilt from the live blocks when stale entries outnumber them, so a hot block freed again and again
-    under a long TTL cannot grow it without bound.
+    bounded list operation; a block's expiry is pushed when it is freed (its TTL runs from its last use; the
+    blocks a request frees together with one TTL share an entry), and a block that no longer matches its entry
+    (hit, demoted or evicted since) is skipped when the entry comes up. The heap is rebuilt from the live blocks
+    when stale ones outnumber them fourfold, so a hot block freed again and again under a long TTL cannot grow it
+    without bound.
     """
 
     def __init__(self) -> None:
         self._levels: dict[int, OrderedDict[int, Block]] = {}
-        self._priorities: list[int] = []  # sorted: the levels that hold a block
-        self._expiries: list[tuple[float, int, Block]] = []
+        # Sorted: the levels that hold a block. A list, so the pool's hot paths test "any block here?" at C speed.
+        self.priorities: list[int] = []
+        # (expiry, order, the blocks freed together that expire then): one entry per request freed, not per block.
+        self._expiries: list[tuple[float, int, tuple[Block, ...]]] = []
+        self._num_expiring = 0  # blocks listed in the heap, stale ones included
         self._order = itertools.count()
         self._len = 0
 
-    def push(self, block: Block, now: float) -> None:
-        """A block at ``block.priority`` (not the default) was freed at ``now``: it expires ``block.ttl_s`` later."""
-        self._append(block)
-        block.expires_at = now + block.ttl_s
-        heapq.heappush(self._expiries, (block.expires_at, next(self._order), block))
-        if len(self._expiries) > 2 * self._len + 64:
+    def push(self, blocks: Sequence[Block], now: float) -> None:
+        """Blocks not at the default priority were freed at ``now``, in eviction order: each expires its
+        ``ttl_s`` later."""
+        expiring: dict[float, list[Block]] = {}
+        levels = self._levels
+        priority = ttl_s = None
+        for block in blocks:  # a request's blocks mostly share a priority and a TTL: look each up once a run
+            if block.priority != priority:
+                priority = block.priority
+                level = levels.get(priority)
+                if level is None:
+                    level = levels[priority] = OrderedDict()
+                    bisect.insort(self.priorities, priority)
+            level[block.block_id] = block
+            if block.ttl_s != ttl_s:
+                ttl_s = block.ttl_s
+                expires_at = now + ttl_s
+                same = expiring.setdefault(expires_at, [])
+            block.expires_at = expires_at
+            same.append(block)
+        self._len += len(blocks)
+        for expires_at, same in expiring.items():
+            heapq.heappush(self._expiries, (expires_at, next(self._order), tuple(same)))
+            self._num_expiring += len(same)
+        if self._num_expiring > 4 * self._len + 1024:
             self._compact()
 
     def remove(self, block: Block) -> None:
@@ -184,13 +207,9 @@ class RetainedQueue:
         if not level:
             self._drop_level(block.priority)
 
-    def lowest_priority(self) -> int | None:
-        """The lowest priority a free block here has (``EXPIRED`` first), None when empty."""
-        return self._priorities[0] if self._priorities else None
-
     def pop_lowest(self) -> Block:
         """Remove and return the least recently freed block of the lowest priority."""
-        priority = self._priorities[0]
+        priority = self.priorities[0]
         level = self._levels[priority]
         block = level.popitem(last=False)[1]
         self._len -= 1
@@ -208,20 +227,23 @@ class RetainedQueue:
         expired: list[tuple[Block, int]] = []
         heap = self._expiries
         while heap and heap[0][0] <= now:
-            expires_at, _, block = heapq.heappop(heap)
-            priority = block.priority
-            if block.ref_cnt or priority in (EXPIRED, DEFAULT_PRIORITY) or block.expires_at != expires_at:
-                continue  # hit, demoted, evicted or freed again since this entry was pushed
-            self.remove(block)
-            block.priority = EXPIRED
-            self._append(block)
-            expired.append((block, priority))
+            expires_at, _, blocks = heapq.heappop(heap)
+            self._num_expiring -= len(blocks)
+            for block in blocks:
+                priority = block.priority
+                if block.ref_cnt or priority in (EXPIRED, DEFAULT_PRIORITY) or block.expires_at != expires_at:
+                    continue  # hit, demoted, evicted or freed again since this entry was pushed
+                self.remove(block)
+                block.priority = EXPIRED
+                self._append(block)
+                expired.append((block, priority))
         return expired
 
     def clear(self) -> None:
         self._levels.clear()
-        self._priorities.clear()
+        self.priorities.clear()
         self._expiries.clear()
+        self._num_expiring = 0
         self._len = 0
 
     def __len__(self) -> int:
@@ -229,27 +251,29 @@ class RetainedQueue:
 
     def __iter__(self) -> Iterator[Block]:
         """The blocks in eviction order among themselves (lowest priority first, LRU within one)."""
-        return chain.from_iterable(self._levels[p].values() for p in self._priorities)
+        return chain.from_iterable(self._levels[p].values() for p in self.priorities)
 
     def _append(self, block: Block) -> None:
         level = self._levels.get(block.priority)
         if level is None:
             level = self._levels[block.priority] = OrderedDict()
-            bisect.insort(self._priorities, block.priority)
+            bisect.insort(self.priorities, block.priority)
         level[block.block_id] = block
         self._len += 1
 
     def _drop_level(self, priority: int) -> None:
         del self._levels[priority]
-        del self._priorities[bisect.bisect_left(self._priorities, priority)]
+        del self.priorities[bisect.bisect_left(self.priorities, priority)]
 
     def _compact(self) -> None:
-        self._expiries = [
-            (block.expires_at, next(self._order), block)
-            for priority, level in self._levels.items()
-            if priority != EXPIRED
-            for block in level.values()
-        ]
+        """Rebuild the heap from the live blocks, one entry per expiry time."""
+        expiring: dict[float, list[Block]] = {}
+        for priority, level in self._levels.items():
+            if priority != EXPIRED:
+                for block in level.values():
+                    expiring.setdefault(block.expires_at, []).append(block)
+        self._expiries = [(expires_at, next(self._order), tuple(same)) for expires_at, same in expiring.items()]
+        self._num_expiring = self._len - len(self._levels.get(EXPIRED, ()))
         heapq.heapify(self._expiries)
 
 

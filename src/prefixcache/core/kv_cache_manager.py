@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from prefixcache.core.block_pool import Block, BlockPool, BlockPoolListener
-from prefixcache.core.eviction import EvictionPolicy
+from prefixcache.core.eviction import EXPIRED, EvictionPolicy
 from prefixcache.core.hashing import BlockHash, root_hash, warn_if_unsafe
 from prefixcache.core.kv_cache_groups import (
     FULL_ATTENTION,
@@ -30,6 +30,7 @@ from prefixcache.core.miss import (
     MISS_REASONS,
     EvictedHashes,
     PrefixLookup,
+    RetentionRun,
     first_miss_reason,
     hittable_blocks,
     hittable_tokens,
@@ -356,10 +357,12 @@ class KVCacheManager:
         request = Request("lookup", token_ids, cache_salt=cache_salt, lora_name=lora_name, mm_features=mm_features)
         by_tier = {"device": 0}
         num_cached = num_copied = 0
+        retention: list[RetentionRun] = []
         if self.enable_caching and not request.skip_reading_prefix_cache:
             hashes = self.block_hashes(request)
             max_blocks = hittable_blocks(request.num_tokens, self.block_size)
-            num_blocks, _, num_copied = self._local_hit(request, hashes, max_blocks)
+            num_blocks, blocks, num_copied = self._local_hit(request, hashes, max_blocks)
+            retention = self._retention_runs(blocks, num_blocks)
             num_cached = num_blocks * self.block_size
             if self.connector is not None:
                 tiers = self.connector.held(request, hashes, num_blocks, max_blocks)
@@ -381,7 +384,28 @@ class KVCacheManager:
             block_size=self.block_size,
             first_miss_reason=first_miss_reason(missed),
             missed_tokens=missed,
+            retention=retention,
         )
+
+    def _retention_runs(self, blocks: list[list[Block]], num_blocks: int) -> list[RetentionRun]:
+        """The retention of a hit's first ``num_blocks`` positions, in runs; reads the clock, changes nothing (a
+        block whose TTL ended but that the pool has not moved yet shows as what it is: back at the default)."""
+        runs: list[RetentionRun] = []
+        null, now = self.null_block, self.pool.clock()
+        for k in range(num_blocks):
+            block = next(group[k] for group in blocks if group[k] is not null)
+            priority, ttl_s, expires_in = block.priority, block.ttl_s, None
+            if block.ref_cnt == 0 and priority not in (EXPIRED, DEFAULT_PRIORITY):
+                expires_in = block.expires_at - now
+            if priority in (EXPIRED, DEFAULT_PRIORITY) or (expires_in is not None and expires_in <= 0):
+                priority, ttl_s, expires_in = DEFAULT_PRIORITY, None, None
+            start, end = k * self.block_size, (k + 1) * self.block_size
+            last = runs[-1] if runs else None
+            if last is not None and (last.priority, last.ttl_s, last.expires_in_s) == (priority, ttl_s, expires_in):
+                runs[-1] = RetentionRun(last.start, end, priority, ttl_s, expires_in)
+            else:
+                runs.append(RetentionRun(start, end, priority, ttl_s, expires_in))
+        return runs
 
     def allocate_slots(
         self,
@@ -686,26 +710,49 @@ class KVCacheManager:
             if ttl_clamped:
                 _note_clamp(request, "max_retention_ttl_s")
         pool, null, block_size = self.pool, self.null_block, self.block_size
-        num_prompt = request.num_prompt_tokens
-        stats = self.stats
-        for k in range(start, end):
-            directive = next((d for d in directives if d.covers(k)), None)
-            blocks = [table[k] for table in tables if table[k] is not null]
-            if directive is not None:
-                for block in blocks:
-                    for bound in pool.retain(block, directive.priority, directive.ttl_s, request.tenant):
-                        _note_clamp(request, bound)
-            if k < request.retention_accounted_blocks:
-                continue
-            request.retention_accounted_blocks = k + 1
-            tokens = min(block_size, num_prompt - k * block_size)
-            if tokens > 0 and blocks and blocks[0].priority > DEFAULT_PRIORITY:
-                if k < request.retention_read_end:
-                    request.num_retained_read_tokens += tokens
-                    stats.retained_read_tokens += tokens
+        k = start
+        while k < end and directives:  # in runs of positions that the same directive covers
+            directive, run_end = None, end
+            for d in directives:  # the best that covers k (they are sorted best first); where coverage changes
+                if directive is None and d.covers(k):
+                    directive = d
+                if k < d.first < run_end:
+                    run_end = d.first
+                if d.end is not None and k < d.end < run_end:
+                    run_end = d.end
+            if directive is not None:  # tail first, as blocks are freed: a run's head is demoted last
+                if null is None and len(tables) == 1:
+                    blocks = tables[0][k:run_end]
+                    blocks.reverse()
                 else:
-                    request.num_retained_written_tokens += tokens
-                    stats.retained_written_tokens += tokens
+                    blocks = [t[i] for i in range(run_end - 1, k - 1, -1) for t in tables if t[i] is not null]
+                for bound in pool.retain(blocks, directive.priority, directive.ttl_s, request.tenant):
+                    _note_clamp(request, bound)
+            k = run_end
+        first = max(start, request.retention_accounted_blocks)
+        if first >= end:
+            return
+        request.retention_accounted_blocks = end
+        num_prompt = request.num_prompt_tokens
+        last = min(end, _cdiv(num_prompt, block_size))
+        if first >= last:
+            return
+        if null is None:
+            row = tables[0][first:last]
+        else:  # a sliding group holds the null block where its window does not reach: take a group that holds one
+            row = [next((t[k] for t in tables if t[k] is not null), null) for k in range(first, last)]
+        retained = [block.priority > DEFAULT_PRIORITY for block in row]
+        split = min(max(request.retention_read_end - first, 0), len(retained))
+        num_read, num_written = sum(retained[:split]) * block_size, sum(retained[split:]) * block_size
+        if retained[-1] and last * block_size > num_prompt:  # the prompt ends inside the last block
+            if split == len(retained):
+                num_read -= last * block_size - num_prompt
+            else:
+                num_written -= last * block_size - num_prompt
+        request.num_retained_read_tokens += num_read
+        request.num_retained_written_tokens += num_written
+        self.stats.retained_read_tokens += num_read
+        self.stats.retained_written_tokens += num_written
 
     def _count_admission(self, request: Request, num_hit_tokens: int, num_copied_tokens: int) -> None:
         stats = self.stats

@@ -28,7 +28,7 @@ reasons, its counts are the ones defined here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prefixcache.core.block_pool import BlockPoolListener
 from prefixcache.core.hashing import BlockHash
@@ -98,6 +98,19 @@ def first_miss_reason(missed: dict[str, int]) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class RetentionRun:
+    """Cached device tokens ``start`` .. ``end`` whose blocks share a retention: ``priority`` (35, the default,
+    once a TTL ended), ``ttl_s`` (None at the default) and ``expires_in_s``, the seconds left while the blocks
+    are free (None while a request uses one: a TTL runs from the last use)."""
+
+    start: int
+    end: int
+    priority: int
+    ttl_s: float | None = None
+    expires_in_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class PrefixLookup:
     """What the cache holds of one prompt right now, as admitting it would find it.
 
@@ -105,7 +118,8 @@ class PrefixLookup:
     sub-block match, and blocks the offload tiers would load); ``cached_tokens_by_tier`` splits them
     between ``device`` and each tier (``CPU``, ``DISK``, ``REDIS``). They always form a prefix, so
     ``cached_prefix_end`` is the index of the first token to compute. ``missed_tokens`` has one entry per
-    reason in ``MISS_REASONS``.
+    reason in ``MISS_REASONS``. ``retention`` describes the device's cached blocks of the prefix in runs of one
+    retention (:class:`RetentionRun`).
     """
 
     prompt_tokens: int
@@ -116,3 +130,4 @@ class PrefixLookup:
     block_size: int
     first_miss_reason: str
     missed_tokens: dict[str, int]
+    retention: list[RetentionRun] = field(default_factory=list)

@@ -76,16 +76,18 @@ class SharedPrefixRetention:
         self._reaches: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> requests that reached it
 
     def reached(self, positions: Iterable[tuple[BlockHash, list[Block]]]) -> None:
-        reaches, pool = self._reaches, self.pool
+        reaches = self._reaches
+        shared: list[Block] = []
         for block_hash, blocks in positions:
             count = reaches.pop(block_hash, 0) + 1
             reaches[block_hash] = count
             if count >= self.min_requests:
-                for block in blocks:
-                    if block.priority == DEFAULT_PRIORITY:
-                        pool.retain(block, self.priority, self.ttl_s, None)
+                shared.extend(block for block in blocks if block.priority == DEFAULT_PRIORITY)
         while len(reaches) > self.history_size:
             reaches.popitem(last=False)
+        if shared:
+            shared.reverse()  # marked tail first, as blocks are freed: within the retained share the head goes last
+            self.pool.retain(shared, self.priority, self.ttl_s, None)
 
     def reach_count(self, block_hash: BlockHash) -> int:
         """How many requests reached ``block_hash`` as far as the record remembers (0: never, or forgotten)."""

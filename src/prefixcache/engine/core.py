@@ -225,6 +225,8 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         stats = self.manager.stats
+        pool = self.manager.pool
+        counters = pool.retention_counters
         recent_queries = sum(q for q, _ in self._recent)
         return EngineStats(
             prefix_cache_queries=stats.queries,
@@ -244,6 +246,12 @@ class EngineCore:
             block_size=self.manager.block_size,
             kv_offload=self.offload.stats() if self.offload is not None else [],
             kv_events_dropped=self.kv_events.num_dropped if self.kv_events is not None else 0,
+            prefix_cache_retained_read_tokens=stats.retained_read_tokens,
+            prefix_cache_retained_written_tokens=stats.retained_written_tokens,
+            kv_cache_block_hits=dict(counters.hits),
+            kv_cache_block_evictions=dict(counters.evictions),
+            kv_cache_block_expirations=dict(counters.expirations),
+            retained_blocks_by_tenant=pool.retained_blocks_by_tenant(),
         )
 
     def _fail(self, request: EngineRequest, error: str) -> EngineCoreOutput:

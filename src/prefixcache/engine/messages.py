@@ -62,6 +62,11 @@ class EngineStats(msgspec.Struct, array_like=True, tag=True, frozen=True):
     by ``/metrics`` and the benchmarks. A request admitted again after a preemption is not counted there but
     in ``prefix_cache_preempted_queries`` and ``prefix_cache_preempted_hits``: those hits are its own blocks
     read back, not sharing.
+
+    Retention: ``prefix_cache_retained_read_tokens`` / ``_written_tokens`` are prompt tokens read from / written
+    into retained blocks; ``kv_cache_block_hits`` / ``_evictions`` / ``_expirations`` count blocks by priority
+    class (``prefixcache.core.block_pool.PRIORITY_CLASSES``) and ``retained_blocks_by_tenant`` holds the blocks
+    above the default priority now, by tenant ("" without one).
     """
 
     prefix_cache_queries: int
@@ -82,6 +87,12 @@ class EngineStats(msgspec.Struct, array_like=True, tag=True, frozen=True):
     # Admissions after a preemption, counted apart: they re-read the request's own blocks, not shared ones.
     prefix_cache_preempted_queries: int = 0
     prefix_cache_preempted_hits: int = 0
+    prefix_cache_retained_read_tokens: int = 0
+    prefix_cache_retained_written_tokens: int = 0
+    kv_cache_block_hits: dict[str, int] = {}
+    kv_cache_block_evictions: dict[str, int] = {}
+    kv_cache_block_expirations: dict[str, int] = {}
+    retained_blocks_by_tenant: dict[str, int] = {}
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True):
@@ -96,8 +107,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True):
     On the output that carries ``num_cached_tokens`` (every one, as it is fixed at first admission):
     ``num_retained_written_tokens`` / ``num_retained_read_tokens`` are the prompt tokens this request wrote into /
     read from blocks that it or another request marked retained (priority above the default), Anthropic's
-    ``cache_creation_input_tokens`` / ``cache_read_input_tokens``; ``retention_clamped`` says why a directive was
-    clamped (the largest TTL, the retained share, the tenant's quota), for the response.
+    ``cache_creation_input_tokens`` / ``cache_read_input_tokens``; ``retention_clamped`` names the bounds its
+    directives ran into, comma-separated, for the response: ``max_retention_ttl_s`` (a TTL was cut to the largest),
+    ``max_tenant_retained_fraction`` (the tenant's quota) and ``max_retained_fraction`` (the share) demoted its
+    tenant's / anyone's least recently marked retained blocks.
     """
 
     request_id: str

@@ -94,6 +94,7 @@ class KVEventCollector(BlockPoolListener, TierEventListener):
                 group_idx=stored.group,
                 kv_cache_spec_kind=self.groups[stored.group].kind,
                 kv_cache_spec_sliding_window=self.groups[stored.group].sliding_window,
+                retention=stored.retention,
             )
         )
 

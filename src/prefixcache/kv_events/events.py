@@ -51,6 +51,9 @@ class BlockStored(KVCacheEvent):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    # prefixcache's own, last and omitted unless a retention directive marked a block: each block's
+    # [priority, ttl_s] (ttl_s null at the default priority 35). Decoders that do not know it skip it.
+    retention: list[tuple[int, float | None]] | None = None
 
 
 class BlockRemoved(KVCacheEvent):

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from prefixcache.core import MISS_REASONS
+from prefixcache.core.block_pool import PRIORITY_CLASSES
 from prefixcache.engine import EngineStats
 from prefixcache.offload.store import TierStats
 
@@ -70,6 +71,14 @@ class ServerMetrics:
             "kv_events_dropped": counter(
                 "kv_events_dropped", "KV cache event batches dropped because the publisher's queue was full."
             ),
+            "prefix_cache_retained_read_tokens": counter(
+                "prefix_cache_retained_read_tokens",
+                "Prompt tokens read from retained blocks (a retention directive raised their priority).",
+            ),
+            "prefix_cache_retained_written_tokens": counter(
+                "prefix_cache_retained_written_tokens",
+                "Prompt tokens computed into blocks the request's retention directives marked retained.",
+            ),
         }
         self._seen: dict[str, int] = {}  # the engine's cumulative counters as last read
         missed = Counter(
@@ -81,6 +90,10 @@ class ServerMetrics:
             registry=registry,
         )
         self._missed = {reason: missed.labels(**label, reason=reason) for reason in MISS_REASONS}
+        self._by_priority_class: dict[str, dict[str, Counter]] = {}
+        for event, doc in _BLOCK_EVENTS.items():
+            family = Counter(f"prefixcache:kv_cache_block_{event}", doc, [*label, "priority_class"], registry=registry)
+            self._by_priority_class[event] = {c: family.labels(**label, priority_class=c) for c in PRIORITY_CLASSES}
         self.hit_rate = gauge("prefix_cache_hit_rate", "Prefix cache hit rate over the last 1,000 requests.")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 means 100 percent).")
         self.num_running = gauge("num_requests_running", "Requests in the running batch.")
@@ -100,6 +113,8 @@ class ServerMetrics:
         self._label = label
         self.tiers = OffloadTierCollector(model_name)
         registry.register(self.tiers)
+        self.retained = RetainedBlocksCollector(model_name)
+        registry.register(self.retained)
         self._num_prompt_tokens = self._num_generation_tokens = 0
         self._logged_prompt_tokens = self._logged_generation_tokens = 0
         self._logged_at = time.monotonic()
@@ -124,6 +139,10 @@ class ServerMetrics:
             self._advance(name, counter, getattr(stats, name))
         for reason, value in stats.prefix_cache_missed_tokens.items():
             self._advance(f"missed_{reason}", self._missed[reason], value)
+        for event, counters in self._by_priority_class.items():
+            for priority_class, value in getattr(stats, f"kv_cache_block_{event}").items():
+                self._advance(f"block_{event}_{priority_class}", counters[priority_class], value)
+        self.retained.latest = stats.retained_blocks_by_tenant
         self.hit_rate.set(stats.rolling_hit_rate)
         self.kv_cache_usage.set(stats.kv_cache_usage)
         self.num_running.set(stats.num_running)
@@ -166,6 +185,33 @@ class ServerMetrics:
     def _count_generated(self, num_tokens: int) -> None:
         self.generation_tokens.inc(num_tokens)
         self._num_generation_tokens += num_tokens
+
+
+_BLOCK_EVENTS = {
+    "hits": "KV blocks hit, by priority class (retained: above the default priority; low: below; expired: its "
+    "TTL ended while it was free).",
+    "evictions": "Cached KV blocks evicted for reuse, by priority class.",
+    "expirations": "Free KV blocks whose retention TTL ended (back at the default priority), by the class they had.",
+}
+
+
+class RetainedBlocksCollector(Collector):
+    """Blocks above the default priority in the latest output batch, one series per tenant (``tenant=""`` for
+    requests without an API key), as ``prefixcache:kv_cache_retained_blocks``."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.latest: dict[str, int] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "prefixcache:kv_cache_retained_blocks",
+            "KV blocks a retention directive keeps above the default priority (free or in use), by tenant.",
+            labels=["model_name", "tenant"],
+        )
+        for tenant, count in sorted(self.latest.items()):
+            family.add_metric([self.model_name, tenant], float(count))
+        yield family
 
 
 _TIER_COUNTERS = {
