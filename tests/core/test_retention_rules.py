@@ -107,6 +107,20 @@ def test_a_users_directive_is_left_as_it_is():
     assert priorities(mgr, [0, 1]) == [90, 10]
 
 
+def test_a_tenants_shared_blocks_are_its_own_marks_which_its_directives_replace():
+    mgr, _ = shared_manager(max_tenant_retained_fraction=0.25)  # 3 blocks a tenant
+    run(mgr, [*range(8), 900], tenant="a")
+    run(mgr, [*range(8), 901], tenant="a")
+    assert [(b.priority, b.tenant) for b in mgr.pool.blocks[:2]] == [(RAISED, "a")] * 2
+    assert mgr.pool.retained_blocks_by_tenant() == {"a": 2}
+    run(mgr, [*range(8), 902], tenant="a", retention=(RetentionRange(0, 8, priority=90, ttl_s=50),))
+    assert priorities(mgr, [0, 1]) == [90, 90]
+    second_prefix = run(mgr, [*range(100, 112), 903], tenant="a")  # 3 blocks more of a's, shared next
+    run(mgr, [*range(100, 112), 904], tenant="a")
+    assert len(second_prefix.block_hashes) == 3
+    assert mgr.pool.retained_blocks_by_tenant() == {"a": 3}  # its quota bounds the rule's marks too
+
+
 def test_shared_blocks_stay_within_the_retained_share():
     mgr, _ = shared_manager(max_retained_fraction=0.25)  # 3 of 12 blocks
     for start in (0, 100):

@@ -808,7 +808,8 @@ class KVCacheManager:
         request.rule_reached_blocks = end
         hashes, null = self.block_hashes(request), self.null_block
         self.retention_rule.reached(
-            (hashes[k], [table[k] for table in tables if table[k] is not null]) for k in range(start, end)
+            ((hashes[k], [table[k] for table in tables if table[k] is not null]) for k in range(start, end)),
+            request.tenant,
         )
 
 

@@ -29,10 +29,10 @@ if TYPE_CHECKING:
 class RetentionRule(Protocol):
     """Decides blocks' retention from the requests that reach them; told by the cache manager."""
 
-    def reached(self, positions: Iterable[tuple[BlockHash, list[Block]]]) -> None:
-        """One request reached these block positions (its hits at admission, then each block it fills), each the
-        position's hash and its blocks, one a KV cache group, all in use; each position is reported once a
-        request."""
+    def reached(self, positions: Iterable[tuple[BlockHash, list[Block]]], tenant: str | None) -> None:
+        """One request (of ``tenant``) reached these block positions (its hits at admission, then each block it
+        fills), each the position's hash and its blocks, one a KV cache group, all in use; each position is
+        reported once a request."""
 
     def clear(self) -> None:
         """The prefix cache was reset: forget what was shared."""
@@ -42,9 +42,10 @@ class SharedPrefixRetention:
     """The ``shared`` rule (see the module's docstring): blocks reached by ``min_requests`` or more requests go up
     to ``priority`` for ``ttl_s`` seconds after their last use.
 
-    Only blocks at the default priority are raised: a user's directive (higher or lower) is left as it is. The
-    record of reach counts holds ``history_factor`` times the pool's blocks, least recently reached dropped first;
-    each reach is O(1).
+    Only blocks at the default priority are raised: a user's directive (higher or lower) is left as it is. A mark
+    is the reaching request's tenant's (tenants' blocks are salted apart, so only its own requests reach them): it
+    counts in that tenant's quota, and the tenant's own directives replace it. The record of reach counts holds
+    ``history_factor`` times the pool's blocks, least recently reached dropped first; each reach is O(1).
     """
 
     MIN_REQUESTS = 2
@@ -75,7 +76,7 @@ class SharedPrefixRetention:
         self.history_size = history_factor * pool.num_usable_blocks
         self._reaches: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> requests that reached it
 
-    def reached(self, positions: Iterable[tuple[BlockHash, list[Block]]]) -> None:
+    def reached(self, positions: Iterable[tuple[BlockHash, list[Block]]], tenant: str | None) -> None:
         reaches = self._reaches
         shared: list[Block] = []
         for block_hash, blocks in positions:
@@ -87,7 +88,7 @@ class SharedPrefixRetention:
             reaches.popitem(last=False)
         if shared:
             shared.reverse()  # marked tail first, as blocks are freed: within the retained share the head goes last
-            self.pool.retain(shared, self.priority, self.ttl_s, None)
+            self.pool.retain(shared, self.priority, self.ttl_s, tenant)
 
     def reach_count(self, block_hash: BlockHash) -> int:
         """How many requests reached ``block_hash`` as far as the record remembers (0: never, or forgotten)."""
