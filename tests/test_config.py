@@ -1,11 +1,13 @@
 """``dtype auto``: resolved once, in the frozen config, from the CPU's flags or the device, with the reason."""
 
+import argparse
 import dataclasses
 
 import pytest
 
 from prefixcache import config as config_module
 from prefixcache.config import EngineConfig, cpu_bfloat16_flag, resolve_dtype
+from prefixcache.engine.args import add_engine_args, engine_kwargs
 
 X86_WITH = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
 X86_AMX = "flags\t\t: fpu avx512f amx_bf16 amx_tile\n"
@@ -80,8 +82,18 @@ def test_an_unknown_dtype_is_refused():
         ("max_retained_fraction", -0.1, "max_retained_fraction must be in"),
         ("max_retention_ttl_s", 0, "max_retention_ttl_s must be positive"),
         ("max_tenant_retained_fraction", 2.0, "max_tenant_retained_fraction must be in"),
+        ("retention_rule", "sticky", "retention_rule must be one of shared or None, got 'sticky'"),
     ],
 )
 def test_retention_bounds_out_of_range_are_refused(field, value, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**{field: value})
+
+
+def test_the_retention_rule_flag_reaches_the_config():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert EngineConfig(**engine_kwargs(parser.parse_args([]))).retention_rule is None
+    assert EngineConfig(**engine_kwargs(parser.parse_args(["--retention-rule", "shared"]))).retention_rule == "shared"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--retention-rule", "sticky"])

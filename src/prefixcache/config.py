@@ -10,6 +10,7 @@ from typing import Any
 from prefixcache.core import HASH_ALGOS
 from prefixcache.core.eviction import EVICTION_POLICIES
 from prefixcache.core.retention import DEFAULT_MAX_RETAINED_FRACTION, DEFAULT_MAX_RETENTION_TTL_S, check_bounds
+from prefixcache.core.retention_rules import RETENTION_RULES
 from prefixcache.kv_events.config import KVEventsConfig
 from prefixcache.offload.config import OffloadConfig
 from prefixcache.units import parse_memory
@@ -92,7 +93,9 @@ class EngineConfig:
     is the share of the KV blocks that retained blocks (priority above the default) may hold, past which the
     oldest retained are demoted; ``max_retention_ttl_s`` the longest TTL (a longer one is clamped to it; the
     default is OpenAI's ``24h``); ``max_tenant_retained_fraction`` (None: no quota but the share) the share one
-    tenant's retained blocks may hold. Without directives none of them changes anything.
+    tenant's retained blocks may hold. Without directives none of them changes anything. ``retention_rule``
+    (None: off) names a rule of ``prefixcache.core.retention_rules`` that retains blocks from what requests share
+    (``shared``: blocks more than one request reached), within the same bounds.
     """
 
     model: str | None = None
@@ -121,6 +124,7 @@ class EngineConfig:
     max_retained_fraction: float = DEFAULT_MAX_RETAINED_FRACTION
     max_retention_ttl_s: float = DEFAULT_MAX_RETENTION_TTL_S
     max_tenant_retained_fraction: float | None = None
+    retention_rule: str | None = None
     dtype_reason: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -153,6 +157,10 @@ class EngineConfig:
                 f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction_policy!r}"
             )
         check_bounds(self.max_retained_fraction, self.max_retention_ttl_s, self.max_tenant_retained_fraction)
+        if self.retention_rule is not None and self.retention_rule not in RETENTION_RULES:
+            raise ValueError(
+                f"retention_rule must be one of {', '.join(RETENTION_RULES)} or None, got {self.retention_rule!r}"
+            )
         self.offload_config()
 
     def offload_config(self) -> OffloadConfig:

@@ -31,6 +31,20 @@ class CostModel:
         return self.prefill_ms_per_token * uncached_tokens + self.decode_ms_per_token * output_tokens
 
 
+class ReplayClock:
+    """A replay's clock in seconds, for the pool's TTLs: the ``now`` (milliseconds) of the :class:`HeldCache` it
+    follows, 0 before it follows one. The manager is built before the cache that holds it, so it is handed this."""
+
+    def __init__(self) -> None:
+        self._cache: HeldCache | None = None
+
+    def follow(self, cache: HeldCache) -> None:
+        self._cache = cache
+
+    def __call__(self) -> float:
+        return 0.0 if self._cache is None else self._cache.now / 1000.0
+
+
 class HeldCache:
     """One manager under a holding rule: an admitted request keeps its blocks until its finish time.
 
@@ -60,10 +74,12 @@ class HeldCache:
         self._in_flight: list[tuple[float, int, Request, int]] = []  # (finish time, index, request, tokens)
 
     def advance(self, now: float) -> None:
-        """Move the clock to ``now`` (never back) and free every request finished by then."""
-        self.now = max(self.now, now)
-        while self._in_flight and self._in_flight[0][0] <= self.now:
+        """Move the clock to ``now`` (never back) and free every request finished by then, each at its finish time
+        (a TTL starts when its blocks are freed)."""
+        while self._in_flight and self._in_flight[0][0] <= now:
+            self.now = max(self.now, self._in_flight[0][0])
             self._release()
+        self.now = max(self.now, now)
 
     def admit(self, index: int, request: Request, output_length: int) -> int:
         """Look ``request`` up and admit it with room for ``output_length`` more tokens, waiting as needed.

@@ -34,6 +34,7 @@ class ManagerMachine(RuleBasedStateMachine):
     NUM_STATE_SLOTS = 0
     NUM_CHECKPOINT_SLOTS = 0
     CHECKPOINTS = CheckpointPolicy()
+    RETENTION_RULE: str | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -51,6 +52,7 @@ class ManagerMachine(RuleBasedStateMachine):
             num_state_slots=self.NUM_STATE_SLOTS,
             num_checkpoint_slots=self.NUM_CHECKPOINT_SLOTS,
             checkpoint_policy=self.CHECKPOINTS,
+            retention_rule=self.RETENTION_RULE,
         )
         self.states: dict[int, tuple] = {}
         self.running: list[Request] = []
@@ -262,6 +264,15 @@ for _policy in EVICTION_POLICIES:
         "NUM_CHECKPOINT_SLOTS": 3,
         "CHECKPOINTS": CheckpointPolicy(sparse_every_blocks=2),
     }
+# The shared retention rule marking what requests share: alone, beside users' directives (their clock moves, so
+# the rule's marks expire too), and with a sliding group.
+_variants["_shared_retention"] = {"RETENTION_RULE": "shared"}
+_variants["_shared_retention_with_directives"] = {"RETENTION_RULE": "shared", "RETENTION": True}
+_variants["_hybrid_shared_retention"] = {
+    "RETENTION_RULE": "shared",
+    "GROUPS": (FULL_ATTENTION, KVCacheGroupSpec(sliding_window=6)),
+    "NUM_BLOCKS": 25,
+}
 for _suffix, _attrs in _variants.items():
     _machine = type(f"ManagerMachine{_suffix}", (ManagerMachine,), _attrs)
     _machine.TestCase.settings = ManagerMachine.TestCase.settings

@@ -317,3 +317,21 @@ def test_the_progress_bar_counts_tokens_and_moves_during_a_long_prefill(make_llm
     assert before_first_finish[:5] == [8, 16, 24, 32, 41]  # a prefill chunk a step; the last one samples a token
     assert [n for n, _ in history] == sorted(n for n, _ in history)  # never backwards
     assert history[-1] == (86, "2/2 requests")
+
+
+def test_the_shared_retention_rule_raises_what_two_requests_share_and_changes_no_output(make_llm):
+    from prefixcache.core import Request
+    from prefixcache.core.retention import DEFAULT_PRIORITY
+    from prefixcache.core.retention_rules import SharedPrefixRetention
+
+    prefix = list(range(3, 19))  # 4 blocks of 4
+    prompts = [prefix + [40, 41], prefix + [50, 51]]
+    plain, ruled = make_llm(), make_llm(retention_rule="shared")
+    outputs = {}
+    for name, llm in (("plain", plain), ("ruled", ruled)):
+        outputs[name] = [run(llm, [prompt])[0].outputs[0].token_ids for prompt in prompts]  # one after the other
+    assert outputs["ruled"] == outputs["plain"]
+    manager = ruled.engine.core.manager
+    raised = {b.block_hash for b in manager.pool.blocks if b.priority == SharedPrefixRetention.PRIORITY}
+    assert raised == set(manager.block_hashes(Request("probe", prefix)))
+    assert all(b.priority == DEFAULT_PRIORITY for b in plain.engine.core.manager.pool.blocks)

@@ -14,6 +14,11 @@ from the same trace: infinite capacity, which no policy can beat, and Belady's o
 free block whose next lookup is farthest in the future), replayed through the same manager with the
 same holding. See docs/eviction.md for the exact definitions.
 
+With ``--retention-rule shared`` each policy also runs with the engine's retention rule (blocks more than one
+request reached are kept at a raised priority for a while; ``prefixcache.core.retention_rules``), through the
+real pool's priorities and TTLs on the replay's clock. Every row prints the share of the gap between LRU and
+Belady it closes.
+
 With ``--offload-tokens N`` each policy also runs with a host memory tier of N tokens behind the device
 cache: the real offload connector and host store, with a placeholder payload per block, saving
 write-through or write-back (``--offload-mode``). Its hit rate counts device and tier hits together.
@@ -45,9 +50,10 @@ from prefixcache.core import (
     hittable_blocks,
 )
 from prefixcache.core.hashing import root_hash
+from prefixcache.core.retention_rules import RETENTION_RULES
 from prefixcache.offload import HostMemoryStore, KVLayout
 from prefixcache.offload.connector import OFFLOAD_MODES, WRITE_BACK, OffloadConnector, OffloadPlan, TierWriter
-from prefixcache.replay import CostModel, HeldCache
+from prefixcache.replay import CostModel, HeldCache, ReplayClock
 
 TRACE_BLOCK_TOKENS = 512
 # Token t of the block with id k is (512 k + t) * _MIX mod 2**32: odd, so a bijection on uint32, and ids
@@ -157,7 +163,11 @@ def infinite_hit_rate(trace: Sequence[TraceRequest], block_size: int) -> float:
 
 @dataclass(frozen=True, slots=True)
 class ReplayConfig:
-    """``in_flight=N`` holds each request until N later ones are admitted, instead of the cost model."""
+    """``in_flight=N`` holds each request until N later ones are admitted, instead of the cost model.
+
+    ``max_retained_fraction`` bounds the blocks a retention rule keeps above the default priority (the engine's
+    ``--max-retained-fraction``); in a replay the rule is the only source of them, so it may take the whole cache.
+    """
 
     block_size: int = TRACE_BLOCK_TOKENS
     hash_algo: str = "sha256"
@@ -165,9 +175,12 @@ class ReplayConfig:
     in_flight: int | None = None
     offload_blocks: int = 0
     offload_mode: str = WRITE_BACK
+    max_retained_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         _sub_blocks_per_trace_block(self.block_size)
+        if not 0.0 <= self.max_retained_fraction <= 1.0:
+            raise ValueError(f"max_retained_fraction must be in [0, 1], got {self.max_retained_fraction}")
         if self.in_flight is not None and self.in_flight <= 0:
             raise ValueError(f"in_flight must be positive, got {self.in_flight}")
         if self.offload_blocks < 0:
@@ -279,27 +292,37 @@ def replay(
     policy: str,
     config: ReplayConfig = ReplayConfig(),
     progress: bool = False,
+    retention_rule: str | None = None,
 ) -> float:
     """The token hit rate of the trace through a ``capacity_blocks`` manager evicting with ``policy``.
 
     ``policy`` is a name from EVICTION_POLICIES, or BELADY for the offline reference. With
-    ``config.offload_blocks`` a host tier sits behind the manager and its hits count too.
+    ``config.offload_blocks`` a host tier sits behind the manager and its hits count too. ``retention_rule`` (a
+    name from RETENTION_RULES) runs in the manager, its TTLs timed by the replay's clock (the cost model's: a
+    clock that counts admissions, ``in_flight``, has no seconds).
     """
+    if retention_rule is not None and config.in_flight:
+        raise ValueError("a retention rule's TTLs need the cost model's clock, not in_flight")
     eviction_policy: str | BeladyPolicy = policy
     on_request = None
     if policy == BELADY:
         eviction_policy = BeladyPolicy(FutureUses(trace, config.block_size), config.block_size)
         on_request = eviction_policy.start_request
     connector = simulated_host_tier(config) if config.offload_blocks else None
+    clock = ReplayClock()
     manager = KVCacheManager(
         num_blocks=capacity_blocks,
         block_size=config.block_size,
         hash_algo=config.hash_algo,
         eviction_policy=eviction_policy,
         connector=connector,
+        max_retained_fraction=config.max_retained_fraction,
+        clock=clock,
+        retention_rule=retention_rule,
     )
-    desc = f"{policy} @ {capacity_blocks * config.block_size:,} tokens"
-    drive(manager, trace, config, on_request, progress, desc)
+    rule = f" + {retention_rule}" if retention_rule else ""
+    desc = f"{policy}{rule} @ {capacity_blocks * config.block_size:,} tokens"
+    drive(manager, trace, config, on_request, progress, desc, clock)
     return manager.stats.hit_rate
 
 
@@ -344,14 +367,18 @@ def drive(
     on_request: Callable[[int, TraceRequest, Sequence[BlockHash]], None] | None = None,
     progress: bool = False,
     desc: str = "",
+    clock: ReplayClock | None = None,
 ) -> None:
     """Admit each request in order, freeing in-flight ones as their time comes or when room is needed.
 
     With ``in_flight`` the clock counts admissions instead of milliseconds. ``on_request`` sees each
     request's index, record and block hashes before its lookup. With a connector behind the manager the
-    lookup is extended by its tiers, and tokens loaded from them cost nothing, like cached ones.
+    lookup is extended by its tiers, and tokens loaded from them cost nothing, like cached ones. ``clock``, the
+    manager's, follows the replay's.
     """
     cache = held_cache(manager, config)
+    if clock is not None:
+        clock.follow(cache)
     for index, record in enumerate(tqdm(trace, desc=desc, unit="req", disable=not progress, leave=False)):
         cache.advance(arrival(index, record, config))
         request = trace_request(index, record)
@@ -364,21 +391,31 @@ def drive(
 @dataclass(frozen=True, slots=True)
 class TraceResult:
     """``offload_tokens`` > 0: a host tier of that size (filled ``offload_mode``) sat behind the device cache;
-    the hit rate counts both, the references are the device cache's alone."""
+    the hit rate counts both, the references (LRU's, Belady's) are the device cache's alone. ``retention_rule``:
+    the policy ran with that rule."""
 
     policy: str
     capacity_tokens: int
     hit_rate: float
     belady_hit_rate: float
     infinite_hit_rate: float
+    lru_hit_rate: float
     offload_tokens: int = 0
     offload_mode: str | None = None
+    retention_rule: str | None = None
 
     @property
     def label(self) -> str:
+        label = self.policy if self.retention_rule is None else f"{self.policy} + {self.retention_rule} retention"
         if not self.offload_tokens:
-            return self.policy
-        return f"{self.policy} + {self.offload_tokens:,}-token host tier ({self.offload_mode.replace('_', '-')})"
+            return label
+        return f"{label} + {self.offload_tokens:,}-token host tier ({self.offload_mode.replace('_', '-')})"
+
+    @property
+    def gap_closed(self) -> float | None:
+        """The share of the gap between LRU and Belady this run closes (None when Belady is no better than LRU)."""
+        gap = self.belady_hit_rate - self.lru_hit_rate
+        return (self.hit_rate - self.lru_hit_rate) / gap if gap > 0 else None
 
 
 def sweep(
@@ -388,11 +425,12 @@ def sweep(
     config: ReplayConfig = ReplayConfig(),
     progress: bool = False,
     offload_modes: Sequence[str] | None = None,
+    retention_rules: Sequence[str] = (),
 ) -> list[TraceResult]:
-    """Every policy at every capacity, with the Belady reference per capacity and the infinite one.
+    """Every policy at every capacity, with the LRU and Belady references per capacity and the infinite one.
 
-    With ``config.offload_blocks`` every policy also runs with the host tier, once per mode in
-    ``offload_modes`` (default: ``config.offload_mode``).
+    Each policy also runs with each of ``retention_rules`` (device only). With ``config.offload_blocks`` every
+    policy also runs with the host tier, once per mode in ``offload_modes`` (default: ``config.offload_mode``).
     """
     infinite = infinite_hit_rate(trace, config.block_size)
     device_only = dataclasses.replace(config, offload_blocks=0)
@@ -401,23 +439,34 @@ def sweep(
     for capacity in capacities_blocks:
         belady = replay(trace, capacity, BELADY, device_only, progress)
         capacity_tokens = capacity * config.block_size
-        for policy in policies:
-            hit_rate = replay(trace, capacity, policy, device_only, progress)
-            results.append(TraceResult(policy, capacity_tokens, hit_rate, belady, infinite))
+        device = {policy: replay(trace, capacity, policy, device_only, progress) for policy in policies}
+        lru = device["lru"] if "lru" in device else replay(trace, capacity, "lru", device_only, progress)
+        for policy, hit_rate in device.items():
+            results.append(TraceResult(policy, capacity_tokens, hit_rate, belady, infinite, lru))
+            for rule in retention_rules:
+                hit_rate = replay(trace, capacity, policy, device_only, progress, rule)
+                results.append(
+                    TraceResult(policy, capacity_tokens, hit_rate, belady, infinite, lru, retention_rule=rule)
+                )
             for mode in (offload_modes or [config.offload_mode]) if config.offload_blocks else ():
                 tiered = dataclasses.replace(config, offload_mode=mode)
                 hit_rate = replay(trace, capacity, policy, tiered, progress)
-                results.append(TraceResult(policy, capacity_tokens, hit_rate, belady, infinite, offload_tokens, mode))
+                results.append(
+                    TraceResult(policy, capacity_tokens, hit_rate, belady, infinite, lru, offload_tokens, mode)
+                )
     return results
 
 
 def format_table(results: Sequence[TraceResult]) -> str:
+    """One row a run; ``gap closed``: the share of the LRU-Belady gap at its capacity (``-`` without a gap)."""
     width = max(8, *(len(r.label) + 2 for r in results))
-    lines = [f"{'capacity (tokens)':>18}  {'policy':<{width}}{'hit rate':>10}{'belady':>10}{'infinite':>10}"]
+    header = f"{'capacity (tokens)':>18}  {'policy':<{width}}{'hit rate':>10}{'belady':>10}{'infinite':>10}"
+    lines = [f"{header}{'gap closed':>12}"]
     for r in results:
+        closed = "-" if r.gap_closed is None else f"{r.gap_closed:.1%}"
         lines.append(
             f"{r.capacity_tokens:>18,}  {r.label:<{width}}{r.hit_rate:>10.4f}{r.belady_hit_rate:>10.4f}"
-            f"{r.infinite_hit_rate:>10.4f}"
+            f"{r.infinite_hit_rate:>10.4f}{closed:>12}"
         )
     return "\n".join(lines)
 
@@ -484,6 +533,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[WRITE_BACK],
         help=f"comma-separated ways to fill the host tier: {', '.join(OFFLOAD_MODES)} (default {WRITE_BACK})",
     )
+    parser.add_argument(
+        "--retention-rule",
+        type=_name_list,
+        default=[],
+        help=f"comma-separated retention rules each policy also runs with: {', '.join(RETENTION_RULES)} (default none)",
+    )
+    parser.add_argument(
+        "--max-retained-fraction",
+        type=float,
+        default=1.0,
+        help="share of the cache a retention rule may keep above the default priority (default 1.0)",
+    )
     parser.add_argument("--json", type=Path, help="write the results as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG of hit rate against capacity here")
 
@@ -515,6 +576,13 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Trace
         parser.error(f"unknown policy {', '.join(unknown)}; choose from {', '.join(EVICTION_POLICIES)}")
     if TRACE_BLOCK_TOKENS % args.block_size:
         parser.error(f"--block-size must divide {TRACE_BLOCK_TOKENS}, got {args.block_size}")
+    unknown = [r for r in args.retention_rule if r not in RETENTION_RULES]
+    if unknown:
+        parser.error(f"unknown retention rule {', '.join(unknown)}; choose from {', '.join(RETENTION_RULES)}")
+    if args.retention_rule and args.in_flight:
+        parser.error("--retention-rule needs the cost model's clock for its TTLs, not --in-flight")
+    if not 0.0 <= args.max_retained_fraction <= 1.0:
+        parser.error(f"--max-retained-fraction must be in [0, 1], got {args.max_retained_fraction}")
     unknown = [m for m in args.offload_mode if m not in OFFLOAD_MODES]
     if unknown:
         parser.error(f"unknown offload mode {', '.join(unknown)}; choose from {', '.join(OFFLOAD_MODES)}")
@@ -533,6 +601,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Trace
         cost=CostModel(args.prefill_ms_per_token, args.decode_ms_per_token),
         in_flight=args.in_flight,
         offload_blocks=offload_blocks,
+        max_retained_fraction=args.max_retained_fraction,
     )
     try:
         trace = load_trace(args.trace, args.max_requests)
@@ -549,9 +618,12 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Trace
         f"{args.trace.name}: {len(trace):,} requests, "
         f"{sum(r.input_length for r in trace) / len(trace):,.0f} prompt tokens on average; "
         f"blocks of {config.block_size} tokens; held for {holding}"
+        + (f"; retention rules may keep {config.max_retained_fraction:.0%} of the cache" if args.retention_rule else "")
     )
     try:
-        results = sweep(trace, capacities, args.policy, config, len(trace) >= 1000, args.offload_mode)
+        results = sweep(
+            trace, capacities, args.policy, config, len(trace) >= 1000, args.offload_mode, args.retention_rule
+        )
     except ValueError as exc:  # a request larger than the cache
         parser.error(str(exc))
     print(format_table(results))

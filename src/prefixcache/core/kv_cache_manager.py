@@ -46,6 +46,7 @@ from prefixcache.core.retention import (
     block_directives,
     check_bounds,
 )
+from prefixcache.core.retention_rules import RetentionRule, make_retention_rule
 from prefixcache.core.state_table import (
     DEFAULT_CHECKPOINT_POLICY,
     Checkpoint,
@@ -182,7 +183,10 @@ class KVCacheManager:
     ``retention`` ranges that wholly cover it (:func:`~prefixcache.core.retention.block_directives`; the
     TTL clamped to ``max_retention_ttl_s``), which the pool's eviction order honours. Retained blocks may hold
     ``max_retained_fraction`` of the pool, a tenant's ``max_tenant_retained_fraction`` (None: no quota);
-    ``clock`` times the TTLs.
+    ``clock`` times the TTLs. ``retention_rule`` (a name from
+    :data:`~prefixcache.core.retention_rules.RETENTION_RULES`, None: none) adds the engine's own directives,
+    derived from what requests share: it hears every block position a request reaches, once, after the
+    request's own directives were applied.
 
     A model with recurrent layers has a recurrent-state group last: ``num_state_slots`` working states
     (the most requests that run at once), ``num_checkpoint_slots`` checkpoints placed by
@@ -210,6 +214,7 @@ class KVCacheManager:
         num_state_slots: int = 0,
         num_checkpoint_slots: int = 0,
         checkpoint_policy: CheckpointPolicy = DEFAULT_CHECKPOINT_POLICY,
+        retention_rule: str | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -263,6 +268,9 @@ class KVCacheManager:
             clock=clock,
         )
         self.null_block = self.pool.null_block
+        self.retention_rule: RetentionRule | None = (
+            make_retention_rule(retention_rule, self.pool) if enable_caching and retention_rule is not None else None
+        )
         self.watermark_blocks = int(watermark * self.pool.num_usable_blocks)
         self._block_tables = [make_table(spec, self.pool, block_size) for spec in self._attention]
         self._attention_lookups = [_cached_lookup(cached) for cached in self.pool.cached]
@@ -520,6 +528,8 @@ class KVCacheManager:
                 request.retention_read_end = num_held + hit.num_external_tokens // block_size
             if num_held and (request.retention or self.pool.retained):
                 self._apply_retention(request, tables, 0, num_held)
+            if self.retention_rule is not None:
+                self._tell_rule(request, tables, num_held)
             self._count_admission(request, num_held * block_size + hit.num_external_tokens, num_copied)
             if self.sub_blocks is not None:
                 self._sub_block_requests[request.request_id] = request
@@ -615,12 +625,14 @@ class KVCacheManager:
         return ids + [[]] if self.state is not None else ids
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached prefix (and state checkpoint); returns False (and does nothing) while any block is in
-        use."""
+        """Drop every cached prefix (and state checkpoint, and what the retention rule knew of them); returns False
+        (and does nothing) while any block is in use."""
         if not self.pool.reset_prefix_cache():
             return False
         if self.state is not None:
             self.state.reset()
+        if self.retention_rule is not None:
+            self.retention_rule.clear()
         return True
 
     def check_invariants(self) -> None:
@@ -868,6 +880,21 @@ class KVCacheManager:
         for g, table in enumerate(tables):
             self.pool.cache_full_blocks(request, table, hashes, start, num_full, self.block_size, g)
         self._num_cached_blocks[request.request_id] = num_full
+        if self.retention_rule is not None:
+            self._tell_rule(request, tables, num_full)
+
+    def _tell_rule(self, request: Request, tables: list[list[Block]], end: int) -> None:
+        """Tell the retention rule of the block positions up to ``end`` this request reached that it was not told of
+        yet (a request admitted again after a preemption re-reads positions it already reported)."""
+        start = request.rule_reached_blocks
+        if end <= start:
+            return
+        request.rule_reached_blocks = end
+        hashes, null = self.block_hashes(request), self.null_block
+        self.retention_rule.reached(
+            ((hashes[k], [table[k] for table in tables if table[k] is not null]) for k in range(start, end)),
+            request.tenant,
+        )
 
 
 def _note_clamp(request: Request, bound: str) -> None:

@@ -67,6 +67,7 @@ class Request:
     retention_clamped: list[str] = field(default_factory=list, init=False)
     retention_accounted_blocks: int = field(default=0, init=False)  # block positions counted read or written
     retention_read_end: int = field(default=0, init=False)  # positions before it were hits at first admission
+    rule_reached_blocks: int = field(default=0, init=False)  # block positions the retention rule was told of
     block_directives: tuple[BlockDirective, ...] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:

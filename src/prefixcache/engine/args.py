@@ -12,6 +12,7 @@ from typing import Any
 from prefixcache.config import DTYPES, EngineConfig
 from prefixcache.core import HASH_ALGOS
 from prefixcache.core.eviction import EVICTION_POLICIES
+from prefixcache.core.retention_rules import RETENTION_RULES
 from prefixcache.kv_events.config import KVEventsConfig
 from prefixcache.offload.connector import OFFLOAD_MODES
 
@@ -83,6 +84,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         field="max_retained_fraction",
         type=float,
         help="share of the KV blocks that retention directives may keep above the default priority",
+    )
+    option(
+        "--retention-rule",
+        field="retention_rule",
+        choices=sorted(RETENTION_RULES),
+        help="the engine's own retention from what requests share (shared: blocks more than one request reached); "
+        "default none",
     )
     option(
         "--max-retention-ttl",

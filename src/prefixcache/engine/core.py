@@ -109,6 +109,7 @@ class EngineCore:
             checkpoint_policy=CheckpointPolicy(
                 sparse_every_blocks=sparse_interval(self.max_model_len, config.block_size, num_checkpoints)
             ),
+            retention_rule=config.retention_rule,
         )
         self.kv_capacity_tokens = self.manager.max_request_tokens(config.max_num_batched_tokens)
         if config.max_model_len is not None and config.max_model_len > self.kv_capacity_tokens:
