@@ -287,8 +287,8 @@ class DecoderForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` in float32 for the given hidden states (typically each request's last)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        # lm_head is a module of its own (or, quantized and tied, the embedding's int8 table).
+        logits = F.linear(hidden, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -310,7 +310,7 @@ class DecoderForCausalLM(nn.Module):
         block still enter the attention matmuls, and uninitialised memory could hold NaN/inf that would
         poison the result (0 * NaN = NaN).
         """
-        param = self.model.embed_tokens.weight
+        param = self.model.norm.weight  # a float parameter in the model's dtype, even with quantized weights
         dtype = dtype or param.dtype
         device = device or param.device
         groups = self._check_groups(groups)
@@ -333,7 +333,7 @@ class DecoderForCausalLM(nn.Module):
         A block serves one group, so it spans the largest group's layers; with the default single group, all.
         """
         groups = self._check_groups(groups)
-        itemsize = (dtype or self.model.embed_tokens.weight.dtype).itemsize
+        itemsize = (dtype or self.model.norm.weight.dtype).itemsize
         slots = max(len(group.layers) for group in groups)
         return block_size * slots * 2 * self.config.num_kv_heads * self.config.head_dim * itemsize
 
@@ -372,7 +372,7 @@ class DecoderForCausalLM(nn.Module):
         missing = [
             name
             for target, parts in shards.items()
-            for index, name in enumerate(self._hf_names(target))
+            for index, name in enumerate(self.hf_names(target))
             if index not in parts
         ]
         if unexpected or missing:
@@ -387,7 +387,7 @@ class DecoderForCausalLM(nn.Module):
         self.load_state_dict(state, strict=True, assign=True)
 
     @staticmethod
-    def _hf_names(param_name: str) -> list[str]:
+    def hf_names(param_name: str) -> list[str]:
         """The HF checkpoint names stored in one of our parameters, in shard order."""
         *prefix, module, kind = param_name.split(".")
         parts = _FUSED_PARTS.get(module, (module,))
