@@ -23,7 +23,9 @@ def test_options_parse_batch_sizes_and_engines() -> None:
     assert build_parser().parse_args(["bench", "decode"]).quantization == ["none", "gguf"]
 
 
-@pytest.mark.parametrize(("flag", "value"), [("--batch-sizes", "1,0"), ("--batch-sizes", "x"), ("--quantization", "awq")])
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--batch-sizes", "1,0"), ("--batch-sizes", "x"), ("--quantization", "awq")]
+)
 def test_bad_options_are_refused(flag: str, value: str, capsys) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "decode", flag, value])
