@@ -64,17 +64,18 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # F.rms_norm computes x * rsqrt(mean(x^2) + eps), HF's ops in HF's order, in one call.
+        x32 = F.rms_norm(x.to(torch.float32), self.weight.shape, eps=self.eps)
         if self.unit_offset:
             return (x32 * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """HF's RoPE convention: the two halves of head_dim form the (real, imaginary) pairs."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's RoPE ``x * cos + rotate_half(x) * sin``, where the halves of head_dim form the (real, imaginary)
+    pairs and ``rotate_half(x) = cat(-x2, x1)``: written as ``roll(x) * cat(-sin, sin)``, the same products
+    bit for bit (a negation is exact), in four ops instead of seven."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class DecoderAttention(nn.Module):
@@ -110,14 +111,16 @@ class DecoderAttention(nn.Module):
         workspace: GatherWorkspace,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        q_size, kv_size, _ = self.split_sizes
+        v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+            q = self.q_norm(qkv[:, :q_size].view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:  # Q and K side by side in the projection: one rotation for both
+            qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, self.sliding_window, workspace)
         return self.o_proj(out)
 
@@ -272,16 +275,16 @@ class DecoderForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """cos/sin ``[T, 1, head_dim]`` of each RoPE table, computed in float32 from positions, then cast (HF's
-        order of ops)."""
+        """cos and signed sin (see :func:`apply_rope`) ``[T, 1, head_dim]`` of each RoPE table, computed in
+        float32 from positions, then cast (HF's order of ops)."""
         inv_freqs = self._inv_freq.get(positions.device)
         if inv_freqs is None:
             inv_freqs = self._inv_freq[positions.device] = [f.to(positions.device) for f in self._inv_freq_cpu]
         out = []
         for inv_freq in inv_freqs:
-            freqs = positions[:, None].float() * inv_freq
-            emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-            out.append((emb.cos().to(dtype), emb.sin().to(dtype)))
+            freqs = (positions[:, None].float() * inv_freq)[:, None, :]
+            sin = freqs.sin().to(dtype)
+            out.append((torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1)))
         return out
 
     @torch.inference_mode()
