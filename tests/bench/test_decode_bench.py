@@ -49,7 +49,9 @@ def test_offline_points_count_decode_steps_only(tiny_llama_dir, tiny_loaded) -> 
 def test_report_gives_each_point_its_bandwidth_limit() -> None:
     offline = [DecodePoint("prefixcache gguf", 4, steps=10, seconds=0.05, bytes_per_step=20_000_000)]
     streams = [StreamPoint("llama.cpp server", 80.0, [75.0, 80.0])]
-    settings = dict(model="m", dtype="bfloat16", threads=2, prompt_len=64, output_len=11, rounds=2, batch_sizes=[4])
+    settings = dict(
+        model="m", dtype="bfloat16", device="cpu", threads=2, prompt_len=64, output_len=11, rounds=2, batch_sizes=[4]
+    )
     report = build_report(offline, streams, bandwidth=10e9, settings=settings, notes=["a note"])
     (row,) = report["offline"]
     assert row["ms_per_step"] == 5.0 and row["tokens_per_s"] == 800.0
@@ -57,7 +59,7 @@ def test_report_gives_each_point_its_bandwidth_limit() -> None:
     text = format_report(report)
     assert "| prefixcache gguf | 4 | 5.00 | 800.0 | 20.0 | 2.00 | 0.40 |" in text
     assert "| llama.cpp server | 80.0 | 75.0, 80.0 |" in text and "note: a note" in text
-    assert "memory bandwidth (tensor copy): 10.0 GB/s" in text
+    assert "memory bandwidth (tensor copy on cpu): 10.0 GB/s" in text
 
 
 def test_bandwidth_is_measured() -> None:

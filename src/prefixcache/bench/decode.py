@@ -86,16 +86,20 @@ def parse_quantizations(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def measure_bandwidth(num_bytes: int = BANDWIDTH_BYTES, repeats: int = 5) -> float:
-    """Bytes per second of the best of ``repeats`` tensor copies (each byte read once and written once)."""
+def measure_bandwidth(num_bytes: int = BANDWIDTH_BYTES, repeats: int = 5, device: str = "cpu") -> float:
+    """Bytes per second of the best of ``repeats`` tensor copies on ``device`` (each byte read once and written
+    once), the memory a decode step's weights are read from."""
     import torch
 
-    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
+    synchronize = torch.cuda.synchronize if src.is_cuda else (lambda: None)
     best = float("inf")
     for _ in range(repeats):
+        synchronize()
         start = time.perf_counter()
         dst.copy_(src)
+        synchronize()
         best = min(best, time.perf_counter() - start)
     return 2 * num_bytes / best
 
@@ -271,7 +275,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"decode: {settings['model']} ({settings['dtype']}), {settings['threads']} threads, prompts of "
         f"{settings['prompt_len']} tokens, {settings['output_len']} generated; best of {settings['rounds']} "
         f"rounds; load average {' '.join(f'{x:.2f}' for x in report['load_average'])}",
-        f"memory bandwidth (tensor copy): {report['bandwidth_gb_s']:.1f} GB/s",
+        f"memory bandwidth (tensor copy on {settings['device']}): {report['bandwidth_gb_s']:.1f} GB/s",
         "",
         "| engine | batch | ms / step | tokens/s | MB read / step | bandwidth limit ms | fraction of limit |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -309,7 +313,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     dtype = next(iter(configs.values())).dtype
     offline = run_offline(configs, args.batch_sizes, args.prompt_len, args.output_len, args.rounds)
-    bandwidth = measure_bandwidth()
+    bandwidth = measure_bandwidth(device=args.device)
     streams: list[StreamPoint] = []
     notes = []
     if args.stream:
