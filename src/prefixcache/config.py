@@ -78,7 +78,6 @@ class EngineConfig:
     ``dtype_reason`` says why, for the start-up log.
     ``quantization`` ``gguf`` (vLLM's name) runs a GGUF's quantized weights as int4 / int8 weight-only matmuls
     (``model.quantization``); ``none`` dequantizes them to ``dtype``.
-    ``enforce_eager`` (vLLM's option) runs the forward pass eagerly instead of compiled.
     ``kv_events_config`` (a config, a dict of its fields or a JSON object string) publishes KV cache events.
 
     KV offload tiers behind the device cache, any combination, searched in this order:
@@ -102,7 +101,6 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"
     quantization: str = "none"
-    enforce_eager: bool = False
     hash_algo: str = "sha256"
     hash_seed: str | None = None
     eviction_policy: str = "lru"

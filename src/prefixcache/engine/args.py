@@ -95,12 +95,6 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         choices=QUANTIZATIONS,
         help="gguf: run a GGUF's quantized weights as int4/int8 weight-only matmuls; none: dequantize to --dtype",
     )
-    option(
-        "--enforce-eager",
-        field="enforce_eager",
-        action="store_true",
-        help="run the forward pass eagerly (no torch.compile of the decode step)",
-    )
     option("--device", field="device", help="cpu or cuda")
     option("--seed", field="seed", type=int, help="sampling seed of requests that set none")
     option(
