@@ -202,9 +202,9 @@ def run_streams(
     threads = str(args.threads)
     servers: dict[str, Process] = {}
     for quantization in args.quantization:
-        command = ["serve", "--dtype", args.dtype, "--quantization", quantization, "--kv-cache-memory", "256MiB"]
-        if args.model is not None:
-            command += ["--model", args.model]
+        model = [] if args.model is None else [args.model]
+        command = ["serve", *model, "--dtype", args.dtype, "--quantization", quantization]
+        command += ["--kv-cache-memory", "256MiB", "--device", args.device]
         servers[f"prefixcache serve ({quantization})"] = Process(command, work / f"serve-{quantization}.log")
     missing = ""
     port = free_port()
