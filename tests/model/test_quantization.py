@@ -144,6 +144,15 @@ def test_a_fused_projection_of_mixed_types_runs_each_part_with_its_kernel() -> N
     torch.testing.assert_close(out[:, 32:], expected[:, 32:], atol=0.15, rtol=0.02)
 
 
+def test_a_converted_folder_quantizes_from_its_gguf(tmp_path: Path, monkeypatch) -> None:
+    """The server hands its engine core the converted folder; the core reads the quantized weights from the GGUF."""
+    monkeypatch.setenv("PREFIXCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_path = tiny_gguf(tmp_path, "Q4_0")
+    folder = load_model(gguf_path).model_dir
+    assert folder.parent == tmp_path / "cache" / "models"
+    assert load_model(folder, quantized=True).quantized
+
+
 def test_quantized_needs_a_gguf(checkpoint_dirs) -> None:
     with pytest.raises(ValueError, match=r"quantization 'gguf' needs a \.gguf model file"):
         load_model(checkpoint_dirs["llama"], quantized=True)

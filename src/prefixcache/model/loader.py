@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from prefixcache.model.cache import converted_checkpoint, files_digest
+from prefixcache.model.cache import converted_checkpoint, converted_from, files_digest
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.decoder import DecoderForCausalLM
 from prefixcache.model.quantization import quantize_from_gguf
@@ -159,12 +159,16 @@ def resolve_model(model: str | os.PathLike[str] | None) -> tuple[Path, str]:
 
 
 def gguf_source(model: str | os.PathLike[str] | None) -> Path:
-    """The GGUF file ``model`` names (the default model's included); ValueError for a checkpoint folder."""
+    """The GGUF file ``model`` names (the default model's included), or the one a converted folder was converted
+    from; ValueError for any other checkpoint folder."""
     if model is None or str(model) == DEFAULT_MODEL:
         return default_gguf_path()
     path = Path(model).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return path
+    source = converted_from(path) if path.is_dir() else None
+    if source is not None:
+        return source
     raise ValueError(f"quantization 'gguf' needs a .gguf model file; {str(model)!r} is not one")
 
 
