@@ -161,3 +161,32 @@ def test_quantized_needs_a_gguf(checkpoint_dirs) -> None:
 def test_engine_refuses_a_model_loaded_otherwise(make_llm) -> None:
     with pytest.raises(ValueError, match="weights are floats but the engine runs quantization='gguf'"):
         make_llm(quantization="gguf")
+
+
+@pytest.mark.slow
+def test_smollm2_quantized_matches_its_float_reference() -> None:
+    """SmolLM2-135M from its Q4_1 GGUF: weights in at most 1.3x the file's bytes, and on a fixed prompt set the
+    reference's greedy tokens until a near-tie, with log-probabilities within the bound."""
+    from prefixcache.model.loader import default_gguf_path
+
+    reference = load_model(dtype="float32")
+    quantized = load_model(dtype="bfloat16", quantized=True)
+    assert module_bytes(quantized.model) <= 1.3 * default_gguf_path().stat().st_size
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time",
+        "The three primary colors are",
+        "Water boils at",
+        "List of planets:",
+        "In 1492,",
+        "My favourite food is",
+    ]
+    prompts = [reference.tokenizer(text).input_ids for text in texts]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    runs = []
+    for loaded, dtype, quantization in ((reference, "float32", "none"), (quantized, "bfloat16", "gguf")):
+        llm = LLM(loaded=loaded, dtype=dtype, quantization=quantization, kv_cache_memory="64MiB")
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)])
+        llm.engine.close()
+    assert_agrees_until_a_near_tie(*runs)
