@@ -161,6 +161,8 @@ class Int4Linear(nn.Module):
         self._matmul = lambda x: kernel(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == COMPUTE_DTYPE and x.dim() == 2 and self.bias is None:
+            return self._matmul(x)  # the decoder's case: no reshapes or casts to dispatch
         shape = x.shape
         out = self._matmul(x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)).to(x.dtype)
         if self.bias is not None:
@@ -191,6 +193,8 @@ class Int8Linear(nn.Module):
         self._kernel = not probe or _kernel_works("int8", device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel and x.dtype == COMPUTE_DTYPE and x.dim() == 2 and self.bias is None:
+            return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
         shape = x.shape
         flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
         if self._kernel:
