@@ -15,9 +15,11 @@ from prefixcache.kv_events.config import KVEventsConfig
 from prefixcache.offload.config import OffloadConfig
 from prefixcache.units import parse_memory
 
-__all__ = ["DTYPES", "EngineConfig", "cpu_bfloat16_flag", "parse_memory", "resolve_dtype"]
+__all__ = ["DTYPES", "QUANTIZATIONS", "EngineConfig", "cpu_bfloat16_flag", "parse_memory", "resolve_dtype"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Kept here (torch-free) and checked by the loader too: "gguf" keeps a GGUF's quantized weights quantized.
+QUANTIZATIONS = ("none", "gguf")
 # CPU flags that mean native bfloat16 matrix products (torch's oneDNN kernels use them); without one, a bfloat16
 # matmul is emulated and runs several times slower than float32.
 _BFLOAT16_FLAGS = {"x86_64": ("amx_bf16", "avx512_bf16"), "amd64": ("amx_bf16", "avx512_bf16"), "aarch64": ("bf16",)}
@@ -76,6 +78,8 @@ class EngineConfig:
     ``dtype`` ``auto`` (the default) is resolved here, once: bfloat16 on a GPU or a CPU with native bfloat16
     instructions, float32 otherwise (:func:`resolve_dtype`); afterwards ``dtype`` is the one that runs and
     ``dtype_reason`` says why, for the start-up log.
+    ``quantization`` ``gguf`` (vLLM's name) runs a GGUF's quantized weights as int4 / int8 weight-only matmuls
+    (``model.quantization``); ``none`` dequantizes them to ``dtype``.
     ``kv_events_config`` (a config, a dict of its fields or a JSON object string) publishes KV cache events.
     ``max_state_checkpoint_fraction``: for a model with recurrent layers (Qwen3.5, Granite 4.0-H, LFM2), the
     share of the KV cache memory its state checkpoints may take (one working state a running request comes
@@ -109,6 +113,7 @@ class EngineConfig:
     max_model_len: int | None = None
     device: str = "cpu"
     dtype: str = "auto"
+    quantization: str = "none"
     hash_algo: str = "sha256"
     hash_seed: str | None = None
     eviction_policy: str = "lru"
@@ -136,6 +141,8 @@ class EngineConfig:
             object.__setattr__(self, "dtype", dtype)
             object.__setattr__(self, "dtype_reason", reason)
         object.__setattr__(self, "kv_events_config", KVEventsConfig.coerce(self.kv_events_config))
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.sub_block_size is not None and (self.sub_block_size <= 0 or self.block_size % self.sub_block_size):

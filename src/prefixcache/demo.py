@@ -12,7 +12,7 @@ import time
 from prefixcache.bench.offline import compare_cache_off_on, print_report, synthetic_workload
 from prefixcache.config import EngineConfig
 from prefixcache.engine import LLM, SamplingParams
-from prefixcache.model import load_model
+from prefixcache.engine.core import load_engine_model
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer in one short sentence."}
 ROUNDS = 2
@@ -23,7 +23,7 @@ def main(args: argparse.Namespace) -> None:
     config = EngineConfig(dtype=args.dtype)
     print(f"loading the default model, SmolLM2-135M-Instruct (the first run converts its GGUF file), in {config.dtype}")
     print(f"  dtype {config.dtype_reason}")
-    loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+    loaded = load_engine_model(config)
     workload = synthetic_workload(
         loaded.config.vocab_size,
         num_prompts=NUM_PROMPTS,

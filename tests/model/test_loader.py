@@ -307,13 +307,19 @@ def test_default_model_needs_its_package(monkeypatch: pytest.MonkeyPatch) -> Non
         load_model()
 
 
-def write_gguf(checkpoint: Path, out: Path) -> Path:
-    """Write a float32 GGUF of a tiny Qwen3 or Gemma 3 checkpoint the way llama.cpp lays one out (its tensor
-    names, Gemma's norms stored as 1 + weight, a byte-level BPE vocabulary)."""
+def write_gguf(checkpoint: Path, out: Path, weight_type: str = "F32") -> Path:
+    """Write a GGUF of a tiny Llama, Qwen3 or Gemma 3 checkpoint the way llama.cpp lays one out (its tensor
+    names, Llama's Q and K rows permuted, Gemma's norms stored as 1 + weight, a byte-level BPE vocabulary).
+
+    ``weight_type`` is the GGML type of the matrices (norms stay float32): one the ``gguf`` package quantizes
+    (Q4_0, Q4_1, Q8_0, ...), or Q4_K, which it cannot: those get random valid blocks instead of the
+    checkpoint's values (what a test compares against is the GGUF's own dequantization anyway).
+    """
     import gguf
+    import numpy as np
 
     config = json.loads((checkpoint / "config.json").read_text())
-    arch = {"qwen3": "qwen3", "gemma3_text": "gemma3"}[config["model_type"]]
+    arch = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3"}[config["model_type"]]
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_block_count(config["num_hidden_layers"])
@@ -339,14 +345,39 @@ def write_gguf(checkpoint: Path, out: Path) -> Path:
     writer.add_eos_token_id(config["eos_token_id"])
     arch_id = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     names = gguf.get_tensor_name_map(arch_id, config["num_hidden_layers"])
+    qtype = gguf.GGMLQuantizationType[weight_type]
+    rng = np.random.default_rng(0)
     for name, tensor in load_file(checkpoint / "model.safetensors").items():
-        data = tensor.float() + 1 if arch == "gemma3" and "norm" in name else tensor.float()
-        writer.add_tensor(names.get_name(name.removesuffix(".weight")) + ".weight", data.numpy())
+        data = (tensor.float() + 1 if arch == "gemma3" and "norm" in name else tensor.float()).numpy()
+        heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+        head_count = heads.get(name.split(".")[-2])
+        if arch == "llama" and head_count is not None:  # llama.cpp's permute (transformers reverses it)
+            data = data.reshape(head_count, 2, -1, data.shape[1]).swapaxes(1, 2).reshape(data.shape)
+        gguf_name = names.get_name(name.removesuffix(".weight")) + ".weight"
+        if data.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, data)
+        elif weight_type == "Q4_K":
+            writer.add_tensor(gguf_name, _random_q4_k(rng, data.shape), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _random_q4_k(rng: Any, shape: tuple[int, ...]) -> Any:
+    """Random Q4_K blocks (ggml's block_q4_K: fp16 d and dmin, 12 bytes of 6-bit scales and mins, 128 bytes of
+    nibbles) for a ``shape`` matrix, scaled so that the weights stay near +-0.2."""
+    import numpy as np
+
+    rows, cols = shape
+    blocks = rows * cols // 256
+    d = rng.uniform(1e-4, 2e-4, (blocks, 1)).astype(np.float16).view(np.uint8)
+    dmin = rng.uniform(1e-4, 2e-4, (blocks, 1)).astype(np.float16).view(np.uint8)
+    codes = rng.integers(0, 256, (blocks, 12 + 128), dtype=np.uint8)
+    return np.concatenate([d, dmin, codes], axis=1).reshape(rows, -1)
 
 
 # Settings a GGUF can carry: transformers takes Qwen3's head_dim (128) and Gemma 3's query_pre_attn_scalar

@@ -282,7 +282,7 @@ def run_vllm(model_dir: Path, workload_path: Path, mode: str, dtype: str) -> dic
 def main(args: argparse.Namespace) -> dict:
     import torch
 
-    from prefixcache.model import load_model
+    from prefixcache.engine.core import load_engine_model
 
     config = EngineConfig(
         model=args.model,
@@ -295,7 +295,7 @@ def main(args: argparse.Namespace) -> dict:
         seed=args.seed,
     )
     print(f"dtype {config.dtype_reason}")
-    loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+    loaded = load_engine_model(config)
     if args.workload:
         workload = Workload.load(args.workload)
     elif args.dataset_path:

@@ -65,6 +65,8 @@ PEER_TOOLS: dict[str, PeerTool] = {
         PeerTool("vllm-router", "0.1.17", "vllm-router"),
         PeerTool("sglang-router", "0.3.2", "sglang-router"),
         PeerTool("guidellm", "0.8.1", "guidellm", pinned_to_ours=("torch",)),
+        # llama.cpp's server in-process (no console script: ../shared/peers/llamacpp/serve.py runs it).
+        PeerTool("xllamacpp", "2026.10.11549", "python"),
     )
 }
 

@@ -9,7 +9,7 @@ import argparse
 from dataclasses import MISSING, fields
 from typing import Any
 
-from prefixcache.config import DTYPES, EngineConfig
+from prefixcache.config import DTYPES, QUANTIZATIONS, EngineConfig
 from prefixcache.core import HASH_ALGOS
 from prefixcache.core.eviction import EVICTION_POLICIES
 from prefixcache.core.retention_rules import RETENTION_RULES
@@ -120,6 +120,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         choices=DTYPES,
         help="weights and KV cache; auto: bfloat16 on a GPU or a CPU with native bfloat16 instructions "
         "(avx512_bf16, amx_bf16, aarch64 bf16), else float32",
+    )
+    option(
+        "--quantization",
+        "-q",
+        field="quantization",
+        choices=QUANTIZATIONS,
+        help="gguf: run a GGUF's quantized weights as int4/int8 weight-only matmuls; none: dequantize to --dtype",
     )
     option("--device", field="device", help="cpu or cuda")
     option("--seed", field="seed", type=int, help="sampling seed of requests that set none")

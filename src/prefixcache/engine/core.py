@@ -36,16 +36,26 @@ logger = logging.getLogger(__name__)
 ROLLING_WINDOW = 1000
 
 
+def load_engine_model(config: EngineConfig) -> LoadedModel:
+    """The model ``config`` names, in its dtype, on its device, quantized as it asks."""
+    return load_model(config.model, dtype=config.dtype, device=config.device, quantized=config.quantization == "gguf")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         _check_device(config.device)  # before minutes of loading, in words that name the flag
-        self.loaded = loaded or load_model(config.model, dtype=config.dtype, device=config.device)
+        self.loaded = loaded or load_engine_model(config)
         weights_dtype = str(next(self.loaded.model.parameters()).dtype).removeprefix("torch.")
         if weights_dtype != config.dtype:
             raise ValueError(
                 f"the loaded model is {weights_dtype} but the engine runs {config.dtype} ({config.dtype_reason}): "
                 f"pass dtype={weights_dtype!r} or load the model in {config.dtype}"
+            )
+        if self.loaded.quantized != (config.quantization == "gguf"):
+            raise ValueError(
+                f"the loaded model's weights are {'quantized' if self.loaded.quantized else 'floats'} but the engine "
+                f"runs quantization={config.quantization!r}"
             )
         model_config = self.loaded.config
         self.vocab_size = model_config.vocab_size

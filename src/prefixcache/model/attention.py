@@ -324,8 +324,10 @@ def write_kv_cache(
 ) -> None:
     """Store the new tokens' K/V ``[T, kv_heads, head_dim]`` at their slots."""
     _, _, kv_heads, head_dim = k_cache.shape
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    if key.dtype != k_cache.dtype:
+        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
 def _gather(

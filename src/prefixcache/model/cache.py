@@ -155,6 +155,16 @@ def _convert(gguf: Path, digest: str, target: Path, convert: Callable[[Path, Pat
     _remove_stale(models, keep=target)
 
 
+def converted_from(folder: Path) -> Path | None:
+    """The GGUF file a converted folder holds, when it still has that content (the server hands its core the
+    folder, and ``quantization="gguf"`` reads the quantized weights from the file); None otherwise."""
+    source = _read_source(folder)
+    if source is None:
+        return None
+    gguf = Path(source["gguf"])
+    return gguf if gguf.is_file() and file_digest(gguf) == source[DIGEST_ALGO] else None
+
+
 def _is_converted(folder: Path, digest: str) -> bool:
     source = _read_source(folder)
     return source is not None and source[DIGEST_ALGO] == digest and (folder / "config.json").is_file()

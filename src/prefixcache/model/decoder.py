@@ -71,23 +71,24 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # F.rms_norm computes x * rsqrt(mean(x^2) + eps), HF's ops in HF's order, in one call.
+        x32 = F.rms_norm(x.to(torch.float32), self.weight.shape, eps=self.eps)
         if self.unit_offset:
             return (x32 * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """HF's RoPE convention: the two halves of head_dim form the (real, imaginary) pairs."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's RoPE ``x * cos + rotate_half(x) * sin``, where the halves of head_dim form the (real, imaginary)
+    pairs and ``rotate_half(x) = cat(-x2, x1)``: written as ``roll(x) * cat(-sin, sin)``, the same products
+    bit for bit (a negation is exact), in four ops instead of seven."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def _partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+def _partial_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
     """RoPE on the first ``rotary_dim`` dims of each head; the rest pass through."""
     rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
-    return torch.cat((rotated * cos + _rotate_half(rotated) * sin, passed), dim=-1)
+    return torch.cat((apply_rope(rotated, cos, signed_sin), passed), dim=-1)
 
 
 class DecoderAttention(nn.Module):
@@ -128,20 +129,26 @@ class DecoderAttention(nn.Module):
         workspace: GatherWorkspace,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        qkv = self.qkv_proj(x)
+        q_size, kv_size, _ = self.split_sizes
+        v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         gate = None
-        if self.output_gate:
-            q, gate = q.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary_dim == self.head_dim:
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-        elif self.rotary_dim:
-            q, k = _partial_rope(q, cos, sin, self.rotary_dim), _partial_rope(k, cos, sin, self.rotary_dim)
+        if self.rotary_dim == self.head_dim and self.q_norm is None and not self.output_gate:
+            # Q and K side by side in the projection: one rotation for both
+            qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
+            if self.output_gate:
+                q, gate = q.reshape(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+            k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.rotary_dim == self.head_dim:
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            elif self.rotary_dim:
+                q, k = _partial_rope(q, cos, sin, self.rotary_dim), _partial_rope(k, cos, sin, self.rotary_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, self.sliding_window, workspace)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(num_tokens, -1))
@@ -366,23 +373,23 @@ class DecoderForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """cos/sin ``[T, 1, head_dim]`` of each RoPE table, computed in float32 from positions, then cast (HF's
-        order of ops)."""
+        """cos and signed sin (see :func:`apply_rope`) ``[T, 1, head_dim]`` of each RoPE table, computed in
+        float32 from positions, then cast (HF's order of ops)."""
         inv_freqs = self._inv_freq.get(positions.device)
         if inv_freqs is None:
             inv_freqs = self._inv_freq[positions.device] = [f.to(positions.device) for f in self._inv_freq_cpu]
         out = []
         for inv_freq in inv_freqs:
-            freqs = positions[:, None].float() * inv_freq
-            emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-            out.append((emb.cos().to(dtype), emb.sin().to(dtype)))
+            freqs = (positions[:, None].float() * inv_freq)[:, None, :]
+            sin = freqs.sin().to(dtype)
+            out.append((torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1)))
         return out
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` in float32 for the given hidden states (typically each request's last)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        # lm_head is a module of its own (or, quantized and tied, the embedding's int8 table).
+        logits = F.linear(hidden, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
@@ -407,7 +414,7 @@ class DecoderForCausalLM(nn.Module):
         block still enter the attention matmuls, and uninitialised memory could hold NaN/inf that would
         poison the result (0 * NaN = NaN).
         """
-        param = self.model.embed_tokens.weight
+        param = self.model.norm.weight  # a float parameter in the model's dtype, even with quantized weights
         dtype = dtype or param.dtype
         device = device or param.device
         groups = self._check_groups(groups)
@@ -430,7 +437,7 @@ class DecoderForCausalLM(nn.Module):
         A block serves one group, so it spans the largest group's layers; with the default single group, all.
         """
         groups = self._check_groups(groups)
-        itemsize = (dtype or self.model.embed_tokens.weight.dtype).itemsize
+        itemsize = (dtype or self.model.norm.weight.dtype).itemsize
         slots = max(len(group.layers) for group in groups)
         return block_size * slots * 2 * self.config.num_kv_heads * self.config.head_dim * itemsize
 
@@ -540,7 +547,7 @@ class DecoderForCausalLM(nn.Module):
         missing = [
             name
             for target, parts in shards.items()
-            for index, name in enumerate(self._hf_names(target))
+            for index, name in enumerate(self.hf_names(target))
             if index not in parts
         ]
         if unexpected or missing:
@@ -554,7 +561,7 @@ class DecoderForCausalLM(nn.Module):
             state[target] = tensor.to(device=param.device if device is None else device, dtype=param.dtype)
         self.load_state_dict(state, strict=True, assign=True)
 
-    def _hf_names(self, param_name: str) -> list[str]:
+    def hf_names(self, param_name: str) -> list[str]:
         """The HF checkpoint names stored in one of our parameters, in shard order."""
         arch = self.config.architecture
         *prefix, module, kind = param_name.split(".")

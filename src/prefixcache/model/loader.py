@@ -9,6 +9,7 @@ engines (e.g. vLLM) can load too.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -23,9 +24,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from prefixcache.model.cache import converted_checkpoint, files_digest
+from prefixcache.model.cache import converted_checkpoint, converted_from, files_digest
 from prefixcache.model.config import ModelConfig
 from prefixcache.model.decoder import DecoderForCausalLM
+from prefixcache.model.quantization import quantize_from_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -59,20 +61,26 @@ class LoadedModel:
     model_dir: Path
     name: str
     weights_digest: str
+    # Whether the GGUF's quantized weights run quantized (load_model's ``quantized``).
+    quantized: bool = False
 
 
 def load_model(
     model: str | os.PathLike[str] | None = None,
     dtype: str | torch.dtype = "float32",
     device: str = "cpu",
+    quantized: bool = False,
 ) -> LoadedModel:
     """Load ``model``: None / ``DEFAULT_MODEL``, a local HF checkpoint directory, or a ``.gguf`` file.
 
-    Raises FileNotFoundError for a missing path or a directory without config.json / weights, and ValueError
-    for an unsupported architecture or dtype.
+    ``quantized`` keeps a GGUF's quantized weights quantized (``model.quantization``, the engine's
+    ``quantization="gguf"``); otherwise they run dequantized to ``dtype``. Raises FileNotFoundError for a
+    missing path or a directory without config.json / weights, and ValueError for an unsupported architecture
+    or dtype, or ``quantized`` without a GGUF.
     """
     torch_dtype = _parse_dtype(dtype)
     model_dir, name = resolve_model(model)
+    gguf = gguf_source(model) if quantized else None
     start = time.perf_counter()
     config = read_config(model_dir)
     tokenizer = load_tokenizer(model_dir)
@@ -82,9 +90,13 @@ def load_model(
     net = net.to(dtype=torch_dtype)
     files = weight_files(model_dir)
     net.load_weights(_iter_safetensors(files), device=device)
+    if gguf is not None:
+        quantize_from_gguf(net, gguf, device)
     net.requires_grad_(False).eval()
     digest_start = time.perf_counter()
     weights_digest = files_digest(files)
+    if gguf is not None:  # other K/V than the floats': another offload namespace
+        weights_digest = hashlib.sha256(f"{weights_digest}:gguf-quantized".encode()).hexdigest()
     logger.debug(
         "weights digest %s of %d files in %.2fs (cached by file identity)",
         weights_digest[:16],
@@ -92,16 +104,23 @@ def load_model(
         time.perf_counter() - digest_start,
     )
     logger.info(
-        "loaded %s (%s) from %s as %s on %s in %.1fs",
+        "loaded %s (%s) from %s as %s%s on %s in %.1fs",
         name,
         config.architecture,
         model_dir,
         torch_dtype,
+        "" if gguf is None else f" with {gguf.name}'s quantized weights",
         device,
         time.perf_counter() - start,
     )
     return LoadedModel(
-        model=net, config=config, tokenizer=tokenizer, model_dir=model_dir, name=name, weights_digest=weights_digest
+        model=net,
+        config=config,
+        tokenizer=tokenizer,
+        model_dir=model_dir,
+        name=name,
+        weights_digest=weights_digest,
+        quantized=gguf is not None,
     )
 
 
@@ -138,6 +157,20 @@ def resolve_model(model: str | os.PathLike[str] | None) -> tuple[Path, str]:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json, so it is not a Hugging Face checkpoint directory")
     return path.resolve(), path.resolve().name
+
+
+def gguf_source(model: str | os.PathLike[str] | None) -> Path:
+    """The GGUF file ``model`` names (the default model's included), or the one a converted folder was converted
+    from; ValueError for any other checkpoint folder."""
+    if model is None or str(model) == DEFAULT_MODEL:
+        return default_gguf_path()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    source = converted_from(path) if path.is_dir() else None
+    if source is not None:
+        return source
+    raise ValueError(f"quantization 'gguf' needs a .gguf model file; {str(model)!r} is not one")
 
 
 def default_gguf_path() -> Path:

@@ -1,0 +1,338 @@
+"""A GGUF's own quantized weights, kept quantized: weight-only int4 / int8 matmuls instead of dequantized floats.
+
+A decode step reads every weight once, so its speed is bounded by the bytes it reads: the GGUF's 4-bit
+weights are a quarter of bfloat16's. llama.cpp's 4-bit types are affine in groups of 32 along the input
+dimension, ``w = scale * q + min`` with ``q`` in 0..15 (Q4_0: ``min = -8 * scale``; Q4_1: its own min; Q4_K:
+per-32 sub-block scales and mins from 6-bit codes of a 256 super-block), which is exactly torch's int4
+weight-only layout, ``w = (q - 8) * scale + zero`` with ``zero = min + 8 * scale``: the integers carry over
+unchanged and only the scales are rounded to bfloat16, the kernels' dtype. Every other quantized type (Q8_0,
+Q6_K, Q5_*, ...) is requantized per output channel to int8 (``_weight_int8pack_mm``), which is at least as
+fine as the source for the types below 8 bits; for Q8_0 the per-channel scale is the row's largest block
+scale. Float tensors (norms, F16/F32 weights) stay as the model loaded them.
+
+The kernels are CPU and CUDA ops of torch (``_weight_int4pack_mm_for_cpu``, ``_weight_int4pack_mm``,
+``_weight_int8pack_mm``); where one is missing for the device the weight is dequantized once and runs as a
+plain matmul, so the quantized model runs anywhere the float one does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["ConcatLinear", "Int4Linear", "Int8Linear", "QuantizedEmbedding", "quantize_from_gguf"]
+
+if TYPE_CHECKING:
+    from prefixcache.model.decoder import DecoderForCausalLM
+
+logger = logging.getLogger(__name__)
+
+GROUP_SIZE = 32
+# What the int4 and int8 kernels compute in: their float32 versions are reference loops, 10-20x slower.
+COMPUTE_DTYPE = torch.bfloat16
+# The int4 kernels need N a multiple of 16 (CPU; CUDA's 8) and K of two groups (CUDA's 2 inner K tiles of 16).
+_INT4_N_MULTIPLE = 16
+_INT4_K_MULTIPLE = 2 * GROUP_SIZE
+
+
+@dataclass(slots=True)
+class GGUFWeight:
+    """One GGUF weight with HF's row order: ``[N, K]``; ``q``, ``scale``, ``minimum`` set for the 4-bit types
+    (``q`` integers 0..15 ``[N, K]``, the others ``[N, K / 32]``), ``dense`` (float32) for every type."""
+
+    type_name: str
+    dense: np.ndarray
+    q: np.ndarray | None = None
+    scale: np.ndarray | None = None
+    minimum: np.ndarray | None = None
+
+
+def _four_bit_affine(type_name: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per group of 32 ``(scale, min)`` float32 ``[num_blocks, groups per block]`` of a 4-bit block type, or None
+    for another type. Byte layouts are ggml's (block_q4_0, block_q4_1, block_q4_K)."""
+    import gguf.quants
+
+    def half(start: int) -> np.ndarray:
+        return blocks[:, start : start + 2].copy().view(np.float16).astype(np.float32)
+
+    if type_name == "Q4_0":
+        d = half(0)
+        return d, -8 * d
+    if type_name == "Q4_1":
+        return half(0), half(2)
+    if type_name == "Q4_K":
+        d, dmin = half(0), half(2)
+        sc, mn = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())
+        return d * sc.astype(np.float32), -dmin * mn.astype(np.float32)
+    return None
+
+
+def read_gguf_weight(tensor: object, row_order: np.ndarray | None = None) -> GGUFWeight:
+    """Decode a ``gguf.ReaderTensor`` of a 2-D weight into a :class:`GGUFWeight`; ``row_order`` picks its rows
+    (llama.cpp stores Llama's Q and K rows permuted for its RoPE layout)."""
+    import gguf
+
+    qtype = tensor.tensor_type  # type: ignore[attr-defined]
+    raw = np.asarray(tensor.data)  # type: ignore[attr-defined]
+    if row_order is not None:
+        raw = raw[row_order]
+    dense = np.asarray(gguf.quants.dequantize(raw, qtype), dtype=np.float32)
+    rows, cols = dense.shape
+    weight = GGUFWeight(qtype.name, dense)
+    type_size = gguf.GGML_QUANT_SIZES[qtype][1]
+    affine = _four_bit_affine(qtype.name, raw.reshape(-1, type_size)) if raw.dtype == np.uint8 else None
+    if affine is not None:
+        scale, minimum = (a.reshape(rows, cols // GROUP_SIZE) for a in affine)
+        step = np.repeat(scale, GROUP_SIZE, axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.where(step == 0, 0, np.rint((dense - np.repeat(minimum, GROUP_SIZE, axis=1)) / step))
+        weight.q, weight.scale, weight.minimum = np.clip(q, 0, 15).astype(np.uint8), scale, minimum
+    return weight
+
+
+@cache
+def _kernel_works(kind: str, device: torch.device) -> bool:
+    """Whether torch has the ``int4`` / ``int8`` weight-only kernel for ``device`` (tried once on a tiny weight)."""
+    try:
+        if kind == "int4":
+            layer = Int4Linear(
+                torch.zeros(_INT4_N_MULTIPLE, _INT4_K_MULTIPLE, dtype=torch.uint8),
+                torch.ones(_INT4_N_MULTIPLE, 2),
+                torch.zeros(_INT4_N_MULTIPLE, 2),
+                None,
+                device,
+                probe=False,
+            )
+        else:
+            layer = Int8Linear(torch.ones(8, 32, dtype=torch.int8), torch.ones(8), None, device, probe=False)
+        layer(torch.ones(1, layer.in_features, device=device))
+    except (RuntimeError, NotImplementedError) as exc:
+        logger.info("no %s weight-only kernel on %s (%s): those weights run dequantized", kind, device, exc)
+        return False
+    return True
+
+
+class Int4Linear(nn.Module):
+    """Weight-only int4 linear layer, groups of 32 along the input: ``y = x @ ((q - 8) * scale + zero).T + b``.
+
+    ``q`` ``[N, K]`` holds integers 0..15, ``scale`` and ``minimum`` ``[N, K / 32]`` (``w = scale * q + min``).
+    Where torch has no int4 kernel for ``device`` the dequantized weight is kept instead.
+    """
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        minimum: torch.Tensor,
+        bias: torch.Tensor | None,
+        device: torch.device | str,
+        probe: bool = True,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        device = torch.device(device)
+        self.bias = None if bias is None else nn.Parameter(bias.to(device), requires_grad=False)
+        zero = minimum + 8 * scale
+        if probe and not _kernel_works("int4", device):
+            dense = scale.repeat_interleave(GROUP_SIZE, 1) * q.float() + minimum.repeat_interleave(GROUP_SIZE, 1)
+            self.register_buffer("dense", dense.to(device=device, dtype=COMPUTE_DTYPE))
+            self._matmul: Callable[[torch.Tensor], torch.Tensor] = lambda x: F.linear(x, self.dense)
+            return
+        # [K / 32, N, 2]: each group's scale and zero, the layout both kernels take.
+        scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(device=device, dtype=COMPUTE_DTYPE))
+        if device.type == "cpu":
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+            kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+        else:
+            nibbles = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+            packed = torch.ops.aten._convert_weight_to_int4pack(nibbles.to(device), 2)
+            kernel = torch.ops.aten._weight_int4pack_mm
+        self.register_buffer("packed", packed.to(device))
+        self._matmul = lambda x: kernel(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == COMPUTE_DTYPE and x.dim() == 2 and self.bias is None:
+            return self._matmul(x)  # the decoder's case: no reshapes or casts to dispatch
+        shape = x.shape
+        out = self._matmul(x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*shape[:-1], self.out_features)
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8 linear layer with one scale per output channel: ``y = (x @ q.T) * scale + b``.
+
+    Also an embedding (:meth:`rows`), so a tied embedding and its output projection share one int8 copy.
+    """
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        device: torch.device | str,
+        probe: bool = True,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        device = torch.device(device)
+        self.bias = None if bias is None else nn.Parameter(bias.to(device), requires_grad=False)
+        self.register_buffer("q", q.to(device))
+        self.register_buffer("scale", scale.to(device=device, dtype=COMPUTE_DTYPE))
+        self._kernel = not probe or _kernel_works("int8", device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel and x.dtype == COMPUTE_DTYPE and x.dim() == 2 and self.bias is None:
+            return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+        shape = x.shape
+        flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
+        if self._kernel:
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scale)
+        else:
+            out = F.linear(flat, self.q.to(COMPUTE_DTYPE)) * self.scale
+        out = out.to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*shape[:-1], self.out_features)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized rows ``ids`` (an embedding lookup), in ``dtype``."""
+        return (self.q[ids].to(torch.float32) * self.scale[ids, None].float()).to(dtype)
+
+
+class ConcatLinear(nn.Module):
+    """Several linear layers whose outputs are concatenated: a fused projection (QKV, gate-up) whose parts the
+    GGUF stores in types that cannot share one kernel (Q4_K_M keeps some V and down weights in Q6_K)."""
+
+    def __init__(self, parts: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.out_features = sum(p.out_features for p in parts)  # type: ignore[misc]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding looked up from an :class:`Int8Linear` (shared with the output projection when tied)."""
+
+    def __init__(self, table: Int8Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = table
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(ids, self.dtype)
+
+
+def int8_per_channel(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 of a float32 ``[N, K]``: ``(q, scale)`` with ``dense ~= q * scale[:, None]``."""
+    scale = dense.abs().amax(dim=1) / 127
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return torch.round(dense / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def build_linear(parts: Sequence[GGUFWeight], bias: torch.Tensor | None, device: torch.device | str) -> nn.Module:
+    """One module for the row-wise concatenation of ``parts`` (a fused projection's pieces, in order).
+
+    All 4-bit with shapes the int4 kernel takes: one :class:`Int4Linear`. Otherwise a part that is 4-bit
+    stays int4 on its own and the rest become int8, concatenated by :class:`ConcatLinear`.
+    """
+
+    def int4_ok(w: GGUFWeight) -> bool:
+        return w.q is not None and w.q.shape[0] % _INT4_N_MULTIPLE == 0 and w.q.shape[1] % _INT4_K_MULTIPLE == 0
+
+    def as_tensor(arrays: list[np.ndarray]) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate(arrays, axis=0))
+
+    if all(int4_ok(w) for w in parts):
+        return Int4Linear(
+            as_tensor([w.q for w in parts]),  # type: ignore[misc]
+            as_tensor([w.scale for w in parts]),  # type: ignore[misc]
+            as_tensor([w.minimum for w in parts]),  # type: ignore[misc]
+            bias,
+            device,
+        )
+    if not any(int4_ok(w) for w in parts):
+        return Int8Linear(*int8_per_channel(as_tensor([w.dense for w in parts])), bias, device)
+    biases = [None] * len(parts) if bias is None else list(bias.split([w.dense.shape[0] for w in parts]))
+    return ConcatLinear([build_linear([w], b, device) for w, b in zip(parts, biases, strict=True)])
+
+
+def module_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters and buffers, each storage counted once (a tied table is shared)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in [*module.parameters(), *module.buffers()]:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def quantize_from_gguf(model: DecoderForCausalLM, gguf_path: Path, device: torch.device | str) -> None:
+    """Replace ``model``'s linear layers and embedding by the GGUF's quantized weights (in place).
+
+    The model must hold the same weights, loaded from this GGUF's conversion: its biases stay, and its float
+    weights are dropped as each module is replaced. Rows come in HF's order (llama.cpp permutes Llama's Q and
+    K rows, as transformers' converter undoes).
+    """
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    field = reader.fields["general.architecture"]
+    architecture = bytes(field.parts[field.data[0]]).decode()
+    arch_id = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == architecture)
+    names = gguf.get_tensor_name_map(arch_id, model.config.num_layers)
+    tensors = {t.name: t for t in reader.tensors}
+    quantized = {name for name, t in tensors.items() if t.tensor_type.name not in _FLOAT_TYPES}
+    config = model.config
+
+    def gguf_name(hf_name: str) -> str:
+        base = names.get_name(hf_name.removesuffix(".weight"))
+        if base is None or f"{base}.weight" not in tensors:
+            raise ValueError(f"{gguf_path} has no tensor for {hf_name}")
+        return f"{base}.weight"
+
+    def row_order(name: str, rows: int) -> np.ndarray | None:
+        heads = {"attn_q": config.num_heads, "attn_k": config.num_kv_heads}.get(name.split(".")[-2])
+        if architecture != "llama" or heads is None:
+            return None
+        return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(2, 1).reshape(rows)
+
+    def weight(hf_name: str) -> GGUFWeight:
+        name = gguf_name(hf_name)
+        return read_gguf_weight(tensors[name], row_order(name, int(tensors[name].shape[-1])))
+
+    modules = dict(model.named_modules())
+    for path, module in modules.items():
+        if not isinstance(module, nn.Linear):
+            continue
+        hf_names = model.hf_names(f"{path}.weight")
+        if not all(gguf_name(n) in quantized for n in hf_names):
+            continue  # a float weight keeps its float module
+        replacement = build_linear([weight(n) for n in hf_names], module.bias, device)
+        parent, _, child = path.rpartition(".")
+        setattr(modules[parent] if parent else model, child, replacement)
+    embed_name = gguf_name("model.embed_tokens.weight")
+    if embed_name in quantized:
+        dtype = model.model.norm.weight.dtype
+        table = Int8Linear(*int8_per_channel(torch.from_numpy(weight("model.embed_tokens.weight").dense)), None, device)
+        model.model.embed_tokens = QuantizedEmbedding(table, dtype)
+        if model.lm_head is None:
+            model.lm_head = table  # tied: the output projection reads the same int8 table
+
+
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")

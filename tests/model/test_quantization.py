@@ -1,0 +1,192 @@
+"""A GGUF's quantized weights run quantized (``quantized=True``) and agree with the GGUF's dequantized floats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefixcache.engine import LLM, SamplingParams
+from prefixcache.model import load_model
+from prefixcache.model.quantization import ConcatLinear, Int4Linear, Int8Linear, QuantizedEmbedding, module_bytes
+from tests.helpers import build_tokenizer, write_tiny_checkpoint
+from tests.model.test_loader import write_gguf
+
+# The bounds the quantized model keeps against the GGUF's dequantized float32 reference. Its matmuls compute in
+# bfloat16 (the int4/int8 kernels' dtype) with the group scales rounded to bfloat16, so the reference's tokens
+# hold until a step whose top two tokens are within NEAR_TIE nats, and each token's log-probability within
+# LOGPROB_BOUND nats (SmolLM2-135M from its Q4_1 GGUF, 8 prompts x 24 tokens: at most 0.23, the same as the
+# float model run in bfloat16; the tiny random models here stay well inside it).
+NEAR_TIE = 0.25
+LOGPROB_BOUND = 0.3
+PROMPTS = [[5, 17, 33, 2], [101, 7, 7, 64, 12, 9], [250, 3], [42] * 20]
+
+
+def tiny_gguf(tmp_path: Path, weight_type: str, **overrides) -> Path:
+    """A tiny Llama (tied embedding unless overridden) as a GGUF whose matrices are ``weight_type``."""
+    settings = dict(vocab_size=len(build_tokenizer()), initializer_range=0.05, tie_word_embeddings=True)
+    checkpoint = write_tiny_checkpoint(tmp_path / "ckpt", "llama", **(settings | overrides))
+    return write_gguf(checkpoint, tmp_path / f"tiny-{weight_type}.gguf", weight_type)
+
+
+def dense_weight(module: torch.nn.Module) -> torch.Tensor:
+    """What a quantized module multiplies by, as a float32 ``[N, K]`` (its output for the identity)."""
+    eye = torch.eye(module.in_features)
+    bias = getattr(module, "bias", None)
+    out = module(eye).float()
+    return (out - (0 if bias is None else bias.float())).t()
+
+
+def greedy(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
+    outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2))
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+
+def assert_agrees_until_a_near_tie(reference: list, quantized: list) -> None:
+    """Each prompt's greedy tokens equal the reference's up to the first step where the reference's top two are
+    within NEAR_TIE; every log-probability until then within LOGPROB_BOUND."""
+    for (ref_tokens, ref_logprobs), (q_tokens, q_logprobs) in zip(reference, quantized, strict=True):
+        for step, (ref_token, q_token) in enumerate(zip(ref_tokens, q_tokens, strict=True)):
+            top = sorted(ref_logprobs[step].values(), reverse=True)
+            if ref_token != q_token:
+                assert top[0] - top[1] < NEAR_TIE, f"step {step}: {q_token} instead of {ref_token}, gap {top}"
+                break
+            assert abs(ref_logprobs[step][ref_token] - q_logprobs[step][q_token]) < LOGPROB_BOUND
+
+
+@pytest.mark.parametrize(
+    ("weight_type", "linear_kind", "overrides"),
+    [
+        ("Q4_0", Int4Linear, {}),
+        ("Q4_1", Int4Linear, {}),
+        ("Q8_0", Int8Linear, {}),
+        # Q4_K's super-blocks are 256 wide; an untied output projection is quantized on its own.
+        (
+            "Q4_K",
+            Int4Linear,
+            {"hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 4, "tie_word_embeddings": False},
+        ),
+    ],
+)
+def test_quantized_weights_match_the_dequantized_reference(
+    weight_type: str, linear_kind: type, overrides: dict, tmp_path: Path, monkeypatch, make_llm
+) -> None:
+    monkeypatch.setenv("PREFIXCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_path = tiny_gguf(tmp_path, weight_type, **overrides)
+    reference = load_model(gguf_path)  # transformers' dequantization, float32
+    quantized = load_model(gguf_path, quantized=True)
+    assert quantized.quantized and not reference.quantized
+    assert quantized.weights_digest != reference.weights_digest  # other K/V: another offload namespace
+
+    ref_modules = dict(reference.model.named_modules())
+    linears = {
+        name: m
+        for name, m in quantized.model.named_modules()
+        if isinstance(m, Int4Linear | Int8Linear) and name in ref_modules  # not the embedding's table
+    }
+    assert {type(m) for name, m in linears.items() if name != "lm_head"} == {linear_kind}
+    assert not any(isinstance(m, torch.nn.Linear) for m in quantized.model.modules())
+    assert isinstance(quantized.model.model.embed_tokens, QuantizedEmbedding)
+    for name, module in linears.items():
+        expected = ref_modules[name].weight.float()
+        # int4 is the GGUF's own integers with bfloat16 scales; int8 a per-channel requantization
+        tolerance = 2**-7 if isinstance(module, Int4Linear) else expected.abs().amax() / 127
+        torch.testing.assert_close(dense_weight(module), expected, atol=float(tolerance), rtol=2**-7)
+    ids = torch.arange(quantized.config.vocab_size)
+    embed = quantized.model.model.embed_tokens(ids).float()
+    torch.testing.assert_close(embed, reference.model.model.embed_tokens(ids), atol=2**-6, rtol=2**-6)
+
+    # Held in memory: at most 1.3x the GGUF's tensor bytes (int4: the file's nibbles plus bfloat16 group scales).
+    import gguf
+
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(gguf_path).tensors)
+    assert module_bytes(quantized.model) <= 1.3 * file_bytes
+
+    expected_tokens = greedy(make_llm(loaded=reference))
+    assert_agrees_until_a_near_tie(expected_tokens, greedy(make_llm(loaded=quantized, quantization="gguf")))
+
+
+def test_quantized_outputs_are_the_same_with_and_without_the_cache(tmp_path: Path, monkeypatch, make_llm) -> None:
+    """The prefix cache changes nothing: a prompt sharing a cached prefix decodes as it does cold (float32)."""
+    monkeypatch.setenv("PREFIXCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    quantized = load_model(tiny_gguf(tmp_path, "Q4_1"), quantized=True)
+    prompts = [list(range(3, 40)), list(range(3, 40)) + [7, 8, 9]]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    results = {}
+    for caching in (False, True):
+        llm = make_llm(loaded=quantized, quantization="gguf", enable_prefix_caching=caching)
+        llm.generate(prompts[:1], params)  # the second prompt's prefix is cached now (when caching)
+        outputs = llm.generate(prompts, params)
+        assert (outputs[1].num_cached_tokens > 0) == caching
+        results[caching] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+    assert results[True] == results[False]
+
+
+def test_a_fused_projection_of_mixed_types_runs_each_part_with_its_kernel() -> None:
+    """Q4_K_M stores some V weights in Q6_K: the fused QKV then runs int4 parts and an int8 part, concatenated."""
+    from prefixcache.model.quantization import GGUFWeight, build_linear
+
+    torch.manual_seed(0)
+    q = torch.randint(0, 16, (32, 64), dtype=torch.uint8).numpy()
+    scale, minimum = torch.full((32, 2), 0.01).numpy(), torch.full((32, 2), -0.08).numpy()
+    four_bit = GGUFWeight("Q4_0", (q * 0.01 - 0.08).astype("float32"), q, scale, minimum)
+    six_bit = GGUFWeight("Q6_K", torch.randn(16, 64).numpy())
+    bias = torch.randn(48)
+    module = build_linear([four_bit, six_bit], bias, "cpu")
+    assert isinstance(module, ConcatLinear)
+    assert [type(part) for part in module.parts] == [Int4Linear, Int8Linear]
+    x = torch.rand(3, 64)
+    expected = x @ torch.cat([torch.from_numpy(four_bit.dense), torch.from_numpy(six_bit.dense)]).t() + bias
+    out = module(x)
+    # the int4 rows are the exact integers (bfloat16 activations); the int8 rows are requantized from randn
+    torch.testing.assert_close(out[:, :32], expected[:, :32], atol=0.02, rtol=0.01)
+    torch.testing.assert_close(out[:, 32:], expected[:, 32:], atol=0.15, rtol=0.02)
+
+
+def test_a_converted_folder_quantizes_from_its_gguf(tmp_path: Path, monkeypatch) -> None:
+    """The server hands its engine core the converted folder; the core reads the quantized weights from the GGUF."""
+    monkeypatch.setenv("PREFIXCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_path = tiny_gguf(tmp_path, "Q4_0")
+    folder = load_model(gguf_path).model_dir
+    assert folder.parent == tmp_path / "cache" / "models"
+    assert load_model(folder, quantized=True).quantized
+
+
+def test_quantized_needs_a_gguf(checkpoint_dirs) -> None:
+    with pytest.raises(ValueError, match=r"quantization 'gguf' needs a \.gguf model file"):
+        load_model(checkpoint_dirs["llama"], quantized=True)
+
+
+def test_engine_refuses_a_model_loaded_otherwise(make_llm) -> None:
+    with pytest.raises(ValueError, match="weights are floats but the engine runs quantization='gguf'"):
+        make_llm(quantization="gguf")
+
+
+@pytest.mark.slow
+def test_smollm2_quantized_matches_its_float_reference() -> None:
+    """SmolLM2-135M from its Q4_1 GGUF: weights in at most 1.3x the file's bytes, and on a fixed prompt set the
+    reference's greedy tokens until a near-tie, with log-probabilities within the bound."""
+    from prefixcache.model.loader import default_gguf_path
+
+    reference = load_model(dtype="float32")
+    quantized = load_model(dtype="bfloat16", quantized=True)
+    assert module_bytes(quantized.model) <= 1.3 * default_gguf_path().stat().st_size
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time",
+        "The three primary colors are",
+        "Water boils at",
+        "List of planets:",
+        "In 1492,",
+        "My favourite food is",
+    ]
+    prompts = [reference.tokenizer(text).input_ids for text in texts]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    runs = []
+    for loaded, dtype, quantization in ((reference, "float32", "none"), (quantized, "bfloat16", "gguf")):
+        llm = LLM(loaded=loaded, dtype=dtype, quantization=quantization, kv_cache_memory="64MiB")
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)])
+        llm.engine.close()
+    assert_agrees_until_a_near_tie(*runs)
