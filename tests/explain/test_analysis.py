@@ -85,6 +85,10 @@ def test_block_alignment_and_partial_blocks_are_counted_exactly():
         "different_salt": 0,
         "evicted": 0,
         "after_evicted": 0,
+        "expired": 0,
+        "after_expired": 0,
+        "evicted_below_retained": 0,
+        "after_evicted_below_retained": 0,
         "shorter_than_block": 0,
         "tail": 15,
     }
@@ -275,4 +279,11 @@ def test_tokens_after_evicted_blocks_count_as_evicted_like_the_engine_counts_the
         request = make_request(tokens)
         admit(manager, request)
         manager.free(request)
-    assert manager.lookup(again).missed_tokens == {"new": 0, "evicted": 48, "partial_block": 1, "skipped": 0}
+    assert manager.lookup(again).missed_tokens == {
+        "new": 0,
+        "evicted": 48,
+        "expired": 0,
+        "evicted_below_retained": 0,
+        "partial_block": 1,
+        "skipped": 0,
+    }

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from prefixcache.engine.input_processor import chat_token_ids, tokenize_prompt
-from prefixcache.explain.log import read_log, token_ids_of, tokenize_log
+from prefixcache.explain.log import read_log, tokenize_body, tokenize_log
 
 GOOD = [
     {"model": "m", "prompt": "The quick brown fox", "max_tokens": 5, "n": 3},
@@ -67,7 +67,7 @@ def test_every_body_shape_is_read_as_the_engine_would_tokenize_it(tmp_path, toke
     path = tmp_path / "log.jsonl"
     write_log(path, GOOD, {})
     bodies, errors = read_log(path)
-    prompts, token_errors = tokenize_log(bodies, lambda body: token_ids_of(body, tokenizer))
+    prompts, token_errors = tokenize_log(bodies, lambda body: tokenize_body(body, tokenizer))
     assert errors == token_errors == []
     assert [p.token_ids for p in prompts] == [
         tokenize_prompt(tokenizer, "The quick brown fox")[1],
@@ -90,7 +90,7 @@ def test_bad_lines_are_reported_with_their_number_and_skipped(tmp_path, tokenize
     path = tmp_path / "log.jsonl"
     bad_lines = write_log(path, GOOD, BAD)
     bodies, errors = read_log(path)
-    prompts, token_errors = tokenize_log(bodies, lambda body: token_ids_of(body, tokenizer))
+    prompts, token_errors = tokenize_log(bodies, lambda body: tokenize_body(body, tokenizer))
     assert len(prompts) == len(GOOD)
     reported = {e.line: e.message for e in errors + token_errors}
     assert sorted(reported) == sorted(bad_lines)
@@ -102,7 +102,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_as_the_server_refuses_them
     path = tmp_path / "log.jsonl"
     path.write_text(json.dumps({"prompt_token_ids": [5, 511]}) + "\n" + json.dumps({"prompt": [5, 512]}) + "\n")
     bodies, _ = read_log(path)
-    prompts, errors = tokenize_log(bodies, lambda body: token_ids_of(body, tokenizer, vocab_size=512))
+    prompts, errors = tokenize_log(bodies, lambda body: tokenize_body(body, tokenizer, vocab_size=512))
     assert [p.token_ids for p in prompts] == [[5, 511]]
     assert [(e.line, e.message) for e in errors] == [(2, "prompt token ids must be in [0, 512)")]
 
@@ -111,7 +111,7 @@ def test_a_chat_prompt_keeps_its_messages_to_locate_a_divergence(tmp_path, token
     path = tmp_path / "log.jsonl"
     write_log(path, GOOD, {})
     bodies, _ = read_log(path)
-    prompts, _ = tokenize_log(bodies, lambda body: token_ids_of(body, tokenizer))
+    prompts, _ = tokenize_log(bodies, lambda body: tokenize_body(body, tokenizer))
     assert prompts[3].messages == ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"})
     assert prompts[0].messages is None
 
@@ -122,7 +122,7 @@ def test_a_template_that_fails_is_a_bad_line(tmp_path, tokenizer):
     logged = tmp_path / "log.jsonl"
     logged.write_text(json.dumps({"messages": [{"role": "system", "content": "x"}]}) + "\n")
     bodies, _ = read_log(logged)
-    prompts, errors = tokenize_log(bodies, lambda body: token_ids_of(body, failing))
+    prompts, errors = tokenize_log(bodies, lambda body: tokenize_body(body, failing))
     assert prompts == [] and errors[0].line == 1 and "no system role" in errors[0].message
 
 
