@@ -6,6 +6,7 @@ import json
 import pytest
 
 from prefixcache.engine.input_processor import chat_token_ids, tokenize_prompt
+from prefixcache.core.retention import RetentionRange
 from prefixcache.explain.log import read_log, tokenize_body, tokenize_log
 
 GOOD = [
@@ -129,3 +130,60 @@ def test_a_template_that_fails_is_a_bad_line(tmp_path, tokenizer):
 def test_a_missing_file_is_an_os_error(tmp_path):
     with pytest.raises(OSError):
         read_log(tmp_path / "missing.jsonl")
+
+
+def read_bodies(tmp_path, bodies) -> list:
+    path = tmp_path / "log.jsonl"
+    path.write_text("".join(json.dumps(b) + "\n" for b in bodies))
+    return read_log(path)[0]
+
+
+SYSTEM_CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+def test_directives_are_read_as_the_server_reads_them(tmp_path, tokenizer):
+    marked = [{**SYSTEM_CHAT[0], "cache_control": {"type": "ephemeral", "ttl": "1h"}}, SYSTEM_CHAT[1]]
+    bodies = read_bodies(
+        tmp_path,
+        [
+            {"messages": marked, "timestamp": 12.5},
+            {"prompt": [5, 6, 7, 8], "retention": [{"token_start": 0, "token_end": 2, "priority": 70,
+                                                    "duration_ms": 1500}], "timestamp": "2026-12-01T21:00:00Z"},
+            {"prompt_token_ids": [5, 6, 7], "prompt_cache_retention": "24h"},
+        ],
+    )  # fmt: skip
+    prompts, errors = tokenize_log(bodies, lambda body: tokenize_body(body, tokenizer, locate_system=True))
+    assert errors == []
+    chat, ranges, persistent = prompts
+    [breakpoint] = chat.retention
+    assert (breakpoint.start, breakpoint.end, breakpoint.priority, breakpoint.ttl_s) == (0, chat.system_end, 80, 3600)
+    assert tokenizer.decode(chat.token_ids[: chat.system_end]).endswith("Be brief.<|end|>")
+    assert tokenizer.decode(chat.token_ids[chat.system_end :]).startswith("<|user|>")
+    assert ranges.retention == (RetentionRange(0, 2, 70, 1.5),) and ranges.system_end is None
+    assert persistent.retention == (RetentionRange(0, None, 90, 86400.0),)
+    assert (chat.timestamp, ranges.timestamp, persistent.timestamp) == (12.5, 1796158800.0, None)
+
+
+def test_directives_the_server_would_refuse_are_bad_lines(tmp_path, tokenizer):
+    control = {"type": "ephemeral"}
+    five = [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": control}] * 5}]
+    bodies = read_bodies(
+        tmp_path,
+        [
+            {"messages": five},
+            {"prompt": [5, 6], "retention": [{"token_start": 0, "priority": 101}]},
+            {"prompt": [5, 6], "retention": [{"token_start": 1, "token_end": 3, "priority": 50}]},
+            {"prompt": [5, 6], "prompt_cache_retention": "1h"},
+            {"messages": [{**SYSTEM_CHAT[0], "cache_control": {"type": "ephemeral", "ttl": "2h"}}]},
+            {"prompt": [5, 6], "timestamp": "yesterday"},
+        ],
+    )
+    prompts, errors = tokenize_log(bodies, lambda body: tokenize_body(body, tokenizer))
+    assert prompts == []
+    messages = [e.message for e in errors]
+    assert "at most 4 cache_control breakpoints" in messages[0]
+    assert messages[1].startswith("retention.0.priority: ")
+    assert messages[2] == "retention range 1..3 is past the prompt of 2 tokens"
+    assert messages[3].startswith("prompt_cache_retention: ")
+    assert "messages.0.cache_control.ttl" in messages[4]
+    assert "neither seconds nor an ISO 8601 time" in messages[5]
