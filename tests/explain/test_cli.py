@@ -152,7 +152,8 @@ def test_breakpoint_what_if_reports_both_rates_from_one_replay(tmp_path, tiny_ll
     flood = [{"prompt": f"unrelated text number {i} " * 12} for i in range(6)]
     chats = [{"messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]} for q in QUESTIONS]
     log = tmp_path / "requests.jsonl"
-    log.write_text("".join(json.dumps(b) + "\n" for pair in zip(chats, flood[::2], flood[1::2]) for b in pair))
+    bodies = [b for pair in zip(chats, flood[::2], flood[1::2], strict=True) for b in pair]
+    log.write_text("".join(json.dumps(b) + "\n" for b in bodies))
     out_json = tmp_path / "report.json"
     main(["explain", str(log), "--model", str(tiny_llama_dir), "--capacity-tokens", "256", "--block-size", "4",
           "--breakpoint", "system:1h", "--json", str(out_json)])  # fmt: skip

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from prefixcache.engine.input_processor import chat_token_ids, tokenize_prompt
 from prefixcache.core.retention import RetentionRange
+from prefixcache.engine.input_processor import chat_token_ids, tokenize_prompt
 from prefixcache.explain.log import read_log, tokenize_body, tokenize_log
 
 GOOD = [
