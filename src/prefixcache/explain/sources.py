@@ -1,10 +1,12 @@
 """Where ``explain`` gets token ids and text: the model's tokenizer, or a running server.
 
 A prefixcache server answers ``POST /v1/cache/lookup`` (its tokens, each token's text and what its cache
-holds now) and ``GET /v1/cache/config`` (its KV cache groups, for the replay). Any other server with vLLM's
+holds now), ``GET /v1/cache/config`` (its KV cache groups, for the replay) and ``POST
+/v1/chat/completions/render`` (where a chat's ``cache_control`` breakpoints land). Any other server with vLLM's
 ``/tokenize`` (vLLM itself: it takes a completion's ``prompt`` or a chat's ``messages``) gives the tokens it
-would run, and ``/detokenize`` their text; it reports no cache state, no block size and no KV cache groups
-(the replay assumes one full-attention group there).
+would run, and ``/detokenize`` their text; it reports no cache state, no block size, no KV cache groups (the
+replay assumes one full-attention group there) and no breakpoint positions, so there a chat's ``cache_control``
+is not placed (a body's ``retention`` and ``prompt_cache_retention`` are honoured: they need no template).
 """
 
 from __future__ import annotations
