@@ -17,7 +17,7 @@ class EvictionRecorder(BlockPoolListener):
 
     def blocks_evicted(self, block_hashes, group, causes) -> None:
         assert block_hashes == self.evicted[-len(block_hashes) :]  # the same removal, told just after it
-        self.causes.extend(causes)
+        self.causes.extend(causes or ["evicted"] * len(block_hashes))  # None: all plain
 
 
 def missed(mgr: KVCacheManager) -> dict[str, int]:
@@ -38,7 +38,7 @@ def assert_reasons_add_up(mgr: KVCacheManager) -> None:
 
 
 def evict(record: EvictedHashes, hashes: list[bytes], cause: str = "evicted") -> None:
-    record.blocks_evicted(hashes, 0, [cause] * len(hashes))
+    record.blocks_evicted(hashes, 0, None if cause == "evicted" else [cause] * len(hashes))
 
 
 def test_record_remembers_at_least_the_last_capacity_evictions_and_at_most_twice_that():
@@ -63,6 +63,10 @@ def test_record_keeps_the_cause_of_each_hash_s_latest_eviction():
     assert (record.cause(b"a"), record.cause(b"b")) == ("evicted", "evicted_below_retained")
     record.cache_cleared()
     assert record.cause(b"a") is None
+    roomy = EvictedHashes(capacity=10)
+    evict(roomy, [b"a"], "expired")
+    evict(roomy, [b"a"])  # within one generation too, the later plain eviction hides the earlier cause
+    assert roomy.cause(b"a") == "evicted"
 
 
 def test_record_of_size_zero_keeps_nothing_and_a_negative_size_is_refused():

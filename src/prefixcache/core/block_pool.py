@@ -114,9 +114,10 @@ class BlockPoolListener:
     def blocks_removed(self, block_hashes: list[BlockHash], group: int) -> None:
         """The last block of each of these hashes in ``group`` is being reused: that group no longer holds them."""
 
-    def blocks_evicted(self, block_hashes: list[BlockHash], group: int, causes: list[str]) -> None:
+    def blocks_evicted(self, block_hashes: list[BlockHash], group: int, causes: list[str] | None) -> None:
         """The same removal as ``blocks_removed`` (called just after it), with why each hash left: ``causes[i]``
-        (one of :data:`EVICTION_CAUSES`) for ``block_hashes[i]``. For a listener that needs the cause alone."""
+        (one of :data:`EVICTION_CAUSES`) for ``block_hashes[i]``, or None when every one left as plain ``evicted``
+        (no directive was in play: the common case costs no list). For a listener that needs the cause."""
 
     def block_reused(self, block: Block, last_copy: bool) -> None:
         """``block`` is about to be overwritten, whether or not it held a hash (in ``block.group``);
@@ -408,10 +409,9 @@ class BlockPool:
             if hashes:
                 for listener in self._on_removed:
                     listener.blocks_removed(hashes, group)
-                if self._on_evicted:
-                    group_causes = [EVICTED] * len(hashes) if causes is None else causes[group]
-                    for listener in self._on_evicted:
-                        listener.blocks_evicted(hashes, group, group_causes)
+                group_causes = None if causes is None else causes[group]
+                for listener in self._on_evicted:
+                    listener.blocks_evicted(hashes, group, group_causes)
         return out
 
     def cache_full_blocks(

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prefixcache.core.block_pool import EVICTION_CAUSES, BlockPoolListener
+from prefixcache.core.block_pool import EVICTED, EVICTION_CAUSES, BlockPoolListener
 from prefixcache.core.hashing import BlockHash
 
 # The eviction reasons are the pool's eviction causes, by the same names.
@@ -50,47 +50,66 @@ class EvictedHashes(BlockPoolListener):
     left (the pool's cause, one of :data:`~prefixcache.core.block_pool.EVICTION_CAUSES`): at least the last
     ``capacity``.
 
-    Two generations of dictionaries: new hashes go into the current one, which becomes the previous one
-    (and the previous one is dropped) once it holds ``capacity`` hashes. So a hash is remembered for at
-    least ``capacity`` and at most ``2 * capacity`` distinct evictions after its last, at one dictionary
-    insertion an eviction (an ordered dictionary costs three times that on the allocation path), and with
-    the cause of its latest eviction (the current generation is read first). Hashes cached again are left
-    in place: a hash that is looked up and missing can only have left by a later eviction or a reset, so a
-    stale entry never mislabels a miss. A reset clears the record (see the module docstring).
+    Two generations of sets: new hashes go into the current one, which becomes the previous one (and
+    the previous one is dropped) once it holds ``capacity`` hashes. So a hash is remembered for at least
+    ``capacity`` and at most ``2 * capacity`` distinct evictions after its last, at one set insertion
+    an eviction (an ordered dictionary costs three times that on the allocation path, a dictionary five).
+    Beside each set, a dictionary holds the causes other than plain ``evicted`` of its hashes' latest
+    eviction in that generation (empty while no directive is in play); a hash of the current set is read
+    there, so a later plain eviction hides an earlier cause. Hashes cached again are left in place: a hash
+    that is looked up and missing can only have left by a later eviction or a reset, so a stale entry
+    never mislabels a miss. A reset clears the record (see the module docstring).
     """
 
     def __init__(self, capacity: int) -> None:
         if capacity < 0:
             raise ValueError(f"the evicted-hash record's capacity must be >= 0, got {capacity}")
         self.capacity = capacity
-        self._current: dict[BlockHash, str] = {}
-        self._previous: dict[BlockHash, str] = {}
+        self._current: set[BlockHash] = set()
+        self._previous: set[BlockHash] = set()
+        self._current_causes: dict[BlockHash, str] = {}
+        self._previous_causes: dict[BlockHash, str] = {}
 
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._current or block_hash in self._previous
 
     def __len__(self) -> int:
-        return len(self._current.keys() | self._previous.keys())
+        return len(self._current | self._previous)
 
     def __iter__(self):
-        return iter(self._current.keys() | self._previous.keys())
+        return iter(self._current | self._previous)
 
     def cause(self, block_hash: BlockHash) -> str | None:
         """Why ``block_hash`` was last evicted (its miss reason), None when the record does not hold it."""
-        cause = self._current.get(block_hash)
-        return self._previous.get(block_hash) if cause is None else cause
+        if block_hash in self._current:
+            return self._current_causes.get(block_hash, EVICTED)
+        if block_hash in self._previous:
+            return self._previous_causes.get(block_hash, EVICTED)
+        return None
 
-    def blocks_evicted(self, block_hashes: list[BlockHash], group: int, causes: list[str]) -> None:
+    def blocks_evicted(self, block_hashes: list[BlockHash], group: int, causes: list[str] | None) -> None:
         if not self.capacity:
             return
-        current = self._current
-        current.update(zip(block_hashes, causes, strict=True))
+        current, current_causes = self._current, self._current_causes
+        current.update(block_hashes)
+        if causes is not None:
+            for block_hash, cause in zip(block_hashes, causes, strict=True):
+                if cause == EVICTED:
+                    current_causes.pop(block_hash, None)
+                else:
+                    current_causes[block_hash] = cause
+        elif current_causes:  # evicted plainly now: an earlier cause of this generation no longer holds
+            for block_hash in block_hashes:
+                current_causes.pop(block_hash, None)
         if len(current) >= self.capacity:
-            self._previous, self._current = current, {}
+            self._previous, self._current = current, set()
+            self._previous_causes, self._current_causes = current_causes, {}
 
     def cache_cleared(self) -> None:
         self._current.clear()
         self._previous.clear()
+        self._current_causes.clear()
+        self._previous_causes.clear()
 
 
 def hittable_blocks(num_tokens: int, block_size: int) -> int:
