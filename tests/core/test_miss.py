@@ -2,17 +2,22 @@
 
 import pytest
 
-from prefixcache.core import EVICTION_POLICIES, MISS_REASONS, EvictedHashes, KVCacheManager
+from prefixcache.core import EVICTION_POLICIES, MISS_REASONS, EvictedHashes, KVCacheManager, RetentionRange
 from prefixcache.core.block_pool import BlockPoolListener
-from tests.core.conftest import BLOCK_SIZE, admit, make_request, manager_state, unique_tokens
+from tests.core.conftest import BLOCK_SIZE, FakeClock, admit, make_request, manager_state, unique_tokens
 
 
 class EvictionRecorder(BlockPoolListener):
     def __init__(self) -> None:
         self.evicted: list = []
+        self.causes: list[str] = []
 
     def blocks_removed(self, block_hashes, group) -> None:
         self.evicted.extend(block_hashes)
+
+    def blocks_evicted(self, block_hashes, group, causes) -> None:
+        assert block_hashes == self.evicted[-len(block_hashes) :]  # the same removal, told just after it
+        self.causes.extend(causes or ["evicted"] * len(block_hashes))  # None: all plain
 
 
 def missed(mgr: KVCacheManager) -> dict[str, int]:
@@ -32,23 +37,41 @@ def assert_reasons_add_up(mgr: KVCacheManager) -> None:
     assert stats.queries == stats.hits + sum(stats.missed_tokens.values())
 
 
+def evict(record: EvictedHashes, hashes: list[bytes], cause: str = "evicted") -> None:
+    record.blocks_evicted(hashes, 0, None if cause == "evicted" else [cause] * len(hashes))
+
+
 def test_record_remembers_at_least_the_last_capacity_evictions_and_at_most_twice_that():
     record = EvictedHashes(capacity=3)
-    record.blocks_removed([b"a", b"b"], 0)
-    record.blocks_removed([b"c"], 0)
-    record.blocks_removed([b"d", b"e"], 0)
+    evict(record, [b"a", b"b"])
+    evict(record, [b"c"])
+    evict(record, [b"d", b"e"])
     assert set(record) == {b"a", b"b", b"c", b"d", b"e"}
-    record.blocks_removed([b"a"], 0)  # evicted again: remembered anew; b and c have seen 4 later evictions
+    evict(record, [b"a"])  # evicted again: remembered anew; b and c have seen 4 later evictions
     assert set(record) == {b"a", b"d", b"e"}
-    record.blocks_removed([b"f", b"g", b"h"], 0)
+    evict(record, [b"f", b"g", b"h"])
     assert b"a" not in record and set(record) == {b"f", b"g", b"h"}
     record.cache_cleared()
     assert len(record) == 0
 
 
+def test_record_keeps_the_cause_of_each_hash_s_latest_eviction():
+    record = EvictedHashes(capacity=2)
+    record.blocks_evicted([b"a", b"b"], 0, ["expired", "evicted_below_retained"])  # fills a generation
+    assert (record.cause(b"a"), record.cause(b"b"), record.cause(b"c")) == ("expired", "evicted_below_retained", None)
+    evict(record, [b"a"])  # evicted again, plainly: the newer generation's cause wins
+    assert (record.cause(b"a"), record.cause(b"b")) == ("evicted", "evicted_below_retained")
+    record.cache_cleared()
+    assert record.cause(b"a") is None
+    roomy = EvictedHashes(capacity=10)
+    evict(roomy, [b"a"], "expired")
+    evict(roomy, [b"a"])  # within one generation too, the later plain eviction hides the earlier cause
+    assert roomy.cause(b"a") == "evicted"
+
+
 def test_record_of_size_zero_keeps_nothing_and_a_negative_size_is_refused():
     record = EvictedHashes(capacity=0)
-    record.blocks_removed([b"a"], 0)
+    evict(record, [b"a"])
     assert len(record) == 0
     with pytest.raises(ValueError, match="capacity"):
         KVCacheManager(num_blocks=4, block_size=BLOCK_SIZE, evicted_record_size=-1)
@@ -83,7 +106,14 @@ def test_reasons_with_a_surviving_head_and_an_evicted_middle():
     before = dict(mgr.stats.missed_tokens)
     assert run(mgr, head) == 8  # h0 and h1 hit; h2 was evicted
     delta = {r: mgr.stats.missed_tokens[r] - before[r] for r in MISS_REASONS}
-    assert delta == {"new": 0, "evicted": 4, "partial_block": 1, "skipped": 0}
+    assert delta == {
+        "new": 0,
+        "evicted": 4,
+        "expired": 0,
+        "evicted_below_retained": 0,
+        "partial_block": 1,
+        "skipped": 0,
+    }
 
 
 def test_evictions_older_than_the_record_count_as_new():
@@ -147,7 +177,14 @@ def test_lookup_reports_the_cached_prefix_and_the_reason_for_the_rest():
     found = mgr.lookup(tokens)
     assert found.prompt_tokens == 14
     assert (found.cached_tokens, found.cached_prefix_end, found.copied_tokens) == (8, 8, 0)
-    assert found.missed_tokens == {"new": 4, "evicted": 0, "partial_block": 2, "skipped": 0}
+    assert found.missed_tokens == {
+        "new": 4,
+        "evicted": 0,
+        "expired": 0,
+        "evicted_below_retained": 0,
+        "partial_block": 2,
+        "skipped": 0,
+    }
     assert found.first_miss_reason == "new"
     assert mgr.lookup(unique_tokens(9, 0), cache_salt="other").cached_tokens == 0
     assert mgr.lookup(unique_tokens(9, 0)).first_miss_reason == "partial_block"
@@ -191,3 +228,69 @@ def test_lookup_changes_no_state_and_not_the_eviction_order(policy):
 
     assert eviction_order(looked_up) == eviction_order(untouched)
     assert len(eviction_order(build())) > 0
+
+
+def test_the_pool_tells_why_each_block_left_expired_below_retained_or_plain():
+    """The eviction order of test_retention's mixed pool, with each eviction's cause: expired blocks, then low and
+    default ones while retained blocks stay free (lost to them), then the retained ones (plain pressure)."""
+    clock = FakeClock()
+    recorder = EvictionRecorder()
+    mgr = KVCacheManager(
+        num_blocks=12, block_size=BLOCK_SIZE, clock=clock, max_retention_ttl_s=1000.0, listeners=[recorder]
+    )
+    run(mgr, range(8), retention=[RetentionRange(0, priority=80, ttl_s=100)])  # blocks 0, 1
+    run(mgr, range(100, 108))  # 2, 3: default
+    run(mgr, range(200, 208), retention=[RetentionRange(0, priority=10)])  # 4, 5: low
+    run(mgr, range(300, 308), retention=[RetentionRange(0, priority=80, ttl_s=10)])  # 6, 7
+    clock.advance(11)  # 6 and 7 expire
+    for start in (1000, 2000, 3000, 4000):  # held: 6, 2, 2 and 2 blocks taken, as in test_retention
+        admit(mgr, make_request(unique_tokens(24 if start == 1000 else 8, start)))
+    assert recorder.causes == ["expired"] * 2 + ["evicted_below_retained"] * 4 + ["evicted"] * 2
+    assert [mgr.evicted.cause(h) for h in recorder.evicted] == recorder.causes
+
+
+def test_a_block_whose_ttl_ended_misses_as_expired():
+    clock = FakeClock()
+    mgr = KVCacheManager(num_blocks=6, block_size=BLOCK_SIZE, clock=clock, max_retention_ttl_s=1000.0)
+    prompt = unique_tokens(9, 0)  # two full blocks and one token
+    run(mgr, prompt, retention=[RetentionRange(0, priority=80, ttl_s=10)])
+    clock.advance(11)
+    run(mgr, unique_tokens(6 * BLOCK_SIZE - 1, 1000))  # needs every block: the prompt's two leave expired
+    found = mgr.lookup(prompt)
+    assert (found.cached_tokens, found.first_miss_reason) == (0, "expired")
+    assert found.missed_tokens == {
+        "new": 0,
+        "evicted": 0,
+        "expired": 8,
+        "evicted_below_retained": 0,
+        "partial_block": 1,
+        "skipped": 0,
+    }
+    before = dict(mgr.stats.missed_tokens)
+    run(mgr, prompt)
+    assert mgr.stats.missed_tokens["expired"] - before["expired"] == 8
+    assert_reasons_add_up(mgr)
+
+
+def test_a_plain_block_lost_to_free_retained_blocks_misses_as_evicted_below_retained():
+    mgr = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE, clock=FakeClock(), max_retention_ttl_s=1000.0)
+    kept, plain = unique_tokens(9, 0), unique_tokens(9, 100)
+    run(mgr, kept, retention=[RetentionRange(0, priority=80)])  # two retained blocks, free
+    run(mgr, plain)  # two default blocks
+    run(mgr, unique_tokens(6 * BLOCK_SIZE - 1, 1000))  # 4 never-cached blocks, then plain's two; kept's stay
+    assert mgr.lookup(kept).cached_tokens == 8
+    found = mgr.lookup(plain)
+    assert (found.cached_tokens, found.first_miss_reason) == (0, "evicted_below_retained")
+    assert found.missed_tokens["evicted_below_retained"] == 8
+    assert_reasons_add_up(mgr)
+
+
+def test_retained_blocks_in_use_do_not_make_an_eviction_below_them():
+    """A retained block a request holds could not have been evicted instead: the plain block's loss is pressure."""
+    mgr = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE, clock=FakeClock(), max_retention_ttl_s=1000.0)
+    held = make_request(unique_tokens(9, 0), retention=[RetentionRange(0, priority=80)])
+    admit(mgr, held)  # three blocks in use, two of them retained
+    plain = unique_tokens(9, 100)
+    run(mgr, plain)
+    run(mgr, unique_tokens(5 * BLOCK_SIZE - 1, 1000))  # the 3 never-cached free blocks, then plain's two
+    assert mgr.lookup(plain).first_miss_reason == "evicted"

@@ -1,11 +1,19 @@
 """What explain computes from prompts alone: hit rates, matches, divergence points, reasons, the fix."""
 
 import random
+from dataclasses import replace
 
 import pytest
 
-from prefixcache.core import KVCacheGroupSpec, KVCacheManager
-from prefixcache.explain.analysis import REFINES, ExplainConfig, block_hit_rate, explain, locate_message
+from prefixcache.core import KVCacheGroupSpec, KVCacheManager, RetentionRange
+from prefixcache.explain.analysis import (
+    REFINES,
+    ExplainConfig,
+    WhatIfBreakpoint,
+    block_hit_rate,
+    explain,
+    locate_message,
+)
 from prefixcache.explain.log import Prompt
 from tests.core.conftest import admit, make_request
 from tests.explain.conftest import decode_ids, prompts_of
@@ -85,6 +93,10 @@ def test_block_alignment_and_partial_blocks_are_counted_exactly():
         "different_salt": 0,
         "evicted": 0,
         "after_evicted": 0,
+        "expired": 0,
+        "after_expired": 0,
+        "evicted_below_retained": 0,
+        "after_evicted_below_retained": 0,
         "shorter_than_block": 0,
         "tail": 15,
     }
@@ -275,4 +287,90 @@ def test_tokens_after_evicted_blocks_count_as_evicted_like_the_engine_counts_the
         request = make_request(tokens)
         admit(manager, request)
         manager.free(request)
-    assert manager.lookup(again).missed_tokens == {"new": 0, "evicted": 48, "partial_block": 1, "skipped": 0}
+    assert manager.lookup(again).missed_tokens == {
+        "new": 0,
+        "evicted": 48,
+        "expired": 0,
+        "evicted_below_retained": 0,
+        "partial_block": 1,
+        "skipped": 0,
+    }
+
+
+def retention_log(timestamps) -> list[Prompt]:
+    """A (kept 10 s at priority 80), B, C (plain), then A and B again: 49 tokens each, 3 whole blocks and one
+    token, through a cache of 8 blocks."""
+    a, b, c = (list(range(start, start + 49)) for start in (100, 500, 900))
+    keep = (RetentionRange(0, 48, 80, 10.0),)
+    order = [(a, keep), (b, ()), (c, ()), (a, keep), (b, ())]
+    return [
+        Prompt(line, tokens, retention=retention, timestamp=None if timestamps is None else timestamps[line - 1])
+        for line, (tokens, retention) in enumerate(order, start=1)
+    ]
+
+
+def nonzero(request) -> dict[str, int]:
+    return {reason: n for reason, n in request.missed.items() if n}
+
+
+def test_a_timed_replay_lets_ttls_end_and_counts_the_misses_expired():
+    """At 200 s A's blocks, freed at 100 s with a 10 s TTL, have expired: C evicts two of them first (tail first),
+    so A hits one block; A's renewed directive then takes no room from B, whose blocks go to plain pressure."""
+    config = ExplainConfig(block_size=16, capacity_tokens=128)
+    result = explain(retention_log([0, 100, 200, 300, 400]), config, decode_ids)
+    assert result.timed and result.directed_requests == 2
+    again_a, again_b = result.requests[3:]
+    assert (again_a.capacity_hit, nonzero(again_a)) == (16, {"expired": 32, "tail": 1})
+    assert (again_b.capacity_hit, nonzero(again_b)) == (16, {"evicted": 32, "tail": 1})
+    assert again_a.core_reason == "expired"
+    assert result.missed_by_core_reason == {
+        "new": 3 * 48,
+        "evicted": 32,
+        "expired": 32,
+        "evicted_below_retained": 0,
+        "partial_block": 5,
+        "skipped": 0,
+    }
+
+
+def test_without_timestamps_no_ttl_ends_and_plain_blocks_are_lost_below_retained_ones():
+    """The same log untimed: A's blocks stay retained, so C takes B's two tail blocks while they sit free; A hits
+    whole, and B misses them as evicted below retained blocks."""
+    result = explain(retention_log(None), ExplainConfig(block_size=16, capacity_tokens=128), decode_ids)
+    assert not result.timed
+    again_a, again_b = result.requests[3:]
+    assert (again_a.capacity_hit, nonzero(again_a)) == (48, {"tail": 1})
+    assert (again_b.capacity_hit, nonzero(again_b)) == (16, {"evicted_below_retained": 32, "tail": 1})
+    assert result.missed_by_core_reason["evicted_below_retained"] == 32
+
+
+def test_a_what_if_breakpoint_keeps_the_shared_prefix_through_a_flood():
+    """X0 and X1 share a 32-token system prefix; two 81-token floods between them flush it from 8 blocks under
+    LRU. A breakpoint after the system messages (the floods have none) keeps it: X1 hits its 32 tokens."""
+    system = list(range(100, 132))
+    x0, x1 = system + list(range(200, 217)), system + list(range(300, 317))
+    floods = [list(range(1000 * k, 1000 * k + 81)) for k in (1, 2)]
+    prompts = [
+        Prompt(1, x0, system_end=32),
+        Prompt(2, floods[0]),
+        Prompt(3, floods[1]),
+        Prompt(4, x1, system_end=32),
+    ]
+    config = ExplainConfig(block_size=16, capacity_tokens=128, breakpoint=WhatIfBreakpoint("system"))
+    result = explain(prompts, config, decode_ids)
+    total = 49 + 81 + 81 + 49
+    assert result.capacity_hit_rate == 0 and result.breakpoint_hit_rate == pytest.approx(32 / total)
+    assert result.breakpoint_requests == 2
+    assert nonzero(result.requests[3]) == {"evicted": 32, "after_evicted": 16, "tail": 1}  # as logged
+    at_tokens = explain(prompts, replace(config, breakpoint=WhatIfBreakpoint(32, "1h")), decode_ids)
+    assert at_tokens.breakpoint_requests == 4  # every prompt has 32 tokens: the floods' heads are kept too
+    assert at_tokens.breakpoint_hit_rate == 0  # so the floods' retained heads push X0's out (the share is 4 blocks)
+
+
+def test_a_what_if_breakpoint_is_checked():
+    with pytest.raises(ValueError, match="needs a replay"):
+        ExplainConfig(breakpoint=WhatIfBreakpoint("system"))
+    with pytest.raises(ValueError, match="'system' or a positive number"):
+        WhatIfBreakpoint(0)
+    with pytest.raises(ValueError, match="ttl is one of 5m, 1h"):
+        WhatIfBreakpoint("system", "2h")

@@ -144,3 +144,39 @@ def test_an_output_path_that_cannot_be_written_is_one_line_before_any_work(tmp_p
             main(["explain", str(log), "--model", str(tiny_llama_dir), flag, str(tmp_path / "missing" / "out")])
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "is not a directory" in err
+
+
+def test_breakpoint_what_if_reports_both_rates_from_one_replay(tmp_path, tiny_llama_dir, capsys):
+    """A shared system prompt, chats behind it and completions (no system message) flooding a small cache."""
+    system = "You are a helpful assistant. " * 6
+    flood = [{"prompt": f"unrelated text number {i} " * 12} for i in range(6)]
+    chats = [{"messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]} for q in QUESTIONS]
+    log = tmp_path / "requests.jsonl"
+    bodies = [b for pair in zip(chats, flood[::2], flood[1::2], strict=True) for b in pair]
+    log.write_text("".join(json.dumps(b) + "\n" for b in bodies))
+    out_json = tmp_path / "report.json"
+    main(["explain", str(log), "--model", str(tiny_llama_dir), "--capacity-tokens", "256", "--block-size", "4",
+          "--breakpoint", "system:1h", "--json", str(out_json)])  # fmt: skip
+    printed = capsys.readouterr().out
+    report = json.loads(out_json.read_text())
+    assert report["breakpoint_requests"] == 3 and report["directed_requests"] == 0 and not report["timed"]
+    rates = report["hit_rate"]
+    assert rates["with_breakpoint"] > rates["capacity"]
+    assert f"{rates['with_breakpoint']:10.3f}" in printed and "a 1h breakpoint after the system messages" in printed
+    assert "no time passes and no TTL ends" in printed
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--breakpoint", "system"], "give --capacity-tokens too"),
+        (["--breakpoint", "middle", "--capacity-tokens", "64"], "WHERE is 'system' or a number of tokens"),
+        (["--breakpoint", "64:2h", "--capacity-tokens", "64"], "ttl is one of 5m, 1h"),
+    ],
+)
+def test_a_bad_breakpoint_is_a_one_line_usage_error(tmp_path, tiny_llama_dir, capsys, flags, message):
+    log = tmp_path / "requests.jsonl"
+    log.write_text(json.dumps({"prompt": [1, 2, 3]}) + "\n")
+    with pytest.raises(SystemExit):
+        main(["explain", str(log), "--model", str(tiny_llama_dir), *flags])
+    assert message in capsys.readouterr().err

@@ -5,8 +5,9 @@ import json
 
 import pytest
 
+from prefixcache.core.retention import RetentionRange
 from prefixcache.engine.input_processor import chat_token_ids, tokenize_prompt
-from prefixcache.explain.log import read_log, token_ids_of, tokenize_log
+from prefixcache.explain.log import read_log, tokenize_body, tokenize_log
 
 GOOD = [
     {"model": "m", "prompt": "The quick brown fox", "max_tokens": 5, "n": 3},
@@ -67,7 +68,7 @@ def test_every_body_shape_is_read_as_the_engine_would_tokenize_it(tmp_path, toke
     path = tmp_path / "log.jsonl"
     write_log(path, GOOD, {})
     bodies, errors = read_log(path)
-    prompts, token_errors = tokenize_log(bodies, lambda body: token_ids_of(body, tokenizer))
+    prompts, token_errors = tokenize_log(bodies, lambda body: tokenize_body(body, tokenizer))
     assert errors == token_errors == []
     assert [p.token_ids for p in prompts] == [
         tokenize_prompt(tokenizer, "The quick brown fox")[1],
@@ -90,7 +91,7 @@ def test_bad_lines_are_reported_with_their_number_and_skipped(tmp_path, tokenize
     path = tmp_path / "log.jsonl"
     bad_lines = write_log(path, GOOD, BAD)
     bodies, errors = read_log(path)
-    prompts, token_errors = tokenize_log(bodies, lambda body: token_ids_of(body, tokenizer))
+    prompts, token_errors = tokenize_log(bodies, lambda body: tokenize_body(body, tokenizer))
     assert len(prompts) == len(GOOD)
     reported = {e.line: e.message for e in errors + token_errors}
     assert sorted(reported) == sorted(bad_lines)
@@ -102,7 +103,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_as_the_server_refuses_them
     path = tmp_path / "log.jsonl"
     path.write_text(json.dumps({"prompt_token_ids": [5, 511]}) + "\n" + json.dumps({"prompt": [5, 512]}) + "\n")
     bodies, _ = read_log(path)
-    prompts, errors = tokenize_log(bodies, lambda body: token_ids_of(body, tokenizer, vocab_size=512))
+    prompts, errors = tokenize_log(bodies, lambda body: tokenize_body(body, tokenizer, vocab_size=512))
     assert [p.token_ids for p in prompts] == [[5, 511]]
     assert [(e.line, e.message) for e in errors] == [(2, "prompt token ids must be in [0, 512)")]
 
@@ -111,7 +112,7 @@ def test_a_chat_prompt_keeps_its_messages_to_locate_a_divergence(tmp_path, token
     path = tmp_path / "log.jsonl"
     write_log(path, GOOD, {})
     bodies, _ = read_log(path)
-    prompts, _ = tokenize_log(bodies, lambda body: token_ids_of(body, tokenizer))
+    prompts, _ = tokenize_log(bodies, lambda body: tokenize_body(body, tokenizer))
     assert prompts[3].messages == ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"})
     assert prompts[0].messages is None
 
@@ -122,10 +123,67 @@ def test_a_template_that_fails_is_a_bad_line(tmp_path, tokenizer):
     logged = tmp_path / "log.jsonl"
     logged.write_text(json.dumps({"messages": [{"role": "system", "content": "x"}]}) + "\n")
     bodies, _ = read_log(logged)
-    prompts, errors = tokenize_log(bodies, lambda body: token_ids_of(body, failing))
+    prompts, errors = tokenize_log(bodies, lambda body: tokenize_body(body, failing))
     assert prompts == [] and errors[0].line == 1 and "no system role" in errors[0].message
 
 
 def test_a_missing_file_is_an_os_error(tmp_path):
     with pytest.raises(OSError):
         read_log(tmp_path / "missing.jsonl")
+
+
+def read_bodies(tmp_path, bodies) -> list:
+    path = tmp_path / "log.jsonl"
+    path.write_text("".join(json.dumps(b) + "\n" for b in bodies))
+    return read_log(path)[0]
+
+
+SYSTEM_CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+def test_directives_are_read_as_the_server_reads_them(tmp_path, tokenizer):
+    marked = [{**SYSTEM_CHAT[0], "cache_control": {"type": "ephemeral", "ttl": "1h"}}, SYSTEM_CHAT[1]]
+    bodies = read_bodies(
+        tmp_path,
+        [
+            {"messages": marked, "timestamp": 12.5},
+            {"prompt": [5, 6, 7, 8], "retention": [{"token_start": 0, "token_end": 2, "priority": 70,
+                                                    "duration_ms": 1500}], "timestamp": "2026-12-01T21:00:00Z"},
+            {"prompt_token_ids": [5, 6, 7], "prompt_cache_retention": "24h"},
+        ],
+    )  # fmt: skip
+    prompts, errors = tokenize_log(bodies, lambda body: tokenize_body(body, tokenizer, locate_system=True))
+    assert errors == []
+    chat, ranges, persistent = prompts
+    [breakpoint] = chat.retention
+    assert (breakpoint.start, breakpoint.end, breakpoint.priority, breakpoint.ttl_s) == (0, chat.system_end, 80, 3600)
+    assert tokenizer.decode(chat.token_ids[: chat.system_end]).endswith("Be brief.<|end|>")
+    assert tokenizer.decode(chat.token_ids[chat.system_end :]).startswith("<|user|>")
+    assert ranges.retention == (RetentionRange(0, 2, 70, 1.5),) and ranges.system_end is None
+    assert persistent.retention == (RetentionRange(0, None, 90, 86400.0),)
+    assert (chat.timestamp, ranges.timestamp, persistent.timestamp) == (12.5, 1796158800.0, None)
+
+
+def test_directives_the_server_would_refuse_are_bad_lines(tmp_path, tokenizer):
+    control = {"type": "ephemeral"}
+    five = [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": control}] * 5}]
+    bodies = read_bodies(
+        tmp_path,
+        [
+            {"messages": five},
+            {"prompt": [5, 6], "retention": [{"token_start": 0, "priority": 101}]},
+            {"prompt": [5, 6], "retention": [{"token_start": 1, "token_end": 3, "priority": 50}]},
+            {"prompt": [5, 6], "prompt_cache_retention": "1h"},
+            {"messages": [{**SYSTEM_CHAT[0], "cache_control": {"type": "ephemeral", "ttl": "2h"}}]},
+            {"prompt": [5, 6], "timestamp": "yesterday"},
+        ],
+    )
+    prompts, errors = tokenize_log(bodies, lambda body: tokenize_body(body, tokenizer))
+    assert prompts == []
+    messages = [e.message for e in errors]
+    assert "at most 4 cache_control breakpoints" in messages[0]
+    assert messages[1].startswith("retention.0.priority: ")
+    assert messages[2] == "retention range 1..3 is past the prompt of 2 tokens"
+    assert messages[3].startswith("prompt_cache_retention: ")
+    assert "messages.0.cache_control.ttl" in messages[4]
+    assert "neither seconds nor an ISO 8601 time" in messages[5]

@@ -10,8 +10,8 @@ from fastapi import FastAPI
 from prefixcache.cli import main
 from prefixcache.core import FULL_ATTENTION
 from prefixcache.explain.analysis import ExplainConfig, explain
-from prefixcache.explain.log import Prompt
-from prefixcache.explain.sources import server_client, server_groups
+from prefixcache.explain.log import Prompt, read_log
+from prefixcache.explain.sources import server_client, server_groups, through_server, through_tokenizer
 from tests.explain.conftest import decode_ids
 from tests.helpers import hybrid_workload
 from tests.router.fakes import ThreadedServer
@@ -63,3 +63,38 @@ def test_a_group_explain_cannot_replay_stops_it_with_the_kind():
     finally:
         client.close()
         server.stop()
+
+
+def test_a_servers_render_places_breakpoints_where_the_model_s_template_does(tiny_llama_dir, tmp_path):
+    """``--base-url`` reads a chat's ``cache_control`` through the server's chat render; the ranges (and the body's
+    own ``retention``) are the ones the tokenizer path finds."""
+    control, part_control = {"type": "ephemeral", "ttl": "1h"}, {"type": "ephemeral"}
+    bodies = [
+        {
+            "messages": [
+                {"role": "system", "content": "You are brief.", "cache_control": control},
+                {"role": "user", "content": [{"type": "text", "text": "Hi there", "cache_control": part_control},
+                                             {"type": "text", "text": " and more"}]},
+            ],
+            "retention": [{"token_start": 0, "token_end": 3, "priority": 20}],
+        },
+        {"prompt": [5, 6, 7, 8, 9], "prompt_cache_retention": "24h"},
+    ]  # fmt: skip
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps(b) + "\n" for b in bodies))
+    logged, _ = read_log(log)
+    local, errors, _, _, _ = through_tokenizer(logged, str(tiny_llama_dir))
+    assert errors == [] and len(local[0].retention) == 3  # two breakpoints, then the body's range
+    server = ServerProcess(tiny_llama_dir, ["--dtype", "float32"], tmp_path / "serve.log")
+    try:
+        server.wait_ready()
+        client = server_client(server.url, None)
+        try:
+            remote, errors, _, _, _ = through_server(logged, client)
+        finally:
+            client.close()
+    finally:
+        server.stop()
+    assert errors == []
+    assert [p.token_ids for p in remote] == [p.token_ids for p in local]
+    assert [p.retention for p in remote] == [p.retention for p in local]

@@ -34,7 +34,14 @@ def test_lookup_predicts_the_hit_of_the_next_request(server):
     assert before["prompt_tokens"] == 18
     assert (before["cached_tokens"], before["cached_prefix_end"]) == (0, 0)
     assert before["first_miss_reason"] == "new"
-    assert before["missed_tokens"] == {"new": 16, "evicted": 0, "partial_block": 2, "skipped": 0}
+    assert before["missed_tokens"] == {
+        "new": 16,
+        "evicted": 0,
+        "expired": 0,
+        "evicted_below_retained": 0,
+        "partial_block": 2,
+        "skipped": 0,
+    }
     complete(server, prompt=prompt)
     # any completion field is accepted, and the sampling ones are not used
     after = lookup(server, prompt=[prompt], max_tokens=99, temperature=0.5, n=2, stream=True, echo=True).json()
@@ -73,6 +80,8 @@ def test_lookups_count_nothing_and_requests_count_missed_tokens_by_reason(server
     assert {reason: after[reason] - missed.get(reason, 0) for reason in after} == {
         "new": 8,
         "evicted": 0,
+        "expired": 0,
+        "evicted_below_retained": 0,
         "partial_block": 2,
         "skipped": 0,
     }

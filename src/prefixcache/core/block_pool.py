@@ -53,6 +53,13 @@ class Block:
 
 PRIORITY_CLASSES = ("expired", "low", "default", "retained")
 
+# Why a cached block was evicted (``BlockPoolListener.blocks_evicted``), known only at that moment: ``expired``, its
+# TTL had ended while it was free; ``evicted_below_retained``, it was at or below the default priority while free
+# blocks above the default stayed (without those directives a least recently used one of them could have gone
+# instead); ``evicted``, neither (plain pressure: a larger cache would have kept it).
+EVICTED, EXPIRED_CAUSE, BELOW_RETAINED = "evicted", "expired", "evicted_below_retained"
+EVICTION_CAUSES = (EVICTED, EXPIRED_CAUSE, BELOW_RETAINED)
+
 
 def priority_class(priority: int) -> str:
     """The class a priority is counted in: ``retained`` above the default, ``low`` below, ``expired`` after a TTL."""
@@ -107,12 +114,24 @@ class BlockPoolListener:
     def blocks_removed(self, block_hashes: list[BlockHash], group: int) -> None:
         """The last block of each of these hashes in ``group`` is being reused: that group no longer holds them."""
 
+    def blocks_evicted(self, block_hashes: list[BlockHash], group: int, causes: list[str] | None) -> None:
+        """The same removal as ``blocks_removed`` (called just after it), with why each hash left: ``causes[i]``
+        (one of :data:`EVICTION_CAUSES`) for ``block_hashes[i]``, or None when every one left as plain ``evicted``
+        (no directive was in play: the common case costs no list). For a listener that needs the cause."""
+
     def block_reused(self, block: Block, last_copy: bool) -> None:
         """``block`` is about to be overwritten, whether or not it held a hash (in ``block.group``);
         ``last_copy``: it was the last block of its group holding that hash."""
 
     def cache_cleared(self) -> None:
         """Every cached hash was dropped at once (reset)."""
+
+
+def _eviction_cause(lowest: int, highest: int) -> str:
+    """Why the block at the head of the retained queue's ``lowest`` level leaves, ``highest`` its top level."""
+    if lowest == EXPIRED:
+        return EXPIRED_CAUSE
+    return BELOW_RETAINED if lowest < DEFAULT_PRIORITY < highest else EVICTED
 
 
 def _overriding(listeners: list[BlockPoolListener], event: str) -> list[BlockPoolListener]:
@@ -172,6 +191,7 @@ class BlockPool:
         self.listeners = list(listeners)
         self._on_stored = _overriding(self.listeners, "blocks_stored")
         self._on_removed = _overriding(self.listeners, "blocks_removed")
+        self._on_evicted = _overriding(self.listeners, "blocks_evicted")
         self._on_reused = _overriding(self.listeners, "block_reused")
         self._on_cleared = _overriding(self.listeners, "cache_cleared")
 
@@ -346,6 +366,8 @@ class BlockPool:
         if retained_levels:
             self.expire()  # once: the clock does not move within one call
             num_default_free = len(evictable)
+        # Causes are told apart only while some free block is not at the default priority: otherwise all are plain.
+        causes: list[list[str]] | None = [[] for _ in maps] if retained_levels and self._on_evicted else None
         out: list[Block] = []
         removed: list[list[BlockHash]] | None = None  # by group, made at the first eviction
         num_default_evicted = 0
@@ -353,8 +375,10 @@ class BlockPool:
             if uncached:
                 block = uncached.popleft()
             elif retained_levels and (retained_levels[0] < DEFAULT_PRIORITY or num_default_evicted == num_default_free):
+                cause = _eviction_cause(retained_levels[0], retained_levels[-1])
                 block = self._pop_retained()  # expired or low before the default, retained after it
             else:
+                cause = BELOW_RETAINED if retained_levels and retained_levels[-1] > DEFAULT_PRIORITY else EVICTED
                 block = evictable.pop()
                 num_default_evicted += 1
             block_hash = block.block_hash
@@ -368,6 +392,8 @@ class BlockPool:
                     if removed is None:
                         removed = [[] for _ in maps]
                     removed[block.group].append(block_hash)
+                    if causes is not None:
+                        causes[block.group].append(cause)
                 else:
                     del entry[block.block_id]
                     if len(entry) == 1:
@@ -383,6 +409,9 @@ class BlockPool:
             if hashes:
                 for listener in self._on_removed:
                     listener.blocks_removed(hashes, group)
+                group_causes = None if causes is None else causes[group]
+                for listener in self._on_evicted:
+                    listener.blocks_evicted(hashes, group, group_causes)
         return out
 
     def cache_full_blocks(

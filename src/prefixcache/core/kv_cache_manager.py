@@ -171,7 +171,8 @@ class KVCacheManager:
     ``free`` gives the blocks back. Allocation that does not fit returns None and changes nothing. A
     sliding-window group gives back the blocks that left its window as the request advances (to the
     cached free queue, hash kept), its table holding the null block there. The record of recently
-    evicted hashes, which tells an ``evicted`` miss from a ``new`` one, remembers at least the last
+    evicted hashes, which tells an eviction's miss (``evicted``, ``expired``, ``evicted_below_retained``: why the
+    block left) from a ``new`` one, remembers at least the last
     ``evicted_record_size`` of them (default: as many as the pool has blocks; 0 counts every such miss
     as ``new``).
 
@@ -867,7 +868,7 @@ class KVCacheManager:
         hittable_end = hittable_tokens(num_tokens, self.block_size)
         if cached_end < hittable_end:
             first_missing = self.block_hashes(request)[num_hit_tokens // self.block_size]
-            missed["evicted" if first_missing in self.evicted else "new"] += hittable_end - cached_end
+            missed[self.evicted.cause(first_missing) or "new"] += hittable_end - cached_end
         missed["partial_block"] += num_tokens - max(cached_end, hittable_end)
 
     def _cache_full_blocks(self, request: Request, tables: list[list[Block]], num_full: int) -> None:

@@ -12,8 +12,16 @@ minus the tokens it reused (shared blocks plus sub-block copies):
     size does.
 ``evicted``
     The hittable tokens after the cached prefix, when the first missing block's hash was evicted from
-    the pool recently (it is in :class:`EvictedHashes`): a larger cache would have served at least
-    that block.
+    the pool recently (it is in :class:`EvictedHashes`) under plain pressure: a larger cache would have
+    served at least that block.
+``expired``
+    The same tokens when that block left the pool as an expired block: a retention directive's TTL had
+    ended while it was free, so it went first. A longer TTL (or a request before it ended) would have
+    served it.
+``evicted_below_retained``
+    The same tokens when that block was evicted at or below the default priority while free blocks above
+    the default (retained by a directive) stayed: it was lost to retained blocks, so fewer or shorter
+    directives, or a smaller ``max_retained_fraction``, would have kept it.
 ``new``
     The same tokens when that hash was not evicted recently: this prefix was never cached, was
     evicted longer ago than the record reaches, or was dropped by a reset (a reset is not an
@@ -30,23 +38,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prefixcache.core.block_pool import BlockPoolListener
+from prefixcache.core.block_pool import EVICTED, EVICTION_CAUSES, BlockPoolListener
 from prefixcache.core.hashing import BlockHash
 
-MISS_REASONS = ("new", "evicted", "partial_block", "skipped")
+# The eviction reasons are the pool's eviction causes, by the same names.
+MISS_REASONS = ("new", *EVICTION_CAUSES, "partial_block", "skipped")
 
 
 class EvictedHashes(BlockPoolListener):
-    """The block hashes the pool evicted lately (their last copy in some KV cache group reused): at least the
-    last ``capacity``.
+    """The block hashes the pool evicted lately (their last copy in some KV cache group reused), each with why it
+    left (the pool's cause, one of :data:`~prefixcache.core.block_pool.EVICTION_CAUSES`): at least the last
+    ``capacity``.
 
     Two generations of sets: new hashes go into the current one, which becomes the previous one (and
     the previous one is dropped) once it holds ``capacity`` hashes. So a hash is remembered for at least
     ``capacity`` and at most ``2 * capacity`` distinct evictions after its last, at one set insertion
-    an eviction (an ordered dictionary costs three times that on the allocation path). Hashes cached
-    again are left in place: a hash that is looked up and missing can only have left by a later
-    eviction or a reset, so a stale entry never mislabels a miss. A reset clears the record (see the
-    module docstring).
+    an eviction (an ordered dictionary costs three times that on the allocation path, a dictionary five).
+    Beside each set, a dictionary holds the causes other than plain ``evicted`` of its hashes' latest
+    eviction in that generation (empty while no directive is in play); a hash of the current set is read
+    there, so a later plain eviction hides an earlier cause. Hashes cached again are left in place: a hash
+    that is looked up and missing can only have left by a later eviction or a reset, so a stale entry
+    never mislabels a miss. A reset clears the record (see the module docstring).
     """
 
     def __init__(self, capacity: int) -> None:
@@ -55,6 +67,8 @@ class EvictedHashes(BlockPoolListener):
         self.capacity = capacity
         self._current: set[BlockHash] = set()
         self._previous: set[BlockHash] = set()
+        self._current_causes: dict[BlockHash, str] = {}
+        self._previous_causes: dict[BlockHash, str] = {}
 
     def __contains__(self, block_hash: BlockHash) -> bool:
         return block_hash in self._current or block_hash in self._previous
@@ -65,17 +79,37 @@ class EvictedHashes(BlockPoolListener):
     def __iter__(self):
         return iter(self._current | self._previous)
 
-    def blocks_removed(self, block_hashes: list[BlockHash], group: int) -> None:
+    def cause(self, block_hash: BlockHash) -> str | None:
+        """Why ``block_hash`` was last evicted (its miss reason), None when the record does not hold it."""
+        if block_hash in self._current:
+            return self._current_causes.get(block_hash, EVICTED)
+        if block_hash in self._previous:
+            return self._previous_causes.get(block_hash, EVICTED)
+        return None
+
+    def blocks_evicted(self, block_hashes: list[BlockHash], group: int, causes: list[str] | None) -> None:
         if not self.capacity:
             return
-        current = self._current
+        current, current_causes = self._current, self._current_causes
         current.update(block_hashes)
+        if causes is not None:
+            for block_hash, cause in zip(block_hashes, causes, strict=True):
+                if cause == EVICTED:
+                    current_causes.pop(block_hash, None)
+                else:
+                    current_causes[block_hash] = cause
+        elif current_causes:  # evicted plainly now: an earlier cause of this generation no longer holds
+            for block_hash in block_hashes:
+                current_causes.pop(block_hash, None)
         if len(current) >= self.capacity:
             self._previous, self._current = current, set()
+            self._previous_causes, self._current_causes = current_causes, {}
 
     def cache_cleared(self) -> None:
         self._current.clear()
         self._previous.clear()
+        self._current_causes.clear()
+        self._previous_causes.clear()
 
 
 def hittable_blocks(num_tokens: int, block_size: int) -> int:
@@ -91,7 +125,7 @@ def hittable_tokens(num_tokens: int, block_size: int) -> int:
 
 def first_miss_reason(missed: dict[str, int]) -> str:
     """The reason of the first token computed: the hittable miss if any, else the partial block."""
-    for reason in ("skipped", "new", "evicted"):
+    for reason in ("skipped", "new", *EVICTION_CAUSES):
         if missed[reason]:
             return reason
     return "partial_block"

@@ -1,7 +1,11 @@
 """Why a request log's prompts hit or miss the prefix cache, computed from the prompts alone.
 
-Requests are taken in log order, each finished before the next arrives, and only prompt tokens are
-cached (generated tokens are not in the log). For every request:
+Requests are taken in log order, each holding its blocks until the next arrives, and only prompt tokens are
+cached (generated tokens are not in the log). The replay honours each request's retention directives
+(``Prompt.retention``) with the engine's default bounds; its TTLs are timed by the log's timestamps when every
+request has one (a request's TTL runs from the next one's arrival, when the replay frees it), and without them
+no time passes, so no TTL ends and a directive acts by its priority alone. ``ExplainConfig.breakpoint`` adds a
+what-if: the same replay with that breakpoint added to every request. For every request:
 
 * the earlier request of the same namespace (cache salt and LoRA) it shares the longest prefix
   with, and how long that prefix is: an infinite, token-exact cache would reuse all of it but the
@@ -24,7 +28,10 @@ reason are what the engine would count replaying the log:
   (an earlier request with another salt or LoRA had it);
 * ``evicted`` (with a capacity: the first missing block was cached before and evicted) splits into
   ``evicted`` (what an infinite cache would have reused) and ``after_evicted`` (the hittable tokens after
-  those, never seen: a larger cache serves the evicted part only);
+  those, never seen: a larger cache serves the evicted part only); ``expired`` (the block left after its
+  retention TTL ended) and ``evicted_below_retained`` (a plain block lost to free retained ones) split the
+  same way, into themselves and ``after_expired`` / ``after_evicted_below_retained``, by the cause the replay's
+  pool gave the eviction;
 * ``partial_block`` splits into ``shorter_than_block`` (the prompt does not fill one block beyond its last
   token) and ``tail`` (after the last whole block a lookup may return).
 """
@@ -39,10 +46,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from prefixcache.core import EVICTION_POLICIES, FULL_ATTENTION, HASH_ALGOS, KVCacheGroupSpec, KVCacheManager, Request
+from prefixcache.core.block_pool import EVICTED, EVICTION_CAUSES
 from prefixcache.core.kv_cache_groups import check_groups
 from prefixcache.core.miss import MISS_REASONS, hittable_tokens
+from prefixcache.core.retention import RetentionRange
 from prefixcache.explain.log import Decode, Prompt
 from prefixcache.replay import HeldCache
+from prefixcache.server.retention import BREAKPOINT_PRIORITY, TTL_SECONDS
 
 # Two prompts "agree again" when SYNC_TOKENS tokens match; a varying field is at most MAX_SPAN_TOKENS long.
 SYNC_TOKENS = 8
@@ -57,8 +67,9 @@ TEXT_CHARS = 40
 REFINES = {
     "never_seen": "new",
     "different_salt": "new",
-    "evicted": "evicted",  # the same name: what an infinite cache would have reused
-    "after_evicted": "evicted",
+    # An eviction's reason by its cause, under the same name (what an infinite cache would have reused), then
+    # the hittable tokens after those.
+    **{name: cause for cause in EVICTION_CAUSES for name in (cause, f"after_{cause}")},
     "shorter_than_block": "partial_block",
     "tail": "partial_block",
 }
@@ -66,6 +77,8 @@ REASONS = tuple(REFINES)
 CORE_REASON_LABELS = {
     "new": "new: a larger cache would not help",
     "evicted": "evicted: a larger cache would help",
+    "expired": "expired: a longer TTL would help",
+    "evicted_below_retained": "evicted_below_retained: lost to retained",
     "partial_block": "partial_block: smaller blocks help",
     "skipped": "skipped: the cache is not read",
 }
@@ -74,6 +87,10 @@ REASON_LABELS = {
     "different_salt": "different salt or LoRA",
     "evicted": "an infinite cache would reuse",
     "after_evicted": "never seen, after evicted blocks",
+    "expired": "an infinite cache would reuse",
+    "after_expired": "never seen, after expired blocks",
+    "evicted_below_retained": "an infinite cache would reuse",
+    "after_evicted_below_retained": "never seen, after them",
     "shorter_than_block": "shorter than one block",
     "tail": "tail after the last whole block",
 }
@@ -86,9 +103,37 @@ KINDS = {
 
 
 @dataclass(frozen=True, slots=True)
+class WhatIfBreakpoint:
+    """A ``cache_control`` breakpoint to add to every request: after its leading system messages (``at`` is
+    ``"system"``; requests without one get none) or after its first ``at`` tokens (the whole prompt when it is
+    shorter), with Anthropic's ``ttl`` (``5m`` or ``1h``, at the server's priority for it)."""
+
+    at: str | int
+    ttl: str = "5m"
+
+    def __post_init__(self) -> None:
+        if self.at != "system" and (isinstance(self.at, bool) or not isinstance(self.at, int) or self.at <= 0):
+            raise ValueError(f"a breakpoint is 'system' or a positive number of tokens, got {self.at!r}")
+        if self.ttl not in TTL_SECONDS:
+            raise ValueError(f"a breakpoint's ttl is one of {', '.join(TTL_SECONDS)}, got {self.ttl!r}")
+
+    def range_for(self, prompt: Prompt) -> RetentionRange | None:
+        """The range it adds to ``prompt`` (None: it has nowhere to go there)."""
+        end = prompt.system_end if self.at == "system" else min(self.at, len(prompt.token_ids))
+        if not end:
+            return None
+        return RetentionRange(0, end, BREAKPOINT_PRIORITY[self.ttl], TTL_SECONDS[self.ttl])
+
+    def __str__(self) -> str:
+        where = "after the system messages" if self.at == "system" else f"after token {self.at:,}"
+        return f"a {self.ttl} breakpoint {where}"
+
+
+@dataclass(frozen=True, slots=True)
 class ExplainConfig:
     """``capacity_tokens`` turns on the replay through a real manager of that many tokens (whole blocks), whose
-    KV cache groups are ``kv_cache_groups`` (the model's: a sliding-window layer keeps only its window)."""
+    KV cache groups are ``kv_cache_groups`` (the model's: a sliding-window layer keeps only its window).
+    ``breakpoint`` (with a capacity) replays the log again with it added to every request."""
 
     block_size: int = 16
     capacity_tokens: int | None = None
@@ -96,9 +141,12 @@ class ExplainConfig:
     hash_algo: str = "sha256"
     window_tokens: int = 8
     kv_cache_groups: tuple[KVCacheGroupSpec, ...] = (FULL_ATTENTION,)
+    breakpoint: WhatIfBreakpoint | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_groups", check_groups(self.kv_cache_groups))
+        if self.breakpoint is not None and self.capacity_tokens is None:
+            raise ValueError("a what-if breakpoint needs a replay: give capacity_tokens (--capacity-tokens)")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.capacity_tokens is not None and self.capacity_tokens < self.block_size:
@@ -198,6 +246,10 @@ class Explanation:
     divergence: DivergenceSummary | None
     capacity_hit_rate: float | None = None
     live_hit_rate: float | None = None
+    directed_requests: int = 0  # requests whose log line carries retention directives
+    timed: bool = False  # the replay's TTLs followed the log's timestamps
+    breakpoint_hit_rate: float | None = None  # the replay's hit rate with config.breakpoint on every request
+    breakpoint_requests: int = 0  # requests it could be added to
 
     @property
     def missed_by_core_reason(self) -> dict[str, int]:
@@ -222,7 +274,8 @@ def explain(
     arrays = [np.asarray(p.token_ids, dtype=np.int64) for p in prompts]
     same = _longest_shared_prefixes(prompts, arrays, by_namespace=True)
     anywhere = _longest_shared_prefixes(prompts, arrays, by_namespace=False)
-    capacity_hits = _replay(prompts, config) if config.capacity_tokens is not None else None
+    replayed = _replay(prompts, config) if config.capacity_tokens is not None else None
+    capacity_hits = None if replayed is None else [hit for hit, _ in replayed]
     block_size = config.block_size
     requests = []
     for i, prompt in enumerate(prompts):
@@ -240,7 +293,9 @@ def explain(
             shared_tokens=shared,
             infinite_hit=min(shared, num_tokens - 1),
             block_hit=block_hit,
-            missed=_missed(num_tokens, block_size, block_hit, anywhere[i][0], capacity_hit),
+            missed=_missed(
+                num_tokens, block_size, block_hit, anywhere[i][0], capacity_hit, replayed and replayed[i][1]
+            ),
             capacity_hit=capacity_hit,
             live_cached=None if live_cached is None else live_cached[i],
         )
@@ -248,6 +303,14 @@ def explain(
             explanation.divergence = _divergence(prompt, prompts[match].token_ids, shared, config, decode)
         requests.append(explanation)
     total = sum(r.prompt_tokens for r in requests)
+    breakpoint_hit_rate, breakpoint_requests = None, 0
+    if config.breakpoint is not None:
+        ranges = [config.breakpoint.range_for(p) for p in prompts]
+        with_breakpoint = [
+            p if r is None else replace(p, retention=(*p.retention, r)) for p, r in zip(prompts, ranges, strict=True)
+        ]
+        breakpoint_hit_rate = sum(hit for hit, _ in _replay(with_breakpoint, config)) / total
+        breakpoint_requests = sum(r is not None for r in ranges)
     return Explanation(
         config=config,
         requests=requests,
@@ -258,6 +321,10 @@ def explain(
         divergence=_summarize_divergences(prompts, requests, config, decode),
         capacity_hit_rate=None if capacity_hits is None else sum(capacity_hits) / total,
         live_hit_rate=None if live_cached is None else sum(live_cached) / total,
+        directed_requests=sum(bool(p.retention) for p in prompts),
+        timed=_timed(prompts),
+        breakpoint_hit_rate=breakpoint_hit_rate,
+        breakpoint_requests=breakpoint_requests,
     )
 
 
@@ -304,15 +371,23 @@ def _longest_shared_prefixes(
 
 
 def _missed(
-    num_tokens: int, block_size: int, block_hit: int, shared_anywhere: int, capacity_hit: int | None
+    num_tokens: int,
+    block_size: int,
+    block_hit: int,
+    shared_anywhere: int,
+    capacity_hit: int | None,
+    eviction_cause: str | None = None,
 ) -> dict[str, int]:
     """The request's missed tokens by reason (see the module docstring), split as the engine splits them: the
-    hittable tokens after the reused prefix by the first missing block, then the partial block."""
+    hittable tokens after the reused prefix by the first missing block, then the partial block.
+    ``eviction_cause`` is the replay's reason for them (plain ``evicted`` when the engine's record no longer
+    held the hash)."""
     missed = dict.fromkeys(REASONS, 0)
     hittable_end = hittable_tokens(num_tokens, block_size)
     if capacity_hit is not None and capacity_hit < block_hit:  # the first missing block was cached, then evicted
-        missed["evicted"] = block_hit - capacity_hit
-        missed["after_evicted"] = hittable_end - block_hit
+        cause = eviction_cause or EVICTED
+        missed[cause] = block_hit - capacity_hit
+        missed[f"after_{cause}"] = hittable_end - block_hit
     elif block_hit < hittable_end:
         other_namespace_has_next_block = shared_anywhere >= block_hit + block_size
         missed["different_salt" if other_namespace_has_next_block else "never_seen"] = hittable_end - block_hit
@@ -320,26 +395,57 @@ def _missed(
     return missed
 
 
-def _replay(prompts: Sequence[Prompt], config: ExplainConfig) -> list[int]:
-    """Each prompt's hit in a real manager of ``capacity_tokens``, one request at a time, in log order.
+class _LogClock:
+    """The replay's clock for TTLs: the current request's timestamp, in seconds (never back)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _timed(prompts: Sequence[Prompt]) -> bool:
+    """Whether the replay follows the log's timestamps: only when every request has one."""
+    return all(p.timestamp is not None for p in prompts)
+
+
+def _replay(prompts: Sequence[Prompt], config: ExplainConfig) -> list[tuple[int, str | None]]:
+    """Each prompt's hit in a real manager of ``capacity_tokens``, one request at a time, in log order, with its
+    retention directives, and the eviction cause the manager counted its hittable miss under (None: not one).
 
     Raises ValueError for a prompt larger than the whole cache, numbered by its log line.
     """
+    clock = _LogClock()
     manager = KVCacheManager(
         num_blocks=config.capacity_tokens // config.block_size,
         block_size=config.block_size,
         hash_algo=config.hash_algo,
         eviction_policy=config.eviction_policy,
         groups=config.kv_cache_groups,
+        clock=clock,
     )
     cache = HeldCache(manager, in_flight=1)  # a request is freed when the next one arrives
-    hits = []
+    timed = _timed(prompts)
+    missed = manager.stats.missed_tokens
+    out = []
     for i, prompt in enumerate(prompts):
+        if timed:
+            clock.now = max(clock.now, prompt.timestamp)
         cache.advance(float(i))
-        request = Request(str(i), prompt.token_ids, cache_salt=prompt.cache_salt, lora_name=prompt.lora_name)
-        hits.append(cache.admit(prompt.line, request, 0))
+        request = Request(
+            str(i),
+            prompt.token_ids,
+            cache_salt=prompt.cache_salt,
+            lora_name=prompt.lora_name,
+            retention=prompt.retention,
+        )
+        before = [missed[cause] for cause in EVICTION_CAUSES]
+        hit = cache.admit(prompt.line, request, 0)
+        cause = next((c for c, n in zip(EVICTION_CAUSES, before, strict=True) if missed[c] > n), None)
+        out.append((hit, cause))
     cache.drain()
-    return hits
+    return out
 
 
 def _resync(a: Sequence[int], b: Sequence[int], start: int) -> tuple[int, int] | None:

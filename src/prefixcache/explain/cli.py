@@ -4,8 +4,10 @@ Reads JSON lines (OpenAI completion or chat bodies, or {"prompt": ...} / {"promp
 ``cache_salt`` honoured) and, without running the model, reports the hit rate an infinite cache would
 give, token-exact and in whole blocks, where prompts part from earlier ones and why, what would fix it,
 and missed tokens by reason. ``--capacity-tokens`` replays the log through the real cache manager to
-count evictions; ``--base-url`` tokenizes through a running server and adds what its cache holds now
-(the replay then admits through the server's KV cache groups).
+count evictions (honouring the log's retention directives, timed by its ``timestamp`` fields when every line
+has one); ``--breakpoint`` replays it again with a breakpoint added to every request, beside the rate
+without; ``--base-url`` tokenizes through a running server and adds what its cache holds now (the replay
+then admits through the server's KV cache groups, and the server's chat render places breakpoints).
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--block-size", type=positive_int, help=f"engine block size (default {DEFAULT_BLOCK_SIZE}, or the server's)"
     )
     parser.add_argument("--capacity-tokens", type=positive_int, help="replay through a cache of this many tokens")
+    parser.add_argument(
+        "--breakpoint",
+        type=breakpoint_spec,
+        metavar="WHERE[:TTL]",
+        help="with --capacity-tokens: the hit rate with a cache_control breakpoint added to every request, WHERE"
+        " 'system' (after the leading system messages) or N (after the first N tokens), TTL 5m (default) or 1h",
+    )
     parser.add_argument("--eviction-policy", choices=list(EVICTION_POLICIES), default="lru")
     parser.add_argument("--hash-algo", choices=HASH_ALGOS, default="sha256")
     parser.add_argument("--window", type=positive_int, default=8, help="tokens of text shown each side of a split")
@@ -39,6 +48,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", type=Path, help="write the whole report as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG: how far each request shares, where prompts part")
+
+
+def breakpoint_spec(text: str):
+    """``--breakpoint``'s value, ``system`` or a token count, then optionally ``:5m`` or ``:1h``."""
+    from prefixcache.explain.analysis import WhatIfBreakpoint
+
+    where, _, ttl = text.partition(":")
+    if where != "system" and not where.isdigit():
+        raise argparse.ArgumentTypeError(f"WHERE is 'system' or a number of tokens, got {where!r}")
+    try:
+        return WhatIfBreakpoint(where if where == "system" else int(where), ttl or "5m")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -56,6 +78,10 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     from prefixcache.explain.report import format_report, to_json, write_plot
     from prefixcache.explain.sources import server_client, server_groups, through_server, through_tokenizer
 
+    if args.breakpoint is not None and args.capacity_tokens is None:
+        parser.error("--breakpoint compares two replays: give --capacity-tokens too")
+    if args.breakpoint is not None and args.breakpoint.at == "system" and args.base_url:
+        parser.error("--breakpoint system needs the model's chat template: use --model, not --base-url")
     for output in (args.json, args.plot):  # before the work, not after it
         if output is not None and not output.parent.is_dir():
             parser.error(f"cannot write {output}: {output.parent} is not a directory")
@@ -71,7 +97,8 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             source = f"{args.log} (tokenized by {args.base_url})"
             groups = server_groups(client)
         else:
-            prompts, token_errors, decode, name, groups = through_tokenizer(bodies, args.model)
+            locate_system = args.breakpoint is not None and args.breakpoint.at == "system"
+            prompts, token_errors, decode, name, groups = through_tokenizer(bodies, args.model, locate_system)
             live_cached, server_block_size = None, None
             source = f"{args.log} (tokenizer: {name})"
         if args.block_size and server_block_size and args.block_size != server_block_size:
@@ -89,6 +116,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 hash_algo=args.hash_algo,
                 window_tokens=args.window,
                 kv_cache_groups=groups,
+                breakpoint=args.breakpoint,
             )
             explanation = explain(prompts, config, decode, live_cached)
         except ValueError as exc:  # a bad setting, or a prompt larger than --capacity-tokens

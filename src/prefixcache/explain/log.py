@@ -4,29 +4,46 @@ A line is an OpenAI completion body (``prompt``: a string or a list of token ids
 (``messages``, turned into tokens by the model's chat template, as the server does), or an offline
 prompt (``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``). ``cache_salt`` and ``lora_name`` name the
 cache namespace a request reads; ``add_special_tokens`` says whether a text gets the tokenizer's special
-tokens (the server's default: a completion's text does, a chat adds none beyond its template); every other
-field is ignored. A line that cannot be read is reported
-with its number and skipped, whatever it holds: JSON nested deeper than the parser goes, text with a lone
-surrogate (not Unicode), token ids outside the model's vocabulary (refused as the server refuses them).
+tokens (the server's default: a completion's text does, a chat adds none beyond its template). Retention
+directives are read as the server reads them (``server/retention.py``): ``cache_control`` breakpoints on messages, content parts and ``tools`` (placed by the
+chat template, which also renders the tools), ``retention`` token ranges and ``prompt_cache_retention``. A
+``timestamp`` (seconds, any origin, or an ISO 8601 string) times the replay's TTLs. Every other field is
+ignored. A line that cannot be read is reported with its number and skipped, whatever it holds: JSON nested
+deeper than the parser goes, text with a lone surrogate (not Unicode), token ids outside the model's
+vocabulary, a directive the server would refuse (a fifth breakpoint, a priority out of range, a range past the
+prompt).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
 from pydantic import TypeAdapter, ValidationError
 
-from prefixcache.engine.input_processor import chat_token_ids, check_vocabulary, tokenize_prompt
-from prefixcache.server.protocol import ChatMessage, Text, adds_special_tokens
+from prefixcache.core.retention import RetentionRange, check_retention
+from prefixcache.engine.chat_breakpoints import Breakpoint, chat_prompt
+from prefixcache.engine.input_processor import check_vocabulary, tokenize_prompt
+from prefixcache.server.protocol import ChatMessage, ChatTool, Text, adds_special_tokens
+from prefixcache.server.retention import (
+    PromptCacheRetention,
+    TokenRangeRetention,
+    breakpoint_ranges,
+    check_breakpoint_count,
+    request_ranges,
+)
 
 # The largest token id any server accepts (vLLM's bound; ids are int64 in the analysis).
 MAX_TOKEN_ID = 2**63 - 1
 _TEXT = TypeAdapter(Text)  # the server's own check of a string: valid Unicode
+_RETENTION = TypeAdapter(list[TokenRangeRetention] | None)
+_PROMPT_CACHE_RETENTION = TypeAdapter(PromptCacheRetention | None)
 
 # Token ids to readable text: the tokenizer's decode, or the texts a server returned for each token.
 Decode = Callable[[Sequence[int]], str]
@@ -49,17 +66,33 @@ class LineError:
 @dataclass(frozen=True, slots=True)
 class Prompt:
     """One request's prompt as the engine would see it, the cache namespace it reads, and for a chat body its
-    messages as the template took them (to tell which message a prompt differs in)."""
+    messages as the template took them (to tell which message a prompt differs in). ``retention``: the ranges
+    its directives ask for, as the server would give them to the engine; ``timestamp``: when it was sent
+    (seconds), None when the line says not; ``system_end``: the token position right after its leading system
+    messages (where ``explain --breakpoint system`` puts a breakpoint), None when not located or it has none."""
 
     line: int
     token_ids: list[int]
     cache_salt: str | None = None
     lora_name: str | None = None
     messages: tuple[dict[str, str], ...] | None = None
+    retention: tuple[RetentionRange, ...] = ()
+    timestamp: float | None = None
+    system_end: int | None = None
 
     @property
     def namespace(self) -> tuple[str | None, str | None]:
         return self.cache_salt, self.lora_name
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenized:
+    """A body's prompt token ids, the ranges of its ``cache_control`` breakpoints (their positions are the chat
+    template's) and, when asked, the position after its leading system messages."""
+
+    token_ids: list[int]
+    breakpoints: tuple[RetentionRange, ...] = ()
+    system_end: int | None = None
 
 
 def read_log(path: Path) -> tuple[list[LoggedBody], list[LineError]]:
@@ -111,39 +144,132 @@ def _first_error(exc: ValidationError) -> tuple[str, str]:
     return where, first["msg"].removeprefix("Value error, ")
 
 
-def chat_turns(body: dict[str, Any]) -> list[dict[str, str]] | None:
-    """A chat body's messages, validated as the server validates them, in the shape chat templates take; None
-    for a body without messages."""
+def chat_messages(body: dict[str, Any]) -> list[ChatMessage] | None:
+    """A chat body's messages, validated as the server validates them; None for a body without messages."""
     messages = body.get("messages")
     if messages is None:
         return None
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
-    turns = []
-    for i, message in enumerate(messages):
-        try:
-            turns.append(ChatMessage.model_validate(message).template_dict())
-        except ValidationError as exc:
-            where, error = _first_error(exc)
-            raise ValueError(f"bad message (messages.{i}.{where}: {error})") from None
-    return turns
+    return [_validated(ChatMessage, message, f"bad message (messages.{i}") for i, message in enumerate(messages)]
 
 
-def token_ids_of(body: dict[str, Any], tokenizer: Any, vocab_size: int | None = None) -> list[int]:
-    """The prompt's token ids: given ids, the encoded prompt text, or the templated conversation. With
-    ``vocab_size``, ids outside the vocabulary are refused, as the server refuses them."""
+def _validated(model: Any, value: Any, where: str) -> Any:
+    """``value`` as the pydantic ``model``; ValueError ``where.FIELD: error)`` as the server would refuse it."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        field, error = _first_error(exc)
+        raise ValueError(f"{where}.{field}: {error})" if field else f"{where}: {error})") from None
+
+
+def chat_turns(body: dict[str, Any]) -> list[dict[str, str]] | None:
+    """A chat body's messages, validated as the server validates them, in the shape chat templates take; None
+    for a body without messages."""
+    messages = chat_messages(body)
+    return None if messages is None else [message.template_dict() for message in messages]
+
+
+def tokenize_body(
+    body: dict[str, Any], tokenizer: Any, vocab_size: int | None = None, locate_system: bool = False
+) -> Tokenized:
+    """The prompt's token ids (given ids, the encoded prompt text, or the templated conversation with its tools)
+    and its breakpoints' ranges. With ``vocab_size``, ids outside the vocabulary are refused, as the server
+    refuses them; with ``locate_system``, a chat's position after its leading system messages is found too."""
     kinds = [k for k in ("prompt_token_ids", "messages") if body.get(k) is not None]
     if "prompt" in body and body["prompt"] is not None and "messages" in kinds:
         raise ValueError("both prompt and messages: is this a completion or a chat body?")
     if "prompt_token_ids" in kinds:
-        ids = checked_token_ids(body["prompt_token_ids"], "prompt_token_ids")
+        tokenized = Tokenized(checked_token_ids(body["prompt_token_ids"], "prompt_token_ids"))
     elif "messages" in kinds:
-        ids = chat_token_ids(tokenizer, chat_turns(body), add_special_tokens=adds_special_tokens(body, chat=True))
+        tokenized = _chat_tokens(body, tokenizer, locate_system)
     else:
-        ids = _prompt_token_ids(body.get("prompt"), tokenizer, adds_special_tokens(body, chat=False))
+        tokenized = Tokenized(_prompt_token_ids(body.get("prompt"), tokenizer, adds_special_tokens(body, chat=False)))
     if vocab_size is not None:
-        check_vocabulary(ids, vocab_size)
-    return ids
+        check_vocabulary(tokenized.token_ids, vocab_size)
+    return tokenized
+
+
+def _chat_tokens(body: dict[str, Any], tokenizer: Any, locate_system: bool) -> Tokenized:
+    """The conversation through the chat template, as the server's chat endpoint renders it, with the token
+    positions of its breakpoints (tools first, then the messages) and, if asked, of its system messages' end."""
+    messages = chat_messages(body)
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError("tools must be a list")
+    tools = [_validated(ChatTool, tool, f"bad tool (tools.{i}") for i, tool in enumerate(tools or ())]
+    marks = [(Breakpoint("tool", i), t.cache_control) for i, t in enumerate(tools) if t.cache_control]
+    for index, message in enumerate(messages):
+        marks.extend(message.breakpoints(index))
+    check_breakpoint_count(len(marks))
+    points = [point for point, _ in marks]
+    num_system = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))
+    locate = locate_system and num_system > 0
+    if locate:
+        points.append(Breakpoint("message", num_system - 1))
+    template_tools = [tool.template_dict() for tool in tools] or None
+    ids, positions = chat_prompt(
+        tokenizer,
+        [m.template_dict() for m in messages],
+        template_tools,
+        points,
+        add_special_tokens=adds_special_tokens(body, chat=True),
+    )
+    system_end = positions.pop() if locate else None
+    return Tokenized(ids, tuple(breakpoint_ranges(positions, [c for _, c in marks])), system_end)
+
+
+def body_ranges(body: dict[str, Any]) -> list[RetentionRange]:
+    """The ranges of a body's ``retention`` and ``prompt_cache_retention``, validated as the server does (no
+    tokenizer needed); ValueError naming the field."""
+    retention = _validated_field(_RETENTION, body.get("retention"), "retention")
+    prompt_cache_retention = _validated_field(
+        _PROMPT_CACHE_RETENTION, body.get("prompt_cache_retention"), "prompt_cache_retention"
+    )
+    return request_ranges(retention, prompt_cache_retention)
+
+
+def _validated_field(adapter: TypeAdapter, value: Any, field: str) -> Any:
+    try:
+        return adapter.validate_python(value)
+    except ValidationError as exc:
+        where, error = _first_error(exc)
+        raise ValueError(f"{field}{'.' + where if where else ''}: {error}") from None
+
+
+def timestamp_of(body: dict[str, Any]) -> float | None:
+    """The body's ``timestamp`` in seconds (a number, or an ISO 8601 string, read as UTC without a zone); None
+    when it has none; ValueError for anything else."""
+    value = body.get("timestamp")
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            moment = datetime.fromisoformat(value)
+        except ValueError:
+            raise ValueError(f"timestamp {value[:40]!r} is neither seconds nor an ISO 8601 time") from None
+        return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError("timestamp must be a number of seconds or an ISO 8601 time")
+    return float(value)
+
+
+def prompt_of(logged: LoggedBody, tokenized: Tokenized, messages: tuple[dict[str, str], ...] | None) -> Prompt:
+    """A logged body as a Prompt: its namespace, directives (breakpoints, then the body's ranges, checked against
+    the prompt as the server checks them) and timestamp; ValueError for one the server would refuse."""
+    body = logged.body
+    salt, lora = namespace_of(body)
+    retention = check_retention([*tokenized.breakpoints, *body_ranges(body)], len(tokenized.token_ids))
+    return Prompt(
+        logged.line,
+        tokenized.token_ids,
+        salt,
+        lora,
+        messages,
+        retention=retention,
+        timestamp=timestamp_of(body),
+        system_end=tokenized.system_end,
+    )
 
 
 def _prompt_token_ids(prompt: Any, tokenizer: Any, add_special_tokens: bool) -> list[int]:
@@ -171,18 +297,17 @@ def checked_token_ids(value: Any, field: str) -> list[int]:
 
 
 def tokenize_log(
-    bodies: Iterable[LoggedBody], to_token_ids: Callable[[dict[str, Any]], list[int]]
+    bodies: Iterable[LoggedBody], to_tokens: Callable[[dict[str, Any]], Tokenized]
 ) -> tuple[list[Prompt], list[LineError]]:
-    """Every body as a Prompt; a body ``to_token_ids`` refuses (ValueError, a failing chat template)
-    becomes a LineError."""
+    """Every body as a Prompt; a body ``to_tokens`` refuses (ValueError, a failing chat template), or whose
+    directives or timestamp the server would refuse, becomes a LineError."""
     prompts: list[Prompt] = []
     errors: list[LineError] = []
     for logged in bodies:
         try:
-            salt, lora = namespace_of(logged.body)
             turns = chat_turns(logged.body)
             messages = None if turns is None else tuple(turns)
-            prompts.append(Prompt(logged.line, to_token_ids(logged.body), salt, lora, messages))
+            prompts.append(prompt_of(logged, to_tokens(logged.body), messages))
         except (ValueError, TemplateError) as exc:
             errors.append(LineError(logged.line, str(exc)))
     return prompts, errors

@@ -6,6 +6,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from prefixcache.core.block_pool import EVICTED, EVICTION_CAUSES
 from prefixcache.explain.analysis import (
     CORE_REASON_LABELS,
     KINDS,
@@ -38,13 +39,22 @@ def format_report(explanation: Explanation, source: str, errors: list[LineError]
     if explanation.capacity_hit_rate is not None:
         capacity = f"{config.capacity_tokens:,}-token cache ({config.eviction_policy})"
         lines.append(_rate_line(capacity, explanation.capacity_hit_rate) + "   (replayed through KVCacheManager)")
+        if explanation.breakpoint_hit_rate is not None:
+            lines.append(
+                _rate_line("  with the breakpoint", explanation.breakpoint_hit_rate)
+                + f"   ({config.breakpoint} on {explanation.breakpoint_requests:,} of"
+                f" {len(explanation.requests):,} requests, same replay)"
+            )
+        lines.append(f"  {_directives_line(explanation)}")
     if explanation.live_hit_rate is not None:
         lines.append(_rate_line("the server's cache now", explanation.live_hit_rate))
     lines += ["", "missed prompt tokens by reason (the engine's reasons, as /metrics counts them, then split finer)"]
     total_tokens = explanation.prompt_tokens
     for core_reason, total in explanation.missed_by_core_reason.items():
-        if core_reason == "skipped" or (core_reason == "evicted" and explanation.capacity_hit_rate is None):
+        if core_reason == "skipped" or (core_reason in EVICTION_CAUSES and explanation.capacity_hit_rate is None):
             continue  # explain reads every prompt's cache; without a capacity nothing is evicted
+        if core_reason != EVICTED and not total and not explanation.directed_requests:
+            continue  # without directives nothing expires or is lost to retained blocks
         lines.append(_count_line(CORE_REASON_LABELS[core_reason], total, total_tokens))
         for reason in (r for r in REASONS if REFINES[r] == core_reason):
             lines.append(_count_line("  " + REASON_LABELS[reason], explanation.missed[reason], total_tokens))
@@ -55,6 +65,15 @@ def format_report(explanation: Explanation, source: str, errors: list[LineError]
     if errors:
         lines += ["", "skipped lines"] + [f"  line {e.line}: {e.message}" for e in errors]
     return "\n".join(lines)
+
+
+def _directives_line(explanation: Explanation) -> str:
+    """What the replay honoured: the log's directives, and whether its TTLs followed the log's timestamps."""
+    directed = explanation.directed_requests
+    text = f"retention directives on {directed:,} requests" if directed else "no retention directives in the log"
+    if explanation.timed:
+        return text + "; TTLs timed by the log's timestamps"
+    return text + "; no timestamps on every line, so no time passes and no TTL ends (directives act by priority)"
 
 
 def _count_line(label: str, count: int, total: int) -> str:
@@ -143,7 +162,11 @@ def to_json(explanation: Explanation, source: str, errors: list[LineError]) -> d
             "alignment_loss": explanation.alignment_loss,
             "capacity": explanation.capacity_hit_rate,
             "server_now": explanation.live_hit_rate,
+            "with_breakpoint": explanation.breakpoint_hit_rate,
         },
+        "breakpoint_requests": explanation.breakpoint_requests,
+        "directed_requests": explanation.directed_requests,
+        "timed": explanation.timed,
         "missed_tokens": explanation.missed_by_core_reason,
         "missed_tokens_refined": explanation.missed,
         "divergence": None if explanation.divergence is None else asdict(explanation.divergence),

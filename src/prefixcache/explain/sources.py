@@ -1,10 +1,12 @@
 """Where ``explain`` gets token ids and text: the model's tokenizer, or a running server.
 
 A prefixcache server answers ``POST /v1/cache/lookup`` (its tokens, each token's text and what its cache
-holds now) and ``GET /v1/cache/config`` (its KV cache groups, for the replay). Any other server with vLLM's
+holds now), ``GET /v1/cache/config`` (its KV cache groups, for the replay) and ``POST
+/v1/chat/completions/render`` (where a chat's ``cache_control`` breakpoints land). Any other server with vLLM's
 ``/tokenize`` (vLLM itself: it takes a completion's ``prompt`` or a chat's ``messages``) gives the tokens it
-would run, and ``/detokenize`` their text; it reports no cache state, no block size and no KV cache groups
-(the replay assumes one full-attention group there).
+would run, and ``/detokenize`` their text; it reports no cache state, no block size, no KV cache groups (the
+replay assumes one full-attention group there) and no breakpoint positions, so there a chat's ``cache_control``
+is not placed (a body's ``retention`` and ``prompt_cache_retention`` are honoured: they need no template).
 """
 
 from __future__ import annotations
@@ -16,25 +18,30 @@ from typing import Any
 
 from prefixcache.core import FULL_ATTENTION, KVCacheGroupSpec
 from prefixcache.core.kv_cache_groups import spec_of_kind
+from prefixcache.core.retention import RetentionRange
 from prefixcache.explain.log import (
     Decode,
     LineError,
     LoggedBody,
     Prompt,
+    Tokenized,
     chat_turns,
     checked_token_ids,
     namespace_of,
-    token_ids_of,
+    prompt_of,
+    tokenize_body,
     tokenize_log,
 )
 from prefixcache.server.protocol import adds_special_tokens
+from prefixcache.server.retention import TokenRangeRetention
 
 
 def through_tokenizer(
-    bodies: Sequence[LoggedBody], model: str | None
+    bodies: Sequence[LoggedBody], model: str | None, locate_system: bool = False
 ) -> tuple[list[Prompt], list[LineError], Decode, str, tuple[KVCacheGroupSpec, ...]]:
     """Tokenize with the model's own tokenizer (no weights loaded); ids outside its vocabulary are refused. Also
-    the KV cache groups an engine would give the model, for the replay."""
+    the KV cache groups an engine would give the model, for the replay. ``locate_system``: find where each chat's
+    system messages end (``--breakpoint system``)."""
     from prefixcache.model.loader import load_tokenizer, read_config, resolve_model
 
     try:
@@ -46,7 +53,9 @@ def through_tokenizer(
         raise SystemExit(f"prefixcache explain: {exc}") from exc
     if model_config.state_layers:  # as for a server's mamba group: no model of the checkpoint budget yet
         raise SystemExit(f"prefixcache explain: cannot replay the recurrent-state checkpoints of {name}")
-    prompts, errors = tokenize_log(bodies, lambda body: token_ids_of(body, tokenizer, model_config.vocab_size))
+    prompts, errors = tokenize_log(
+        bodies, lambda body: tokenize_body(body, tokenizer, model_config.vocab_size, locate_system)
+    )
     return prompts, errors, lambda ids: tokenizer.decode(list(ids)), name, groups
 
 
@@ -112,14 +121,15 @@ def _through_lookup(
     block_size = None
     for logged in bodies:
         try:
-            salt, lora = namespace_of(logged.body)
+            namespace_of(logged.body)
             answer = _post(client, "/v1/cache/lookup", _lookup_body(logged.body))
+            ids = answer["prompt_token_ids"]
+            prompt = prompt_of(logged, Tokenized(ids, _breakpoints(client, logged.body)), _messages(logged.body))
         except ValueError as exc:
             errors.append(LineError(logged.line, str(exc)))
             continue
-        ids = answer["prompt_token_ids"]
         texts.update(zip(ids, answer["prompt_token_texts"], strict=True))
-        prompts.append(Prompt(logged.line, ids, salt, lora, _messages(logged.body)))
+        prompts.append(prompt)
         live_cached.append(answer["cached_tokens"])
         block_size = answer["block_size"]
     return prompts, errors, lambda ids: "".join(texts.get(t, "") for t in ids), live_cached, block_size
@@ -135,7 +145,7 @@ def _through_tokenize(
     for logged in bodies:
         body = logged.body
         try:
-            salt, lora = namespace_of(body)
+            namespace_of(body)
             if body.get("prompt_token_ids") is not None or isinstance(body.get("prompt"), list):
                 field = "prompt_token_ids" if body.get("prompt_token_ids") is not None else "prompt"
                 if body[field] and isinstance(body[field][0], str | list):
@@ -151,10 +161,11 @@ def _through_tokenize(
                 raise ValueError("no prompt: expected prompt, prompt_token_ids or messages")
             if not ids:
                 raise ValueError("the prompt is empty")
+            prompt = prompt_of(logged, Tokenized(ids), _messages(body))
         except ValueError as exc:
             errors.append(LineError(logged.line, str(exc)))
             continue
-        prompts.append(Prompt(logged.line, ids, salt, lora, _messages(body)))
+        prompts.append(prompt)
 
     @functools.lru_cache(maxsize=4096)
     def detokenize(ids: tuple[int, ...]) -> str:
@@ -165,6 +176,29 @@ def _through_tokenize(
             return ""
 
     return prompts, errors, lambda ids: detokenize(tuple(ids)), None, None
+
+
+def _breakpoints(client: Any, body: dict[str, Any]) -> tuple[RetentionRange, ...]:
+    """Where a chat body's ``cache_control`` breakpoints land, as the server's chat render reports them (its
+    template places them); none for a body without any. The render is sent the messages and tools alone, so the
+    ranges it answers are the breakpoints' (the body's own ``retention`` is ``prompt_of``'s to add)."""
+    if not _marked(body.get("messages")) and not _marked(body.get("tools")):
+        return ()
+    render = {k: body[k] for k in ("messages", "tools") if body.get(k) is not None} | _special_tokens(body, True)
+    answer = _post(client, "/v1/chat/completions/render", render)
+    return tuple(TokenRangeRetention.model_validate(entry).range() for entry in answer.get("retention") or ())
+
+
+def _marked(items: Any) -> bool:
+    """Whether a list of messages or tools carries a ``cache_control`` (on an item or a content part)."""
+    if not isinstance(items, list):
+        return False
+    for item in items:
+        if isinstance(item, dict):
+            parts = item.get("content") if isinstance(item.get("content"), list) else []
+            if "cache_control" in item or any(isinstance(p, dict) and "cache_control" in p for p in parts):
+                return True
+    return False
 
 
 def _messages(body: dict[str, Any]) -> tuple[dict[str, str], ...] | None:

@@ -93,8 +93,10 @@ class ServerMetrics:
         missed = Counter(
             "prefixcache:prefix_cache_missed_tokens",
             "Prompt tokens not found in the prefix cache, by reason: new (never cached, or dropped by a reset), "
-            "evicted (recently evicted: a larger cache would have served it), partial_block (after the last "
-            "whole block a lookup may return), skipped (the request did not read the cache).",
+            "evicted (recently evicted under pressure: a larger cache would have served it), expired (evicted "
+            "after its retention TTL ended), evicted_below_retained (a plain block evicted while retained blocks "
+            "stayed), partial_block (after the last whole block a lookup may return), skipped (the request did "
+            "not read the cache).",
             [*label, "reason"],
             registry=registry,
         )
