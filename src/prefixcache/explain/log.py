@@ -1,17 +1,16 @@
 """Reading a request log: one JSON object a line, the bodies an OpenAI-compatible server receives.
 
-A line is an OpenAI completion body (``prompt``: a string or a list of token ids), a chat body
-(``messages``, turned into tokens by the model's chat template, as the server does), or an offline
-prompt (``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``). ``cache_salt`` and ``lora_name`` name the
-cache namespace a request reads; ``add_special_tokens`` says whether a text gets the tokenizer's special
-tokens (the server's default: a completion's text does, a chat adds none beyond its template). Retention
-directives are read as the server reads them (``server/retention.py``): ``cache_control`` breakpoints on messages, content parts and ``tools`` (placed by the
+A line is an OpenAI completion body (``prompt``: a string or a list of token ids), a chat body (``messages``, turned
+into tokens by the model's chat template, as the server does), or an offline prompt (``{"prompt": ...}`` /
+``{"prompt_token_ids": [...]}``). ``cache_salt`` and ``lora_name`` name the cache namespace a request reads;
+``add_special_tokens`` says whether a text gets the tokenizer's special tokens (the server's default: a completion's
+text does, a chat adds none beyond its template). Retention directives are read as the server reads them
+(``server/retention.py``): ``cache_control`` breakpoints on messages, content parts and ``tools`` (placed by the
 chat template, which also renders the tools), ``retention`` token ranges and ``prompt_cache_retention``. A
-``timestamp`` (seconds, any origin, or an ISO 8601 string) times the replay's TTLs. Every other field is
-ignored. A line that cannot be read is reported with its number and skipped, whatever it holds: JSON nested
-deeper than the parser goes, text with a lone surrogate (not Unicode), token ids outside the model's
-vocabulary, a directive the server would refuse (a fifth breakpoint, a priority out of range, a range past the
-prompt).
+``timestamp`` (seconds, any origin, or an ISO 8601 string) times the replay's TTLs. Every other field is ignored. A
+line that cannot be read is reported with its number and skipped, whatever it holds: JSON nested deeper than the
+parser goes, text with a lone surrogate (not Unicode), token ids outside the model's vocabulary, a directive the
+server would refuse (a fifth breakpoint, a priority out of range, a range past the prompt).
 """
 
 from __future__ import annotations
