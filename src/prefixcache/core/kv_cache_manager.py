@@ -435,11 +435,14 @@ class KVCacheManager:
 
     def _retention_runs(self, blocks: list[list[Block]], num_blocks: int) -> list[RetentionRun]:
         """The retention of a hit's first ``num_blocks`` positions, in runs; reads the clock, changes nothing (a
-        block whose TTL ended but that the pool has not moved yet shows as what it is: back at the default)."""
+        block whose TTL ended but that the pool has not moved yet shows as what it is: back at the default). A
+        position no group holds (before the window of a model whose every group slides) is in no run."""
         runs: list[RetentionRun] = []
         null, now = self.null_block, self.pool.clock()
         for k in range(num_blocks):
-            block = next(group[k] for group in blocks if group[k] is not null)
+            block = next((group[k] for group in blocks if group[k] is not null), None)
+            if block is None:
+                continue
             priority, ttl_s, expires_in = block.priority, block.ttl_s, None
             if block.ref_cnt == 0 and priority not in (EXPIRED, DEFAULT_PRIORITY):
                 expires_in = block.expires_at - now
@@ -447,7 +450,8 @@ class KVCacheManager:
                 priority, ttl_s, expires_in = DEFAULT_PRIORITY, None, None
             start, end = k * self.block_size, (k + 1) * self.block_size
             last = runs[-1] if runs else None
-            if last is not None and (last.priority, last.ttl_s, last.expires_in_s) == (priority, ttl_s, expires_in):
+            same = last is not None and (last.priority, last.ttl_s, last.expires_in_s) == (priority, ttl_s, expires_in)
+            if same and last.end == start:
                 runs[-1] = RetentionRun(last.start, end, priority, ttl_s, expires_in)
             else:
                 runs.append(RetentionRun(start, end, priority, ttl_s, expires_in))
