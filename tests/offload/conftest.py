@@ -96,7 +96,8 @@ def redis_server(tmp_path):
 # The ACL the README's Security section gives the tier's own Redis user: its keys and the commands it runs.
 REDIS_ACL_COMMANDS = [
     *("ping", "get", "set", "exists", "del", "type", "strlen", "incr", "incrby", "decrby"),
-    *("zadd", "zrem", "zrange", "zcard", "hget", "hset", "hdel", "eval", "evalsha", "script|load"),
+    *("zadd", "zrem", "zrange", "zrangebyscore", "zscore", "zcard", "hget", "hset", "hdel", "hexists"),
+    *("pexpireat", "eval", "evalsha", "script|load"),
 ]
 
 
