@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from prefixcache.core.block_pool import Block, BlockPoolListener, StoredBlocks
+from prefixcache.core.eviction import EXPIRED
 from prefixcache.core.hashing import BlockHash
 from prefixcache.core.kv_cache_groups import FULL_ATTENTION, KVCacheGroupSpec, check_groups
-from prefixcache.core.eviction import EXPIRED
 from prefixcache.core.kv_cache_manager import BlockTargets
 from prefixcache.core.request import Request
 from prefixcache.core.retention import DEFAULT_PRIORITY

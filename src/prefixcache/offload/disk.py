@@ -16,9 +16,10 @@ namespace directory found wider (made by an older version) is narrowed to 0700 w
 At start the namespace directory is scanned: its records, oldest modification first, are the LRU order; a
 hit touches the file, so the order survives a restart. A record kept under a retention directive names its
 priority and expiry in its header (read at start, so the priority order survives too): it is evicted in the
-device pool's order (expired first, then the lowest priority), and once expired it is a miss and is deleted. A record is verified when it is read; one that is
-truncated, corrupt or foreign is deleted and counts as a miss. Running out of space, or a directory that
-cannot be written, turns the tier off with one log line; the engine serves on without it.
+device pool's order (expired first, then the lowest priority), and once expired it is a miss and is deleted.
+A record is verified when it is read; one that is truncated, corrupt or foreign is deleted and counts as a
+miss. Running out of space, or a directory that cannot be written, turns the tier off with one log line; the
+engine serves on without it.
 """
 
 from __future__ import annotations
@@ -35,7 +36,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from prefixcache.core.hashing import BlockHash
-from prefixcache.offload.record import BadRecord, KVLayout, RecordRetention, decode_record, encode_record, record_retention
+from prefixcache.offload.record import (
+    BadRecord,
+    KVLayout,
+    RecordRetention,
+    decode_record,
+    encode_record,
+    record_retention,
+)
 from prefixcache.offload.store import KVStore, RetentionOrder, held_run
 
 logger = logging.getLogger(__name__)

@@ -21,9 +21,7 @@ class HostMemoryStore(KVStore):
 
     medium = "CPU"
 
-    def __init__(
-        self, layout: KVLayout, capacity_bytes: int, wall_clock: Callable[[], float] = time.time
-    ) -> None:
+    def __init__(self, layout: KVLayout, capacity_bytes: int, wall_clock: Callable[[], float] = time.time) -> None:
         super().__init__(layout, capacity_bytes, wall_clock)
         self._blocks: dict[BlockHash, bytes] = {}
         self._order = RetentionOrder(self.wall_clock)

@@ -38,8 +38,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from prefixcache.core.hashing import BlockHash
-from prefixcache.offload.config import redacted_url
 from prefixcache.core.retention import DEFAULT_PRIORITY
+from prefixcache.offload.config import redacted_url
 from prefixcache.offload.record import (
     BadRecord,
     KVLayout,

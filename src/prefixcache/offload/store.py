@@ -129,6 +129,7 @@ class RetentionOrder:
         if block is None:
             return False
         self._queue.remove(block)
+        block.priority = DEFAULT_PRIORITY  # its expiry entry, still in the queue's heap, is skipped from now on
         return True
 
     def pop(self) -> BlockHash | None:
@@ -138,6 +139,7 @@ class RetentionOrder:
         if priorities and (priorities[0] < DEFAULT_PRIORITY or not self._default):
             block = self._queue.pop_lowest()
             del self._marked[block.block_hash]
+            block.priority = DEFAULT_PRIORITY
             return block.block_hash
         if self._default:
             return self._default.popitem(last=False)[0]
@@ -175,9 +177,7 @@ class KVStore(ABC):
     medium: str = ""
     persistent: bool = False  # outlives the process or is shared: gets every block as it is computed
 
-    def __init__(
-        self, layout: KVLayout, capacity_bytes: int, wall_clock: Callable[[], float] = time.time
-    ) -> None:
+    def __init__(self, layout: KVLayout, capacity_bytes: int, wall_clock: Callable[[], float] = time.time) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity must be positive, got {capacity_bytes} bytes")
         self.wall_clock = wall_clock
