@@ -85,12 +85,6 @@ class RetentionOrder:
         self._queue = RetainedQueue()
         self._ids = itertools.count()
 
-    def __contains__(self, block_hash: object) -> bool:
-        return block_hash in self._default or block_hash in self._marked
-
-    def __len__(self) -> int:
-        return len(self._default) + len(self._marked)
-
     def add(self, block_hash: BlockHash, retention: RecordRetention | None = None) -> None:
         """A block the tier holds now, at the young end of its priority (kept until ``retention.expires_at``)."""
         self.remove(block_hash)
@@ -116,10 +110,6 @@ class RetentionOrder:
         block = self._marked.get(block_hash)
         return block is not None and (block.priority == EXPIRED or block.expires_at <= self.clock())
 
-    def retention(self, block_hash: BlockHash) -> RecordRetention | None:
-        block = self._marked.get(block_hash)
-        return None if block is None else RecordRetention(block.priority, block.expires_at)
-
     def remove(self, block_hash: BlockHash) -> bool:
         """Forget the block; whether it was held."""
         if block_hash in self._default:
@@ -144,13 +134,6 @@ class RetentionOrder:
         if self._default:
             return self._default.popitem(last=False)[0]
         return None
-
-
-def record_retention(retention: Retention | None, now: float) -> RecordRetention | None:
-    """What a tier keeps of a block's ``(priority, seconds left)``: None at the default priority."""
-    if retention is None or retention[0] == DEFAULT_PRIORITY:
-        return None
-    return RecordRetention(retention[0], now + retention[1])
 
 
 class TierEventListener:
@@ -231,9 +214,7 @@ class KVStore(ABC):
         kept: dict[BlockHash, RecordRetention] = {}
         if retention:
             now = self.wall_clock()
-            for block_hash, given in retention.items():
-                if (record := record_retention(given, now)) is not None:
-                    kept[block_hash] = record
+            kept = {h: RecordRetention(p, now + left) for h, (p, left) in retention.items() if p != DEFAULT_PRIORITY}
         stored, evicted = self._store(items, kept)
         elapsed = time.perf_counter() - start
         with self._lock:
