@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from prefixcache.bench.live import RedisServer, free_port
 from prefixcache.core import BlockHash
 from prefixcache.offload import KVLayout
-from prefixcache.offload.record import RecordKey
+from prefixcache.offload.record import RecordKey, RecordRetention, encode_record
 from prefixcache.offload.store import KVStore
 
 SECRET = b"0123456789abcdef-deployment-secret"
@@ -70,6 +71,46 @@ def check_held_prefix_reads_nothing(store: KVStore, layout: KVLayout) -> None:
     assert [store.held_prefix([block_hash(i)]) != [] for i in (1, 2, 3, 4)] == [False, True, True, True]
 
 
+class WallClock:
+    """A wall clock the test moves: starts at the real time (Redis expires keys on its own clock)."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+RETAINED, LOW = (90, 100.0), (10, 100.0)  # (priority, seconds left), as the connector hands them over
+
+
+def retained_record_bytes(layout: KVLayout) -> int:
+    """The size of a record with a retention field (the largest a block's record gets)."""
+    return len(encode_record(layout, block_hash(0), payload(layout, 0), RecordRetention(90, 0.0)))
+
+
+def check_retention_order(store: KVStore, layout: KVLayout, clock: WallClock) -> None:
+    """For an empty store with room for three blocks and any mix of records: it evicts in the device pool's order
+    (expired, then lowest priority, least recently used within one), and never loads an expired block."""
+    store.store(blocks(layout, [1]), {block_hash(1): RETAINED})  # the oldest, but retained
+    store.store(blocks(layout, [2]))
+    store.store(blocks(layout, [3]), {block_hash(3): LOW})
+    store.store(blocks(layout, [4]))  # the low one goes first, though the youngest
+    assert [store.held_prefix([block_hash(i)]) != [] for i in (1, 2, 3, 4)] == [True, True, False, True]
+    store.store(blocks(layout, [5]))  # then the default ones, least recently used first
+    store.store(blocks(layout, [6]))
+    assert [store.held_prefix([block_hash(i)]) != [] for i in range(1, 7)] == [True, False, False, False, True, True]
+    assert store.load_prefix([block_hash(1)]) == [payload(layout, 1)]
+    assert store.load_prefix([block_hash(5), block_hash(6)]) == [payload(layout, 5), payload(layout, 6)]
+    store.store(blocks(layout, [7]))  # block 1 is the least recently used now, but a hit keeps its priority
+    assert [store.held_prefix([block_hash(i)]) != [] for i in (1, 5, 6, 7)] == [True, False, True, True]
+    clock.now += 100.5  # block 1's time ran out: never loaded again, and the first to go
+    assert store.load_prefix([block_hash(1), block_hash(6)]) == []
+    store.store(blocks(layout, [8]))
+    assert [store.held_prefix([block_hash(i)]) != [] for i in (1, 6, 7, 8)] == [False, True, True, True]
+    assert store.load_prefix([block_hash(6), block_hash(7), block_hash(8)]) == [payload(layout, i) for i in (6, 7, 8)]
+
+
 @pytest.fixture
 def layout() -> KVLayout:
     return make_layout()
@@ -96,7 +137,8 @@ def redis_server(tmp_path):
 # The ACL the README's Security section gives the tier's own Redis user: its keys and the commands it runs.
 REDIS_ACL_COMMANDS = [
     *("ping", "get", "set", "exists", "del", "type", "strlen", "incr", "incrby", "decrby"),
-    *("zadd", "zrem", "zrange", "zcard", "hget", "hset", "hdel", "eval", "evalsha", "script|load"),
+    *("zadd", "zrem", "zrange", "zrangebyscore", "zscore", "zcard", "hget", "hset", "hdel", "hexists"),
+    *("pexpireat", "eval", "evalsha", "script|load"),
 ]
 
 

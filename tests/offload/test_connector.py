@@ -6,8 +6,10 @@ import pytest
 
 from prefixcache.core import KVCacheGroupSpec, KVCacheManager, Request, root_hash
 from prefixcache.core.miss import hittable_blocks
+from prefixcache.core.retention import RetentionRange
 from prefixcache.offload import DiskStore, HostMemoryStore
 from prefixcache.offload.connector import WRITE_BACK, WRITE_THROUGH, OffloadConnector, TierWriter
+from tests.core.conftest import FakeClock
 from tests.offload.conftest import make_layout
 from tests.offload.test_host import Recorder
 
@@ -258,3 +260,50 @@ def test_with_a_sliding_group_each_load_and_save_names_the_block_of_every_group_
     ]
     assert [(s.block_ids, s.block_hash) for s in plan.save_after] == [((6, 10), hashes[5])]
     manager.check_invariants()
+
+
+def retained_connector(mode, num_blocks=4):
+    """A manager and its connector on one fake clock (the device pool's), with a host tier on another."""
+    clock = FakeClock()
+    layout = make_layout(root_hash=root_hash("sha256"), block_size=B)
+    host = HostMemoryStore(layout, 100 * layout.block_bytes)
+    connector = OffloadConnector([host], B, mode, TierWriter([host], background=False), clock=clock)
+    manager = KVCacheManager(num_blocks=num_blocks, block_size=B, connector=connector, clock=clock)
+    return manager, connector, clock
+
+
+def test_write_back_demotes_a_retained_block_with_the_time_its_ttl_has_left():
+    manager, _, clock = retained_connector(WRITE_BACK)
+    first = Request("first", list(range(1000, 1000 + 3 * B + 1)), retention=(RetentionRange(0, 2 * B, 90, 60.0),))
+    admit(manager, first)
+    take_plan(manager)
+    manager.free(first)
+    clock.advance(20)
+    admit(manager, make_request(4 * B - 1, start=5000, request_id="second"))  # takes every block
+    hashes = manager.block_hashes(first)
+    saved = {s.block_hash: s.retention for s in take_plan(manager).save_before}
+    assert saved == {hashes[0]: (90, 40.0), hashes[1]: (90, 40.0), hashes[2]: None}
+
+
+def test_an_expired_block_is_demoted_at_the_default_priority():
+    manager, _, clock = retained_connector(WRITE_BACK)
+    first = Request("first", list(range(1000, 1000 + 2 * B)), retention=(RetentionRange(0, 2 * B, 90, 60.0),))
+    admit(manager, first)
+    take_plan(manager)
+    manager.free(first)
+    clock.advance(61)
+    admit(manager, make_request(4 * B - 1, start=5000, request_id="second"))
+    saved = {s.block_hash: s.retention for s in take_plan(manager).save_before}
+    assert saved == dict.fromkeys(manager.block_hashes(first)[:2])
+
+
+def test_write_through_hands_a_24h_block_its_whole_ttl():
+    manager, _, _ = retained_connector(WRITE_THROUGH, num_blocks=8)
+    request = Request("r", list(range(1000, 1000 + 3 * B + 1)), retention=(RetentionRange(0, 2 * B, 90, 86400.0),))
+    admit(manager, request)
+    hashes = manager.block_hashes(request)
+    assert [(s.block_hash, s.retention) for s in take_plan(manager).save_after] == [
+        (hashes[0], (90, 86400.0)),
+        (hashes[1], (90, 86400.0)),
+        (hashes[2], None),
+    ]

@@ -14,13 +14,17 @@ import pytest
 from prefixcache.offload import DiskStore
 from prefixcache.offload import disk as disk_module
 from tests.offload.conftest import (
+    RETAINED,
+    WallClock,
     block_hash,
     blocks,
     check_held_prefix_reads_nothing,
+    check_retention_order,
     forger,
     keyed_layout,
     make_layout,
     payload,
+    retained_record_bytes,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -276,3 +280,28 @@ def test_another_process_cannot_take_the_directory_until_the_holder_exits(layout
         [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60, cwd=REPO
     )
     assert taken.returncode == 0, taken.stderr
+
+
+def test_eviction_follows_priority_and_an_expired_record_is_never_loaded_and_deleted(layout, tmp_path):
+    clock = WallClock()
+    store = DiskStore(layout, tmp_path, 3 * retained_record_bytes(layout), wall_clock=clock)
+    check_retention_order(store, layout, clock)
+    assert not store.path_of(block_hash(1)).exists()
+
+
+def test_a_retained_record_keeps_its_priority_and_expiry_across_a_restart(layout, tmp_path):
+    clock = WallClock()
+    capacity = 3 * retained_record_bytes(layout)
+    store = DiskStore(layout, tmp_path, capacity, wall_clock=clock)
+    store.store(blocks(layout, [1]), {block_hash(1): RETAINED})
+    store.store(blocks(layout, [2, 3]))
+    store.close()
+    store = DiskStore(layout, tmp_path, capacity, wall_clock=clock)
+    store.store(blocks(layout, [4]))  # block 1 is the oldest file, but retained: 2 goes
+    assert [store.held_prefix(hashes(i)) != [] for i in (1, 2, 3, 4)] == [True, False, True, True]
+    store.close()
+    clock.now += RETAINED[1] + 1
+    store = DiskStore(layout, tmp_path, capacity, wall_clock=clock)
+    assert store.load_prefix(hashes(1)) == []
+    assert not store.path_of(block_hash(1)).exists()
+    store.close()

@@ -5,17 +5,20 @@ serves after a restart, Redis across engines, and a tier that is down only costs
 import functools
 import random
 import shutil
+import time
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 from safetensors.torch import load_file, save_file
 
 from prefixcache.core import Request
+from prefixcache.core.retention import RetentionRange
 from prefixcache.engine import LLM, SamplingParams
 from prefixcache.model import load_model
 from prefixcache.offload.config import REDIS_PASSWORD_ENV
-from prefixcache.offload.record import encode_record, model_fingerprint
+from prefixcache.offload.record import encode_record, model_fingerprint, record_retention
 from prefixcache.offload.worker import read_blocks
 from tests.helpers import write_tiny_checkpoint
 from tests.offload.conftest import SECRET, forger
@@ -296,3 +299,31 @@ def test_offload_options_are_checked(make_llm):
         make_llm(kv_offload_cpu="1MiB", kv_offload_mode="sometimes")
     with pytest.raises(ValueError, match="holds no block"):
         make_llm(kv_offload_cpu="100B")
+
+
+@pytest.mark.parametrize("tier", ["disk", "redis"])
+def test_a_24h_prompt_is_written_through_with_its_ttl(make_llm, tmp_path, request, tier):
+    """``prompt_cache_retention: "24h"`` (priority 90 for 86400 s over the whole request) reaches the persistent
+    tier: every prompt block's record names it, and Redis expires the key then."""
+    if tier == "disk":
+        llm = make_llm(kv_offload_disk=f"{tmp_path}/kv:1MiB", max_retained_fraction=1.0)
+    else:
+        llm = make_llm(kv_offload_redis=request.getfixturevalue("redis_server").url, max_retained_fraction=1.0)
+    before = time.time()
+    llm.generate({"prompt_token_ids": PROMPT}, GREEDY, use_tqdm=False, retention=[RetentionRange(0, None, 90, 86400)])
+    settle(llm)
+    after = time.time()
+    [store] = llm.engine.core.offload.stores
+    hashes = llm.engine.core.manager.block_hashes(Request("probe", PROMPT))
+    if tier == "disk":
+        records = [store.path_of(h).read_bytes() for h in hashes]
+    else:
+        raw = redis.Redis.from_url(request.getfixturevalue("redis_server").url)
+        try:
+            records = [raw.get(store.key_of(h)) for h in hashes]
+            assert all(86390 * 1000 < raw.pttl(store.key_of(h)) <= 86400 * 1000 for h in hashes)
+        finally:
+            raw.close()
+    kept = [record_retention(r) for r in records]
+    assert len(kept) == 10 and all(k.priority == 90 for k in kept)
+    assert all(before + 86400 <= k.expires_at <= after + 86400 for k in kept)

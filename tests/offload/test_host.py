@@ -3,7 +3,14 @@
 import pytest
 
 from prefixcache.offload import HostMemoryStore, TierEventListener
-from tests.offload.conftest import block_hash, blocks, check_held_prefix_reads_nothing, payload
+from tests.offload.conftest import (
+    WallClock,
+    block_hash,
+    blocks,
+    check_held_prefix_reads_nothing,
+    check_retention_order,
+    payload,
+)
 
 
 class Recorder(TierEventListener):
@@ -66,3 +73,8 @@ def test_payload_of_the_wrong_size_is_misuse(layout):
         store.store([(block_hash(1), b"x")])
     with pytest.raises(ValueError, match="capacity"):
         HostMemoryStore(layout, capacity_bytes=0)
+
+
+def test_eviction_follows_priority_and_an_expired_block_is_never_loaded(layout):
+    clock = WallClock()
+    check_retention_order(HostMemoryStore(layout, 3 * layout.block_bytes + 5, wall_clock=clock), layout, clock)

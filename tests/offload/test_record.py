@@ -3,7 +3,15 @@ deployment secret only if it was written with that secret."""
 
 import pytest
 
-from prefixcache.offload.record import BadRecord, RecordError, RecordKey, decode_record, encode_record
+from prefixcache.offload.record import (
+    BadRecord,
+    RecordError,
+    RecordKey,
+    RecordRetention,
+    decode_record,
+    encode_record,
+    record_retention,
+)
 from tests.offload.conftest import SECRET, block_hash, forger, keyed_layout, make_layout, payload
 
 
@@ -115,3 +123,19 @@ def test_the_secret_is_part_of_the_namespace_and_never_shown(layout):
 def test_a_short_secret_is_refused():
     with pytest.raises(ValueError, match="at least 16"):
         RecordKey(b"short")
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["checksum", "mac"])
+def test_a_retained_record_names_its_retention_inside_the_check(keyed):
+    layout = keyed_layout() if keyed else make_layout()
+    data, kept = payload(layout, 3), RecordRetention(90, 1_800_000_000.5)
+    plain = encode_record(layout, block_hash(3), data)
+    record = encode_record(layout, block_hash(3), data, kept)
+    assert (plain[4], record[4]) == (layout.record_version, layout.record_version | 0x80)
+    assert len(record) == len(plain) + 9 and record_retention(plain) is None
+    assert record_retention(record) == kept
+    assert decode_record(layout, block_hash(3), record) == data
+    extended = bytearray(record)
+    extended[4 + 1 + 16 + 1 + 32 + 8] ^= 0x01  # the last byte of the expiry: someone keeping it longer
+    bad = decode_record(layout, block_hash(3), bytes(extended))
+    assert isinstance(bad, BadRecord) and bad.reason is (RecordError.FORGED if keyed else RecordError.CORRUPT)

@@ -10,13 +10,17 @@ from prefixcache.offload import HostMemoryStore
 from prefixcache.offload.record import encode_record
 from prefixcache.offload.redis_store import RedisStore
 from tests.offload.conftest import (
+    RETAINED,
+    WallClock,
     block_hash,
     blocks,
     check_held_prefix_reads_nothing,
+    check_retention_order,
     forger,
     keyed_layout,
     make_layout,
     payload,
+    retained_record_bytes,
 )
 from tests.offload.test_host import Recorder
 
@@ -314,3 +318,35 @@ def test_tls_that_cannot_be_verified_leaves_the_tier_unavailable(layout, secured
     finally:
         store.close()
     assert "unavailable" in caplog.text and secured_redis.password not in caplog.text
+
+
+def test_eviction_follows_priority_and_an_expired_block_is_never_loaded(layout, make_store):
+    clock = WallClock()
+    check_retention_order(make_store(layout, 3 * retained_record_bytes(layout), wall_clock=clock), layout, clock)
+
+
+def test_a_24h_block_is_kept_with_a_key_expiry_of_24_hours(layout, make_store, redis_server):
+    store = make_store(layout)
+    store.store(blocks(layout, [1, 2]), {block_hash(1): (90, 86400.0)})
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        assert 86390 * 1000 < raw.pttl(store.key_of(block_hash(1))) <= 86400 * 1000
+        assert raw.pttl(store.key_of(block_hash(2))) == -1  # no directive: kept until evicted
+    finally:
+        raw.close()
+    assert store.load_prefix(hashes(1, 2)) == [payload(layout, 1), payload(layout, 2)]
+
+
+def test_a_block_redis_expired_gives_its_bytes_back(layout, make_store, redis_server):
+    store = make_store(layout, 3 * retained_record_bytes(layout))
+    store.store(blocks(layout, [1]), {block_hash(1): (90, RETAINED[1])})
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        raw.pexpire(store.key_of(block_hash(1)), 1)  # as if Redis's clock ran ahead of the engine's
+        while raw.exists(store.key_of(block_hash(1))):
+            raw.pexpire(store.key_of(block_hash(1)), 1)
+    finally:
+        raw.close()
+    store.store(blocks(layout, [1, 2, 3]))
+    assert store.snapshot().num_blocks == 3
+    assert store.load_prefix(hashes(1, 2, 3)) == [payload(layout, i) for i in (1, 2, 3)]

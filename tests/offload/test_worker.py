@@ -2,7 +2,10 @@
 
 import torch
 
-from prefixcache.offload.worker import read_blocks, write_blocks
+from prefixcache.offload import HostMemoryStore
+from prefixcache.offload.connector import BlockSave, OffloadPlan, TierWriter
+from prefixcache.offload.worker import OffloadWorker, read_blocks, write_blocks
+from tests.offload.conftest import block_hash, make_layout
 
 SHAPE = (8, 4, 2, 3)  # blocks, block size, KV heads, head dim
 
@@ -38,3 +41,16 @@ def test_a_group_without_a_block_is_left_alone():
     assert torch.equal(target[0][0][1], source[0][0][3]) and torch.equal(target[0][0][2], source[0][0][5])
     assert torch.equal(target[1][1][7], source[1][1][6])
     assert all(float(target[1][kv][:7].abs().sum()) == 0.0 for kv in (0, 1))  # nothing else in layer 1
+
+
+def test_saved_blocks_reach_the_tier_with_their_retention():
+    """A retained block the worker copies out outlives a default one in the host tier."""
+    layout = make_layout(block_size=4, num_layers=1, num_kv_heads=2, head_dim=3)
+    host = HostMemoryStore(layout, 2 * layout.block_bytes)
+    worker = OffloadWorker(kv_caches(1), layout, TierWriter([host], background=False))
+    kept, plain, newer = block_hash(1), block_hash(2), block_hash(3)
+    worker.after_forward(
+        OffloadPlan(save_after=[BlockSave((2,), kept, (0,), (90, 60.0)), BlockSave((3,), plain, (0,))])
+    )
+    worker.after_forward(OffloadPlan(save_after=[BlockSave((4,), newer, (0,))]))
+    assert [h in host for h in (kept, plain, newer)] == [True, False, True]

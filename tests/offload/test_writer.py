@@ -16,10 +16,10 @@ class SlowStore(HostMemoryStore):
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def _store(self, items):
+    def _store(self, items, retention):
         self.entered.set()
         self.release.wait(timeout=30)
-        return super()._store(items)
+        return super()._store(items, retention)
 
 
 def test_background_writes_land_after_flush_and_close_stops_the_thread(layout):
@@ -52,7 +52,7 @@ def test_a_full_queue_drops_batches_instead_of_stalling_the_caller(layout):
 
 def test_a_failing_tier_does_not_stop_the_writer(layout, caplog):
     class BrokenStore(HostMemoryStore):
-        def _store(self, items):
+        def _store(self, items, retention):
             raise RuntimeError("tier bug")
 
     good = HostMemoryStore(layout, 2**20)

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from prefixcache.core import FULL_ATTENTION, KVCacheGroupSpec, KVCacheManager, Request, hittable_blocks
+from prefixcache.core.retention import RetentionRange
 from prefixcache.kv_events.collector import KVEventCollector
 from prefixcache.kv_events.events import KVEventBatch
 from prefixcache.router import wire
@@ -340,3 +341,74 @@ def test_the_router_reading_a_hybrid_engines_events_predicts_every_lookup_exactl
                 held = next((i for i, h in enumerate(hashes) if not index.holds("h", h)), len(hashes))
                 differs += held * BLOCK != predicted
     assert differs > 50  # the any-group rule would have been wrong this often
+
+
+class RouterClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def retained_event(hashes, retention, medium="GPU"):
+    return msgspec.structs.replace(store_event(hashes, None, medium=medium), retention=retention)
+
+
+def test_events_retention_marks_blocks_until_their_ttl_ends_then_they_count_at_the_default():
+    clock = RouterClock()
+    index = PrefixIndex(clock=clock)
+    blocks = EngineKeyedBlocks(index, "a", BLOCK)
+    blocks.store(retained_event([1, 2, 3, 4], [[90, 60.0], [90, 60.0], [35, None], [10, 30.0]]))
+    blocks.store(retained_event([1, 2], [[90, 60.0], [90, 60.0]], medium="CPU"))  # a tier's copy: not the GPU's
+    assert [index.retention("a", h) for h in (1, 2, 3, 4, 5)] == [90, 90, 35, 10, 35]
+    assert index.retained_run("a", [1, 2, 3, 4]) == 2
+    assert index.retained_run("a", [2, 1]) == 2 and index.retained_run("a", [3, 1]) == 0
+    clock.now += 30  # block 4's TTL ended
+    assert index.retention("a", 4) == 35
+    blocks.remove(removed_event([2], None))  # evicted from the GPU: the run stops there
+    assert index.retained_run("a", [1, 2, 3]) == 1
+    clock.now += 30  # block 1's ended: what the backend holds counts at the default
+    assert index.retained_run("a", [1]) == 0 and index.retention("a", 1) == 35
+    assert index.matched_blocks([1, 2, 3], ["a"]) == {"a": 3}  # still held (CPU holds 2): only its priority went
+
+
+def test_a_reset_or_a_restart_forgets_the_retention():
+    index = PrefixIndex(clock=RouterClock())
+    blocks = EngineKeyedBlocks(index, "a", BLOCK)
+    blocks.store(retained_event([1, 2], [[90, 60.0], [90, 60.0]]))
+    blocks.clear("GPU")
+    blocks.store(store_event([1, 2], None))  # computed again without a directive
+    assert index.retained_run("a", [1, 2]) == 0
+    blocks.store(retained_event([1, 2], [[90, 60.0], [90, 60.0]]))
+    blocks.clear()
+    assert index.retention("a", 1) == 35 and not index.holds("a", 1)
+
+
+def test_a_content_keyed_backend_keeps_the_retention_of_the_blocks_it_can_name():
+    index = PrefixIndex(clock=RouterClock())
+    blocks = ContentKeyedBlocks(index, "v", RouterMetrics(), BLOCK)
+    tokens = list(range(100, 112))  # 3 blocks
+    blocks.store(
+        msgspec.structs.replace(
+            retained_event([7, 8, 9], [[80, 60.0], [80, 60.0], [35, None]]), token_ids=tokens, group_idx=None
+        )
+    )
+    ours = PromptHasher.by_content(None, BLOCK).key(tokens + [1]).block_hashes
+    assert index.retained_run("v", ours) == 2 and [index.retention("v", h) for h in ours] == [80, 80, 35]
+
+
+def test_retention_reaches_the_router_through_the_wire_from_a_real_manager():
+    """A manager's events with a 24h directive, through the collector, msgpack and the router's decoder."""
+    collector = KVEventCollector()
+    manager = KVCacheManager(num_blocks=16, block_size=BLOCK, listeners=[collector])
+    request = Request("r", list(range(50, 50 + 3 * BLOCK + 1)), retention=(RetentionRange(0, 2 * BLOCK, 90, 86400),))
+    manager.allocate_slots(request, request.num_tokens, manager.find_prefix(request))
+    payload = msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=collector.take()))
+    index = PrefixIndex(clock=RouterClock())
+    blocks = EngineKeyedBlocks(index, "h", BLOCK)
+    for event in wire.decode_batch(payload).events:
+        blocks.store(event)
+    hashes = [external_block_hash(h) for h in manager.block_hashes(request)[:3]]
+    assert [index.retention("h", h) for h in hashes] == [90, 90, 35]
+    assert index.retained_run("h", hashes) == 2

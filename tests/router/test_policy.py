@@ -43,3 +43,13 @@ def test_bad_policy_settings_are_refused():
         make_policy("random")
     with pytest.raises(ValueError, match="weight"):
         PrefixAware(weight=-1)
+
+
+def test_a_tie_of_cost_goes_to_the_backend_holding_the_hit_retained_before_the_less_loaded():
+    policy = PrefixAware(weight=1.0)
+    plain = Candidate("plain", 1000, 512, 0, 0)
+    retained = Candidate("retained", 1000, 512, 0, 0, retained_tokens=256)
+    assert {policy.choose([plain, retained]).name for _ in range(4)} == {"retained"}
+    busier = Candidate("busier", 1000, 612, 100, 0, retained_tokens=512)  # same cost, 100 tokens more in flight
+    assert policy.choose([plain, busier]).name == "busier"
+    assert policy.choose([plain, Candidate("far", 1000, 256, 0, 0, retained_tokens=256)]).name == "plain"

@@ -39,6 +39,19 @@ def test_routing_follows_the_index(backend, publisher, router):
     assert metric(r, "events_received_total") == 3
 
 
+def test_of_two_backends_holding_the_prompt_the_one_holding_it_retained_serves_it(backend, publisher, router):
+    """Without retention the two take turns (the last assertion of the burst test below); a backend whose events
+    say the prompt's blocks are retained keeps them longest, and gets every request for them."""
+    pub_a, pub_b = publisher(), publisher()
+    a, b = backend("a", pub_a), backend("b", pub_b)
+    r = router([a, b], affinity_balance=0)
+    hashes = event_hashes(PROMPT[:16])
+    pub_a.publish([stored(hashes)])
+    pub_b.publish([{**stored(hashes), "retention": [[90, 3600.0]] * len(hashes)}])
+    wait_until(lambda: index_blocks(r, a) == 4 and index_blocks(r, b) == 4, what="both backends' blocks")
+    assert {served_by(complete(r)) for _ in range(4)} == {b.url}
+
+
 def test_a_burst_follows_the_request_in_flight_before_its_events_arrive(backend, publisher, router):
     """The backend computing a prompt is where the same prefix goes next, not where no events say it is."""
     pub_a, pub_b = publisher(), publisher()

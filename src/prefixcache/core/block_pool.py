@@ -121,7 +121,8 @@ class BlockPoolListener:
 
     def block_reused(self, block: Block, last_copy: bool) -> None:
         """``block`` is about to be overwritten, whether or not it held a hash (in ``block.group``);
-        ``last_copy``: it was the last block of its group holding that hash."""
+        ``last_copy``: it was the last block of its group holding that hash. It still has the priority (and
+        ``ttl_s``, ``expires_at``) it was evicted at."""
 
     def cache_cleared(self) -> None:
         """Every cached hash was dropped at once (reset)."""
@@ -308,7 +309,7 @@ class BlockPool:
         self.retention_counters.evictions[priority_class(priority)] += 1
         self._forget_retained(block, priority)
         self.num_marked -= 1
-        block.priority, block.tenant = DEFAULT_PRIORITY, None
+        block.tenant = None  # its priority stays until the listeners heard of the reuse (offload demotes by it)
         return block
 
     def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> Block | None:
@@ -400,6 +401,8 @@ class BlockPool:
                         cached[block_hash] = next(iter(entry.values()))
             for listener in on_reused:
                 listener.block_reused(block, last_copy)
+            if block.priority != DEFAULT_PRIORITY:  # popped from the retained queue
+                block.priority = DEFAULT_PRIORITY
             block.block_hash = None
             block.ref_cnt = 1
             out.append(block)

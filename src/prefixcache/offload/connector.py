@@ -30,6 +30,12 @@ host memory tier follows ``mode``:
 
 The writes go to a :class:`TierWriter` and never stall a step. Blocks served from a lower tier are promoted
 into the write-through tiers above it from the bytes already read.
+
+Retention: a block a directive marked goes to the tiers with its priority and the time it has left, so each tier
+evicts in the device pool's order and stops serving it when the time runs out (see
+:mod:`prefixcache.offload.store`). Written through when computed, it has its whole TTL (``prompt_cache_retention:
+"24h"`` keeps it 24 hours on disk or in Redis); demoted at eviction (write-back), what is left of the TTL the
+device pool ran from its last use; an expired block is demoted at the default priority.
 """
 
 from __future__ import annotations
@@ -37,16 +43,19 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from prefixcache.core.block_pool import Block, BlockPoolListener, StoredBlocks
+from prefixcache.core.eviction import EXPIRED
 from prefixcache.core.hashing import BlockHash
 from prefixcache.core.kv_cache_groups import FULL_ATTENTION, KVCacheGroupSpec, check_groups
 from prefixcache.core.kv_cache_manager import BlockTargets
 from prefixcache.core.request import Request
-from prefixcache.offload.store import KVStore, TierEventListener, TierStats
+from prefixcache.core.retention import DEFAULT_PRIORITY
+from prefixcache.offload.store import KVStore, Retention, TierEventListener, TierStats
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -70,11 +79,13 @@ class BlockLoad:
 @dataclass(frozen=True, slots=True)
 class BlockSave:
     """Copy out device blocks ``block_ids`` (each group's layers from its block) and store them under
-    ``block_hash`` in the tiers ``tiers``."""
+    ``block_hash`` in the tiers ``tiers``, with ``retention``'s (priority, seconds left) when a directive marked
+    it."""
 
     block_ids: tuple[int, ...]
     block_hash: BlockHash
     tiers: tuple[int, ...]
+    retention: Retention | None = None
 
 
 @dataclass(slots=True)
@@ -87,6 +98,10 @@ class OffloadPlan:
 
     def __bool__(self) -> bool:
         return bool(self.save_before or self.loads or self.save_after)
+
+
+# What the writer's queue holds: tiers, blocks, the retention of those a directive marked.
+_Batch = tuple[tuple[int, ...], list[tuple[BlockHash, bytes]], dict[BlockHash, Retention] | None]
 
 
 @dataclass(slots=True)
@@ -108,21 +123,27 @@ class TierWriter:
     def __init__(self, stores: Sequence[KVStore], background: bool = True, max_pending_batches: int = 64) -> None:
         self.stores = list(stores)
         self.dropped_batches = 0
-        self._queue: queue.Queue[tuple[tuple[int, ...], list[tuple[BlockHash, bytes]]] | None] | None = None
+        self._queue: queue.Queue[_Batch | None] | None = None
         self._thread: threading.Thread | None = None
         if background:
             self._queue = queue.Queue(max_pending_batches)
             self._thread = threading.Thread(target=self._run, name="kv-offload-writer", daemon=True)
             self._thread.start()
 
-    def submit(self, tiers: Sequence[int], items: list[tuple[BlockHash, bytes]]) -> None:
+    def submit(
+        self,
+        tiers: Sequence[int],
+        items: list[tuple[BlockHash, bytes]],
+        retention: dict[BlockHash, Retention] | None = None,
+    ) -> None:
+        """Store ``items`` in ``tiers``; ``retention``: the (priority, seconds left) of those a directive marked."""
         if not items or not tiers:
             return
         if self._queue is None:
-            self._write(tuple(tiers), items)
+            self._write(tuple(tiers), items, retention)
             return
         try:
-            self._queue.put_nowait((tuple(tiers), items))
+            self._queue.put_nowait((tuple(tiers), items, retention))
         except queue.Full:
             self.dropped_batches += 1
 
@@ -150,15 +171,18 @@ class TierWriter:
             finally:
                 self._queue.task_done()
 
-    def _write(self, tiers: tuple[int, ...], items: list[tuple[BlockHash, bytes]]) -> None:
+    def _write(
+        self, tiers: tuple[int, ...], items: list[tuple[BlockHash, bytes]], retention: dict[BlockHash, Retention] | None
+    ) -> None:
         for tier in tiers:
-            self.stores[tier].store(items)
+            self.stores[tier].store(items, retention)
 
 
 class OffloadConnector(BlockPoolListener, TierEventListener):
     """Scheduler side of the offload tiers for one cache manager; see the module docstring.
 
-    ``groups`` are the cache's KV cache groups; ``tier_listeners`` hear the tiers' events (KV events).
+    ``groups`` are the cache's KV cache groups; ``tier_listeners`` hear the tiers' events (KV events);
+    ``clock`` is the device pool's, which the expiry of an evicted block is on.
     """
 
     def __init__(
@@ -169,6 +193,7 @@ class OffloadConnector(BlockPoolListener, TierEventListener):
         writer: TierWriter | None = None,
         groups: Sequence[KVCacheGroupSpec] = (FULL_ATTENTION,),
         tier_listeners: Sequence[TierEventListener] = (),
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if mode not in OFFLOAD_MODES:
             raise ValueError(f"offload mode must be one of {', '.join(OFFLOAD_MODES)}, got {mode!r}")
@@ -197,6 +222,8 @@ class OffloadConnector(BlockPoolListener, TierEventListener):
         self._staged: dict[str, _Staged] = {}
         self._plan = OffloadPlan()
         self._to_save: list[BlockHash] = []
+        self._to_save_retention: dict[BlockHash, Retention] = {}
+        self.clock = clock
         self._loaded_this_step: set[BlockHash] = set()
         self._event_lock = threading.Lock()
         self._events: list[tuple[str, str, list[BlockHash], int]] = []
@@ -272,8 +299,10 @@ class OffloadConnector(BlockPoolListener, TierEventListener):
                 continue
             block_ids = cached_block_ids(block_hash)
             if block_ids is not None:
-                plan.save_after.append(BlockSave(block_ids, block_hash, tiers))
+                retention = self._to_save_retention.get(block_hash)
+                plan.save_after.append(BlockSave(block_ids, block_hash, tiers, retention))
         self._to_save = []
+        self._to_save_retention = {}
         self._loaded_this_step = set()
         self._deliver_events()
         return plan
@@ -311,11 +340,19 @@ class OffloadConnector(BlockPoolListener, TierEventListener):
     def blocks_stored(self, stored: StoredBlocks) -> None:
         if self._write_through_tiers and stored.group == self._saving_group:
             self._to_save.extend(stored.block_hashes)
+            if stored.retention is not None:
+                for block_hash, (priority, ttl_s) in zip(stored.block_hashes, stored.retention, strict=True):
+                    if ttl_s is not None and priority != DEFAULT_PRIORITY:
+                        self._to_save_retention[block_hash] = (priority, ttl_s)
 
     def block_reused(self, block: Block, last_copy: bool) -> None:
         tiers = self._write_back_tiers  # one group only (checked at construction)
         if tiers and last_copy:
-            self._plan.save_before.append(BlockSave((block.block_id,), block.block_hash, tiers))
+            retention = None
+            if block.priority not in (DEFAULT_PRIORITY, EXPIRED):
+                left = block.expires_at - self.clock()
+                retention = (block.priority, left) if left > 0 else None
+            self._plan.save_before.append(BlockSave((block.block_id,), block.block_hash, tiers, retention))
 
     # ---- tier events ---------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The local disk tier: one checksummed file a block, kept across restarts, LRU by modification time.
+"""The local disk tier: one checksummed file a block, kept across restarts, LRU by modification time within a priority.
 
 Layout under the root directory: ``<namespace>/layout.json`` says in words what the blocks are valid for,
 ``<namespace>/<2 hex>/<block hash hex>.kv`` are the records, ``<namespace>/tmp/`` holds writes in flight (a
@@ -14,9 +14,12 @@ recoverable form, so the tier's folders are created 0700 and its files 0600 what
 namespace directory found wider (made by an older version) is narrowed to 0700 when opened.
 
 At start the namespace directory is scanned: its records, oldest modification first, are the LRU order; a
-hit touches the file, so the order survives a restart. A record is verified when it is read; one that is
-truncated, corrupt or foreign is deleted and counts as a miss. Running out of space, or a directory that
-cannot be written, turns the tier off with one log line; the engine serves on without it.
+hit touches the file, so the order survives a restart. A record kept under a retention directive names its
+priority and expiry in its header (read at start, so the priority order survives too): it is evicted in the
+device pool's order (expired first, then the lowest priority), and once expired it is a miss and is deleted.
+A record is verified when it is read; one that is truncated, corrupt or foreign is deleted and counts as a
+miss. Running out of space, or a directory that cannot be written, turns the tier off with one log line; the
+engine serves on without it.
 """
 
 from __future__ import annotations
@@ -29,18 +32,26 @@ import logging
 import os
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from prefixcache.core.hashing import BlockHash
-from prefixcache.offload.record import BadRecord, KVLayout, decode_record, encode_record
-from prefixcache.offload.store import KVStore, held_run
+from prefixcache.offload.record import (
+    BadRecord,
+    KVLayout,
+    RecordRetention,
+    decode_record,
+    encode_record,
+    record_retention,
+)
+from prefixcache.offload.store import KVStore, RetentionOrder, held_run
 
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".kv"
 LOCK_FILE = "lock"
+# Enough of a record to hold its header up to the retention field (a block hash of up to 64 bytes).
+RECORD_HEAD_BYTES = 128
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 # Errors that mean the directory cannot take writes at all: retrying block after block would only fail again.
@@ -51,12 +62,19 @@ class DiskStore(KVStore):
     medium = "DISK"
     persistent = True
 
-    def __init__(self, layout: KVLayout, root: str | os.PathLike, capacity_bytes: int) -> None:
-        super().__init__(layout, capacity_bytes)
+    def __init__(
+        self,
+        layout: KVLayout,
+        root: str | os.PathLike,
+        capacity_bytes: int,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__(layout, capacity_bytes, wall_clock)
         self.root = Path(root)
         self.directory = self.root / layout.namespace.hex()
         self._tmp = self.directory / "tmp"
-        self._index: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> file size, least recent first
+        self._index: dict[BlockHash, int] = {}  # hash -> file size
+        self._order = RetentionOrder(self.wall_clock)
         self._last_use_ns = 0
         self._lock_file: int | None = None
         try:
@@ -89,12 +107,12 @@ class DiskStore(KVStore):
                 block_hash = _hash_from_name(entry.name)
                 if block_hash is not None and entry.is_file():
                     stat = entry.stat()
-                    found.append((stat.st_mtime_ns, block_hash, stat.st_size))
+                    found.append((stat.st_mtime_ns, block_hash, stat.st_size, _read_retention(entry.path)))
         found.sort(key=lambda item: item[0])
         if found:
             self._last_use_ns = found[-1][0]
-        for _, block_hash, size in found:
-            self._index_add(block_hash, size)
+        for _, block_hash, size, retention in found:
+            self._index_add(block_hash, size, retention)
         evicted = self._evict_beyond_capacity()
         logger.info(
             "DISK tier at %s: %d blocks (%.1f MiB) kept from before, capacity %.1f MiB",
@@ -135,6 +153,10 @@ class DiskStore(KVStore):
             with self._lock:
                 if block_hash not in self._index:
                     break
+                expired = self._order.expired(block_hash)
+            if expired:
+                self.discard([block_hash])
+                break
             path = self.path_of(block_hash)
             try:
                 record = path.read_bytes()
@@ -151,14 +173,15 @@ class DiskStore(KVStore):
                 break
             with self._lock:
                 if block_hash in self._index:
-                    self._index.move_to_end(block_hash)
+                    self._order.touch(block_hash)
             self._mark_used(path)
             out.append(payload)
         return out
 
     def _count_held(self, hashes: Sequence[BlockHash]) -> int:
         with self._lock:
-            return held_run(hashes, self._index)
+            held = held_run(hashes, self._index)
+            return next((i for i, h in enumerate(hashes[:held]) if self._order.expired(h)), held)
 
     def _discard(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
         removed = []
@@ -172,14 +195,20 @@ class DiskStore(KVStore):
                 removed.append(block_hash)
         return removed
 
-    def _store(self, items: Sequence[tuple[BlockHash, bytes]]) -> tuple[list[BlockHash], list[BlockHash]]:
+    def _store(
+        self, items: Sequence[tuple[BlockHash, bytes]], retention: Mapping[BlockHash, RecordRetention]
+    ) -> tuple[list[BlockHash], list[BlockHash]]:
         stored: list[BlockHash] = []
         evicted: list[BlockHash] = []
         for block_hash, payload in items:
             with self._lock:
-                if block_hash in self._index:
-                    continue
-            record = encode_record(self.layout, block_hash, payload)
+                held, expired = block_hash in self._index, self._order.expired(block_hash)
+            if held and not expired:
+                continue
+            if expired:  # its time ran out: rewritten below as new
+                self._index_pop(block_hash)
+            kept = retention.get(block_hash)
+            record = encode_record(self.layout, block_hash, payload, kept)
             if len(record) > self.capacity_bytes:
                 continue
             path = self.path_of(block_hash)
@@ -193,7 +222,7 @@ class DiskStore(KVStore):
                     break
                 self._count_error("write", "DISK tier: cannot write %s (%s); block not stored", path, exc)
                 continue
-            self._index_add(block_hash, len(record))
+            self._index_add(block_hash, len(record), kept)
             stored.append(block_hash)
             evicted += self._evict_beyond_capacity()
         return stored, evicted
@@ -221,13 +250,14 @@ class DiskStore(KVStore):
             os.utime(path, ns=(used_ns, used_ns))
 
     def _evict_beyond_capacity(self) -> list[BlockHash]:
-        """Delete the least recently used records until the rest fit the capacity."""
+        """Delete records in eviction order (expired, lowest priority, least recently used) until the rest fit."""
         evicted: list[BlockHash] = []
         while True:
             with self._lock:
                 if self.stats.used_bytes <= self.capacity_bytes or not self._index:
                     break
-                block_hash, size = self._index.popitem(last=False)
+                block_hash = self._order.pop()
+                size = self._index.pop(block_hash)
                 self.stats.used_bytes -= size
                 self.stats.num_blocks -= 1
             path = self.path_of(block_hash)
@@ -238,9 +268,10 @@ class DiskStore(KVStore):
             evicted.append(block_hash)
         return evicted
 
-    def _index_add(self, block_hash: BlockHash, size: int) -> None:
+    def _index_add(self, block_hash: BlockHash, size: int, retention: RecordRetention | None = None) -> None:
         with self._lock:
             self._index[block_hash] = size
+            self._order.add(block_hash, retention)
             self.stats.used_bytes += size
             self.stats.num_blocks += 1
 
@@ -249,6 +280,7 @@ class DiskStore(KVStore):
             size = self._index.pop(block_hash, None)
             if size is None:
                 return False
+            self._order.remove(block_hash)
             self.stats.used_bytes -= size
             self.stats.num_blocks -= 1
             return True
@@ -276,6 +308,15 @@ def _owner_only_dir(path: Path) -> None:
 def _owner_only_file(path: str, flags: int) -> int:
     """``open``'s opener: a new file is 0600 whatever the umask."""
     return os.open(path, flags, FILE_MODE)
+
+
+def _read_retention(path: str) -> RecordRetention | None:
+    """The retention in a record file's header (None without one, or when it cannot be read: a plain LRU entry)."""
+    try:
+        with open(path, "rb") as f:
+            return record_retention(f.read(RECORD_HEAD_BYTES))
+    except OSError:
+        return None
 
 
 def _hash_from_name(name: str) -> BlockHash | None:

@@ -1,17 +1,19 @@
-"""The host memory tier: a second, larger pool of blocks in this process, LRU within its byte budget."""
+"""The host memory tier: a second, larger pool of blocks in this process, evicting in the device pool's order."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 from prefixcache.core.hashing import BlockHash
-from prefixcache.offload.record import KVLayout
-from prefixcache.offload.store import KVStore, held_run
+from prefixcache.offload.record import KVLayout, RecordRetention
+from prefixcache.offload.store import KVStore, RetentionOrder, held_run
 
 
 class HostMemoryStore(KVStore):
-    """Blocks as ``bytes`` in an ordered dict: a hit moves a block to the young end, eviction pops the old end.
+    """Blocks as ``bytes`` in a dict, their eviction order in a :class:`RetentionOrder`: a hit moves a block to
+    the young end of its priority; eviction takes an expired block first, then the lowest priority, least
+    recently used within it, so a retained block demoted from the device outlives the default ones here too.
 
     Nothing leaves the process, so records carry no checksum here. Reported to routers as medium "CPU",
     as vLLM names its host memory offload.
@@ -19,53 +21,62 @@ class HostMemoryStore(KVStore):
 
     medium = "CPU"
 
-    def __init__(self, layout: KVLayout, capacity_bytes: int) -> None:
-        super().__init__(layout, capacity_bytes)
-        self._blocks: OrderedDict[BlockHash, bytes] = OrderedDict()
+    def __init__(self, layout: KVLayout, capacity_bytes: int, wall_clock: Callable[[], float] = time.time) -> None:
+        super().__init__(layout, capacity_bytes, wall_clock)
+        self._blocks: dict[BlockHash, bytes] = {}
+        self._order = RetentionOrder(self.wall_clock)
 
     def __contains__(self, block_hash: BlockHash) -> bool:
-        return block_hash in self._blocks
+        with self._lock:
+            return block_hash in self._blocks and not self._order.expired(block_hash)
 
     def _load_prefix(self, hashes: Sequence[BlockHash]) -> list[bytes]:
         out: list[bytes] = []
         with self._lock:
-            blocks = self._blocks
+            blocks, order = self._blocks, self._order
             for block_hash in hashes:
                 payload = blocks.get(block_hash)
-                if payload is None:
+                if payload is None or order.expired(block_hash):
                     break
-                blocks.move_to_end(block_hash)
+                order.touch(block_hash)
                 out.append(payload)
         return out
 
     def _count_held(self, hashes: Sequence[BlockHash]) -> int:
         with self._lock:
-            return held_run(hashes, self._blocks)
+            held = held_run(hashes, self._blocks)
+            return next((i for i, h in enumerate(hashes[:held]) if self._order.expired(h)), held)
 
     def _discard(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
         with self._lock:
-            removed = [h for h in hashes if self._blocks.pop(h, None) is not None]
-            self.stats.num_blocks = len(self._blocks)
-            self.stats.used_bytes = len(self._blocks) * self.layout.block_bytes
+            removed = [h for h in hashes if self._blocks.pop(h, None) is not None and self._order.remove(h)]
+            self._count()
         return removed
 
-    def _store(self, items: Sequence[tuple[BlockHash, bytes]]) -> tuple[list[BlockHash], list[BlockHash]]:
+    def _store(
+        self, items: Sequence[tuple[BlockHash, bytes]], retention: Mapping[BlockHash, RecordRetention]
+    ) -> tuple[list[BlockHash], list[BlockHash]]:
         stored: list[BlockHash] = []
         evicted: list[BlockHash] = []
-        size = self.layout.block_bytes
-        max_blocks = self.capacity_bytes // size
+        max_blocks = self.capacity_bytes // self.layout.block_bytes
         if max_blocks == 0:
             return stored, evicted
         with self._lock:
-            blocks = self._blocks
+            blocks, order = self._blocks, self._order
             for block_hash, payload in items:
-                if block_hash in blocks:
-                    blocks.move_to_end(block_hash)
+                if block_hash in blocks and not order.expired(block_hash):
+                    order.touch(block_hash)
                     continue
-                if len(blocks) == max_blocks:
-                    evicted.append(blocks.popitem(last=False)[0])
+                if block_hash not in blocks and len(blocks) == max_blocks:  # (an expired one is replaced in place)
+                    victim = order.pop()
+                    del blocks[victim]
+                    evicted.append(victim)
                 blocks[block_hash] = payload
+                order.add(block_hash, retention.get(block_hash))
                 stored.append(block_hash)
-            self.stats.num_blocks = len(blocks)
-            self.stats.used_bytes = len(blocks) * size
+            self._count()
         return stored, evicted
+
+    def _count(self) -> None:
+        self.stats.num_blocks = len(self._blocks)
+        self.stats.used_bytes = len(self._blocks) * self.layout.block_bytes

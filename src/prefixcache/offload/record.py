@@ -7,12 +7,18 @@ exactly when they would have computed the same K/V, and a record names its names
 a checksummed header: a file copied from another model, a truncated write or a flipped bit reads as a
 miss, never as wrong K/V.
 
-Record: ``MAGIC | version u8 | namespace 16 B | hash length u8 | block hash | payload length u64 | check |
+Record: ``MAGIC | version u8 | namespace 16 B | hash length u8 | block hash | [retention] | payload length u64 | check |
 payload``, where the check covers everything before it and the payload. Version 1, without a deployment
 secret: the check is an xxh3-128 checksum (16 B), which catches accidents but not a forger, since anyone
 can compute it. Version 2, with a :class:`RecordKey`: the check is an HMAC-SHA256 under the secret (32 B),
 so only holders of the secret write records that read back; the key's public id is part of the
 namespace, so engines with different secrets (or none) never share, nor delete each other's, records.
+
+A block kept under a retention directive (:mod:`prefixcache.core.retention`) has the flag ``0x80`` set on its
+version byte and ``priority u8 | expires_at f64`` (Unix seconds) right after the block hash, inside what the check
+covers: a tier reads its priority back after a restart, refuses the record once it expired, and nobody without the
+secret can extend it. A record without retention is byte for byte what it was before the flag existed; an engine
+from before it reads a flagged record as a foreign version, a miss.
 """
 
 from __future__ import annotations
@@ -31,10 +37,12 @@ from prefixcache.core.hashing import BlockHash
 MAGIC = b"PCKV"
 CHECKSUM_VERSION = 1
 MAC_VERSION = 2
+RETENTION_FLAG = 0x80
 NAMESPACE_BYTES = 16
 MIN_SECRET_BYTES = 16
 _HEAD = struct.Struct("<4sB16sB")
 _LENGTH = struct.Struct("<Q")
+_RETENTION = struct.Struct("<Bd")
 _CHECK_BYTES = {CHECKSUM_VERSION: 16, MAC_VERSION: 32}
 KV_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -142,13 +150,42 @@ class BadRecord:
     detail: str
 
 
-def encode_record(layout: KVLayout, block_hash: BlockHash, payload: bytes) -> bytes:
-    """The stored form of one block: header naming namespace and hash, checksum or MAC, payload."""
+@dataclass(frozen=True, slots=True)
+class RecordRetention:
+    """A stored block's retention: its ``priority`` until ``expires_at`` (Unix seconds), then no record at all."""
+
+    priority: int
+    expires_at: float
+
+
+def encode_record(
+    layout: KVLayout, block_hash: BlockHash, payload: bytes, retention: RecordRetention | None = None
+) -> bytes:
+    """The stored form of one block: header naming namespace, hash (and retention), checksum or MAC, payload."""
     if len(payload) != layout.block_bytes:
         raise ValueError(f"payload has {len(payload)} bytes, the layout needs {layout.block_bytes}")
     version = layout.record_version
-    header = _HEAD.pack(MAGIC, version, layout.namespace, len(block_hash)) + block_hash + _LENGTH.pack(len(payload))
+    kept = b""
+    if retention is not None:
+        version |= RETENTION_FLAG
+        kept = _RETENTION.pack(retention.priority, retention.expires_at)
+    header = (
+        _HEAD.pack(MAGIC, version, layout.namespace, len(block_hash)) + block_hash + kept + _LENGTH.pack(len(payload))
+    )
     return b"".join((header, _check(layout, header, payload), payload))
+
+
+def record_retention(record: bytes | memoryview) -> RecordRetention | None:
+    """The retention a record's header names, unverified (for ordering a tier's index; reading the record checks
+    it): None without one, or for a record too short or not ours."""
+    view = memoryview(record)
+    if len(view) < _HEAD.size:
+        return None
+    magic, version, _, hash_length = _HEAD.unpack_from(view)
+    offset = _HEAD.size + hash_length
+    if magic != MAGIC or not version & RETENTION_FLAG or len(view) < offset + _RETENTION.size:
+        return None
+    return RecordRetention(*_RETENTION.unpack_from(view, offset))
 
 
 def decode_record(layout: KVLayout, block_hash: BlockHash, record: bytes | memoryview) -> bytes | BadRecord:
@@ -157,7 +194,8 @@ def decode_record(layout: KVLayout, block_hash: BlockHash, record: bytes | memor
     view = memoryview(record)
     if len(view) < _HEAD.size:
         return BadRecord(RecordError.TRUNCATED, f"{len(view)} bytes, shorter than a header")
-    magic, version, namespace, hash_length = _HEAD.unpack_from(view)
+    magic, flagged_version, namespace, hash_length = _HEAD.unpack_from(view)
+    version = flagged_version & ~RETENTION_FLAG
     if magic != MAGIC or version not in _CHECK_BYTES:
         return BadRecord(RecordError.FOREIGN, "not a prefixcache block record of a known version")
     if namespace != layout.namespace:
@@ -166,12 +204,13 @@ def decode_record(layout: KVLayout, block_hash: BlockHash, record: bytes | memor
         if layout.record_key is not None:
             return BadRecord(RecordError.FORGED, "not authenticated with the deployment secret")
         return BadRecord(RecordError.FOREIGN, "authenticated with a secret this engine was not given")
-    offset = _HEAD.size + hash_length
+    hash_end = _HEAD.size + hash_length
+    offset = hash_end + (_RETENTION.size if flagged_version & RETENTION_FLAG else 0)
     header_end = offset + _LENGTH.size
     check_end = header_end + _CHECK_BYTES[version]
     if len(view) < check_end:
         return BadRecord(RecordError.TRUNCATED, f"{len(view)} bytes, shorter than a header")
-    if view[_HEAD.size : offset] != block_hash:
+    if view[_HEAD.size : hash_end] != block_hash:
         return BadRecord(RecordError.FOREIGN, "holds another block hash")
     (length,) = _LENGTH.unpack_from(view, offset)
     payload = view[check_end:]

@@ -6,21 +6,35 @@ torch, are what a file or Redis holds anyway, and cost one copy out of and into 
 
 Tiers are called from two threads: the scheduler looks blocks up and reads them, a background writer stores
 them. Each store guards its index and statistics with its own lock.
+
+A block stored under a retention directive comes with its ``(priority, seconds left)``: a tier evicts in the
+device pool's order (expired first, then the lowest priority, least recently used within a priority;
+:class:`RetentionOrder`), and a block whose time ran out is no longer held: it is never loaded. The time runs from
+when the tier got the block (a tier's hit does not extend it), on the wall clock, since disk and Redis records
+outlive the process.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Container, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from prefixcache.core.block_pool import Block
+from prefixcache.core.eviction import EXPIRED, RetainedQueue
 from prefixcache.core.hashing import BlockHash
-from prefixcache.offload.record import BadRecord, KVLayout
+from prefixcache.core.retention import DEFAULT_PRIORITY
+from prefixcache.offload.record import BadRecord, KVLayout, RecordRetention
 
 logger = logging.getLogger(__name__)
+
+# A block's retention as the connector hands it to a tier: (priority, seconds it has left).
+Retention = tuple[int, float]
 
 
 @dataclass(slots=True)
@@ -56,6 +70,72 @@ def held_run(hashes: Sequence[BlockHash], held: Container[BlockHash]) -> int:
     return len(hashes)
 
 
+class RetentionOrder:
+    """Which block a tier gives up next: the device pool's order, by reusing its :class:`RetainedQueue`.
+
+    Blocks at the default priority are in an LRU list; the others each stand in the queue as a ``Block`` of their
+    own, so that expired ones come first, then those below the default, then the default LRU, then the retained
+    ones, lowest priority first, least recently used within one. Every operation is O(1) or O(log n).
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self._default: OrderedDict[BlockHash, None] = OrderedDict()
+        self._marked: dict[BlockHash, Block] = {}
+        self._queue = RetainedQueue()
+        self._ids = itertools.count()
+
+    def add(self, block_hash: BlockHash, retention: RecordRetention | None = None) -> None:
+        """A block the tier holds now, at the young end of its priority (kept until ``retention.expires_at``)."""
+        self.remove(block_hash)
+        if retention is None or retention.priority == DEFAULT_PRIORITY:
+            self._default[block_hash] = None
+            return
+        now = self.clock()
+        block = Block(next(self._ids), block_hash=block_hash, priority=retention.priority)
+        block.ttl_s = retention.expires_at - now
+        self._marked[block_hash] = block
+        self._queue.push([block], now)
+
+    def touch(self, block_hash: BlockHash) -> None:
+        """A hit: the block moves to the young end of its priority; its expiry stays."""
+        block = self._marked.get(block_hash)
+        if block is None:
+            self._default.move_to_end(block_hash)
+        elif not self.expired(block_hash):
+            self.add(block_hash, RecordRetention(block.priority, block.expires_at))
+
+    def expired(self, block_hash: BlockHash) -> bool:
+        """Whether the block's time ran out (it is still listed, first in line for eviction)."""
+        block = self._marked.get(block_hash)
+        return block is not None and (block.priority == EXPIRED or block.expires_at <= self.clock())
+
+    def remove(self, block_hash: BlockHash) -> bool:
+        """Forget the block; whether it was held."""
+        if block_hash in self._default:
+            del self._default[block_hash]
+            return True
+        block = self._marked.pop(block_hash, None)
+        if block is None:
+            return False
+        self._queue.remove(block)
+        block.priority = DEFAULT_PRIORITY  # its expiry entry, still in the queue's heap, is skipped from now on
+        return True
+
+    def pop(self) -> BlockHash | None:
+        """Remove and return the block to evict next, None when empty."""
+        self._queue.expire(self.clock())
+        priorities = self._queue.priorities
+        if priorities and (priorities[0] < DEFAULT_PRIORITY or not self._default):
+            block = self._queue.pop_lowest()
+            del self._marked[block.block_hash]
+            block.priority = DEFAULT_PRIORITY
+            return block.block_hash
+        if self._default:
+            return self._default.popitem(last=False)[0]
+        return None
+
+
 class TierEventListener:
     """Told when a tier gains or loses blocks, with the tier's medium ("CPU", "DISK", "REDIS"), so a router
     learns what each engine can load. Every method does nothing unless overridden."""
@@ -68,7 +148,7 @@ class TierEventListener:
 
 
 class KVStore(ABC):
-    """A bounded store of blocks keyed by block hash, LRU within the store.
+    """A bounded store of blocks keyed by block hash, LRU within a priority (see the module docstring).
 
     ``load_prefix`` returns the payloads of the longest run of ``hashes``, from the first, that the store
     holds intact (``held_prefix`` only says which it holds); ``store`` writes blocks it does not hold yet,
@@ -80,9 +160,10 @@ class KVStore(ABC):
     medium: str = ""
     persistent: bool = False  # outlives the process or is shared: gets every block as it is computed
 
-    def __init__(self, layout: KVLayout, capacity_bytes: int) -> None:
+    def __init__(self, layout: KVLayout, capacity_bytes: int, wall_clock: Callable[[], float] = time.time) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity must be positive, got {capacity_bytes} bytes")
+        self.wall_clock = wall_clock
         self.layout = layout
         self.capacity_bytes = capacity_bytes
         self.stats = TierStats(self.medium, capacity_bytes)
@@ -120,14 +201,21 @@ class KVStore(ABC):
             return []
         return hashes[: self._count_held(hashes)]
 
-    def store(self, items: Sequence[tuple[BlockHash, bytes]]) -> None:
+    def store(
+        self, items: Sequence[tuple[BlockHash, bytes]], retention: Mapping[BlockHash, Retention] | None = None
+    ) -> None:
+        """Write ``items``; ``retention`` has the ``(priority, seconds left)`` of those a directive marked."""
         if not items or not self.available:
             return
         for _, payload in items:
             if len(payload) != self.layout.block_bytes:
                 raise ValueError(f"payload has {len(payload)} bytes, the layout needs {self.layout.block_bytes}")
         start = time.perf_counter()
-        stored, evicted = self._store(items)
+        kept: dict[BlockHash, RecordRetention] = {}
+        if retention:
+            now = self.wall_clock()
+            kept = {h: RecordRetention(p, now + left) for h, (p, left) in retention.items() if p != DEFAULT_PRIORITY}
+        stored, evicted = self._store(items, kept)
         elapsed = time.perf_counter() - start
         with self._lock:
             self.stats.store_seconds += elapsed
@@ -166,8 +254,11 @@ class KVStore(ABC):
         """Drop the blocks held; returns those that were."""
 
     @abstractmethod
-    def _store(self, items: Sequence[tuple[BlockHash, bytes]]) -> tuple[list[BlockHash], list[BlockHash]]:
-        """Write the blocks not held yet; returns (hashes stored, hashes evicted)."""
+    def _store(
+        self, items: Sequence[tuple[BlockHash, bytes]], retention: Mapping[BlockHash, RecordRetention]
+    ) -> tuple[list[BlockHash], list[BlockHash]]:
+        """Write the blocks not held yet (those in ``retention`` kept at its priority until its expiry); returns
+        (hashes stored, hashes evicted)."""
 
     def _emit(self, stored: list[BlockHash], removed: list[BlockHash]) -> None:
         for listener in self._listeners:

@@ -14,6 +14,7 @@ import torch
 
 from prefixcache.offload.connector import BlockSave, OffloadPlan, TierWriter
 from prefixcache.offload.record import KVLayout
+from prefixcache.offload.store import Retention
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -114,7 +115,10 @@ class OffloadWorker:
             return
         payloads = read_blocks(self.kv_caches, [save.block_ids for save in saves], self.layer_groups)
         by_tiers: dict[tuple[int, ...], list[tuple[bytes, bytes]]] = {}
+        retention: dict[tuple[int, ...], dict[bytes, Retention]] = {}
         for save, payload in zip(saves, payloads, strict=True):
             by_tiers.setdefault(save.tiers, []).append((save.block_hash, payload))
+            if save.retention is not None:
+                retention.setdefault(save.tiers, {})[save.block_hash] = save.retention
         for tiers, items in by_tiers.items():
-            self.writer.submit(tiers, items)
+            self.writer.submit(tiers, items, retention.get(tiers))

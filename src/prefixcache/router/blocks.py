@@ -69,7 +69,7 @@ class EngineKeyedBlocks:
         """Raises BadEventError for a group the event cannot name."""
         group = self._learn_group(event)
         hashes = map(external_block_hash, event.block_hashes)
-        self.index.store(self.backend, hashes, event.medium or MEDIUM_GPU, group)
+        self.index.store(self.backend, hashes, event.medium or MEDIUM_GPU, group, event.retention)
 
     def remove(self, event: BlockRemoved) -> None:
         hashes = map(external_block_hash, event.block_hashes)
@@ -150,7 +150,7 @@ class ContentKeyedBlocks(EngineKeyedBlocks):
         ours = hash_blocks(CONTENT_HASH_ALGO, parent, packed, 0, keyable, self.block_size, _lora_keys(event.lora_name))
         self._unindexed(len(theirs) - keyable)
         self._router_hash.update(zip(theirs, ours, strict=False))
-        self.index.store(self.backend, [external_block_hash(d) for d in ours], medium, group)
+        self.index.store(self.backend, [external_block_hash(d) for d in ours], medium, group, event.retention)
 
     def remove(self, event: BlockRemoved) -> None:
         medium = event.medium or MEDIUM_GPU

@@ -15,6 +15,14 @@ group, and a backend's longest cached prefix is predicted by the engine's own ru
   (as the engine's connector continues it). A group of a kind neither rule describes (mamba) makes the
   predicted hit 0: the backend is routed by load.
 
+Retention: a ``BlockStored`` event names each block's ``[priority, ttl_s]`` when a directive marked it, and the
+index keeps it for the backend's GPU copy (:meth:`PrefixIndex.retention`): the engine evicts a retained block
+only after every block of a lower priority, so of two backends that would serve the same hit, the one that holds
+it retained keeps it longest, and a request routed there renews its TTL instead of warming a second, unretained
+copy elsewhere (:class:`~prefixcache.router.policy.PrefixAware` breaks a tie of cost that way). The engine runs a
+TTL from the block's last use; the index from when it heard of the block, so it never counts a block retained
+longer than the engine does, and past that time the block counts at the default priority.
+
 Events only tell what a backend has computed. A request routed there is about to compute its prompt's
 blocks, so while it is in flight its hashes count as held too, in every group (``hold``/``release``): a
 burst of one tenant's requests follows the first one instead of spreading before its events arrive.
@@ -22,6 +30,7 @@ burst of one tenant's requests follows the first one instead of spreading before
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +39,7 @@ from typing import cast
 from prefixcache.core.block_pool import BlockPoolListener, StoredBlocks
 from prefixcache.core.hashing import BlockHash
 from prefixcache.core.kv_cache_groups import FULL_ATTENTION, KVCacheGroupSpec, check_groups, longest_common_hit
+from prefixcache.core.retention import DEFAULT_PRIORITY
 from prefixcache.router.wire import MEDIUM_GPU, external_block_hash
 
 Copy = tuple[str, int]  # (medium, KV cache group)
@@ -57,7 +67,12 @@ class _Groups:
 
 
 class PrefixIndex:
-    def __init__(self) -> None:
+    """See the module docstring; ``clock`` (seconds) times the retention TTLs events name."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        # backend -> hash -> (priority, until when) of its GPU copy, for hashes a directive marked
+        self._retention: dict[str, dict[int, tuple[int, float]]] = {}
         self._holders: dict[int, dict[str, set[Copy]]] = {}  # hash -> backend -> copies holding it
         self._by_backend: dict[str, set[int]] = {}
         self._on_gpu: Counter[str] = Counter()  # backend -> distinct hashes it holds on GPU, in some group
@@ -98,16 +113,51 @@ class PrefixIndex:
         record.learned[group] = spec
         record.update()
 
-    def store(self, backend: str, block_hashes: Iterable[int], medium: str = MEDIUM_GPU, group: int = 0) -> None:
+    def store(
+        self,
+        backend: str,
+        block_hashes: Iterable[int],
+        medium: str = MEDIUM_GPU,
+        group: int = 0,
+        retention: Sequence[tuple[int, float | None]] | None = None,
+    ) -> None:
+        """``retention``: each block's ``(priority, ttl_s)`` as the event names it (None: no directive marked any)."""
         owned = self._by_backend.setdefault(backend, set())
         copy = (medium, group)
         on_gpu = medium == MEDIUM_GPU
+        block_hashes = list(block_hashes)
         for block_hash in block_hashes:
             copies = self._holders.setdefault(block_hash, {}).setdefault(backend, set())
             if on_gpu and not _any_on_gpu(copies):
                 self._on_gpu[backend] += 1
             copies.add(copy)
             owned.add(block_hash)
+        if on_gpu and retention is not None:
+            kept, now = self._retention.setdefault(backend, {}), self.clock()
+            for block_hash, (priority, ttl_s) in zip(block_hashes, retention, strict=False):
+                if priority != DEFAULT_PRIORITY and ttl_s is not None:
+                    kept[block_hash] = (priority, now + ttl_s)
+
+    def retention(self, backend: str, block_hash: int) -> int:
+        """The priority ``backend``'s GPU copy of ``block_hash`` is kept at: a directive's until its TTL ends, the
+        default before it was marked and after."""
+        kept = self._retention.get(backend, {}).get(block_hash)
+        if kept is None or kept[1] <= self.clock():
+            return DEFAULT_PRIORITY
+        return kept[0]
+
+    def retained_run(self, backend: str, block_hashes: Sequence[int]) -> int:
+        """How many of the leading ``block_hashes`` ``backend`` holds on GPU above the default priority, from the
+        first: the part of its hit the engine evicts last."""
+        kept = self._retention.get(backend)
+        if not kept:
+            return 0
+        now = self.clock()
+        for depth, block_hash in enumerate(block_hashes):
+            entry = kept.get(block_hash)
+            if entry is None or entry[0] <= DEFAULT_PRIORITY or entry[1] <= now:
+                return depth
+        return len(block_hashes)
 
     def remove(self, backend: str, block_hashes: Iterable[int], medium: str = MEDIUM_GPU, group: int = 0) -> None:
         """Forget ``medium``'s copy in ``group``; a hash unknown to the index (stored before we listened) is ignored."""
@@ -139,6 +189,7 @@ class PrefixIndex:
             self._forget(backend, list(self._by_backend.get(backend, ())), drop_medium)
             return
         self._on_gpu.pop(backend, None)
+        self._retention.pop(backend, None)
         for block_hash in self._by_backend.pop(backend, ()):
             holders = self._holders[block_hash]
             del holders[backend]
@@ -207,6 +258,7 @@ class PrefixIndex:
             drop(copies)
             if was_on_gpu and not _any_on_gpu(copies):
                 self._on_gpu[backend] -= 1
+                self._retention.get(backend, {}).pop(block_hash, None)
             if not copies:
                 del holders[backend]
                 owned.discard(block_hash)
@@ -231,7 +283,8 @@ class IndexListener(BlockPoolListener):
 
     def blocks_stored(self, stored: StoredBlocks) -> None:
         self.index.learn_group(self.backend, stored.group, self.groups[stored.group], stored.block_size)
-        self.index.store(self.backend, [external_block_hash(h) for h in stored.block_hashes], group=stored.group)
+        hashes = [external_block_hash(h) for h in stored.block_hashes]
+        self.index.store(self.backend, hashes, group=stored.group, retention=stored.retention)
 
     def blocks_removed(self, block_hashes: list[BlockHash], group: int) -> None:
         self.index.remove(self.backend, [external_block_hash(h) for h in block_hashes], group=group)

@@ -1,8 +1,10 @@
 """Routing policies: which backend gets a request, from each backend's predicted cache hit and its load.
 
 ``prefix`` scores ``cost = weight * prompt tokens the backend would compute + its load`` and takes the
-lowest; ``least_load`` takes the lowest load; ``round_robin`` takes turns. Ties go to the least loaded,
-then to the backend with the fewest requests in flight, then turn about, so equal backends share work.
+lowest; ``least_load`` takes the lowest load; ``round_robin`` takes turns. Ties go (for ``prefix``) to the
+backend that holds more of the hit under a retention directive (the engine evicts those blocks last, and a hit
+renews their TTL rather than warming an unretained copy elsewhere), then to the least loaded, then to the
+backend with the fewest requests in flight, then turn about, so equal backends share work.
 
 A request may carry an affinity key (its ``prompt_cache_key``, else a hash of its first blocks), which
 ranks the backends by rendezvous hashing: the same order for the same key in every router process, with
@@ -36,7 +38,8 @@ DEFAULT_AFFINITY_BALANCE = 1.25
 class Candidate:
     """A backend as a policy sees it. ``load`` is tokens in flight (uncached prompt plus output) there;
     ``affinity_rank`` its place in the request's affinity order (0 first), None when the request has no key;
-    ``held_tokens`` what its own cache holds by its events (0 when it has none)."""
+    ``held_tokens`` what its own cache holds by its events (0 when it has none); ``retained_tokens`` how many of
+    the ``cached_tokens``, from the first, it holds above the default priority by the events' retention."""
 
     name: str
     prompt_tokens: int
@@ -45,6 +48,7 @@ class Candidate:
     requests_in_flight: int
     affinity_rank: int | None = None
     held_tokens: int = 0
+    retained_tokens: int = 0
 
     @property
     def tokens_to_compute(self) -> int:
@@ -112,6 +116,7 @@ class PrefixAware(RoutingPolicy):
             candidates,
             lambda c: (
                 weight * c.tokens_to_compute + c.load,
+                -c.retained_tokens,
                 c.load,
                 c.requests_in_flight,
                 c.affinity_rank if keyed else 0,

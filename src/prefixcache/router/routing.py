@@ -150,6 +150,7 @@ class Router:
             prompt_tokens = key.num_tokens if key is not None else plan.num_tokens
             block_size = self._block_size(b)
             held = self.index.gpu_blocks(b.url) * block_size
+            retained = self.index.retained_run(b.url, key.block_hashes[:matched]) if key is not None else 0
             candidates.append(
                 Candidate(
                     b.url,
@@ -159,6 +160,7 @@ class Router:
                     b.requests_in_flight,
                     ranks.get(b.url),
                     held,
+                    retained * block_size,
                 )
             )
         chosen = self.policy.choose(candidates)

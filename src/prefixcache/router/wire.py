@@ -9,7 +9,8 @@ on a DEALER socket to the replay ROUTER gets ``[b"", seq, payload]`` for every b
 (the last 8 bytes of the hash, big-endian); a publisher sending full bytes is read the same way.
 An engine with several KV cache groups (hybrid attention) names each event's group (``group_idx``) and, on
 ``BlockStored``, the group's spec (``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``); a publisher
-without them has one group.
+without them has one group. prefixcache's engines add ``retention`` to a ``BlockStored`` whose blocks a directive
+marked: each block's ``[priority, ttl_s]`` (``ttl_s`` null at the default priority).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class BlockStored(msgspec.Struct, tag=True, frozen=True):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    retention: list[tuple[int, float | None]] | None = None  # prefixcache's: each block's [priority, ttl_s]
 
 
 class BlockRemoved(msgspec.Struct, tag=True, frozen=True):
