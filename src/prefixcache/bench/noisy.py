@@ -280,6 +280,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             started = time.perf_counter()
             runs[name] = asyncio.run(noisy.run(name))
             runs[name]["wall_s"] = time.perf_counter() - started
+            print(f"{RUNS[name]}: done in {runs[name]['wall_s']:.0f}s", flush=True)
     machine["load_average_after"] = os.getloadavg()
     options = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in _NOT_OPTIONS}
     report = {
