@@ -262,7 +262,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"noisy neighbour: {model_name}, {args.dtype}, blocks of {args.block_size} tokens; A: {args.a_requests} "
         f"questions of {args.question_len} tokens behind a {workload.system_tokens}-token system prompt at "
         f"{args.a_rate:g} req/s; B: {len(workload.flood)} unique prompts of {args.flood_len} tokens at "
-        f"{args.flood_ratio * args.a_rate:g} req/s; {args.output_len} output tokens a request; "
+        f"{args.flood_ratio * args.a_rate:g} req/s; {args.output_len} output tokens a request; at most "
+        f"{args.max_num_seqs} running; "
         f"{machine['cores']} cores, load average {'/'.join(f'{x:.2f}' for x in machine['load_average_before'])}"
     )
     print(sizing.describe(args, workload, kv_bytes_per_token))
@@ -271,6 +272,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         bench = Bench(args, Path(workdir), config.vocab_size, kv_bytes_per_token)
         keys = [option for key in KEYS.values() for option in ("--api-key", key)]
         extra = ["--num-gpu-blocks-override", str(sizing.blocks), "--enable-reset-prefix-cache", *keys]
+        extra += ["--max-num-seqs", str(args.max_num_seqs)]
         server = bench.launch(stack, "server", extra)
         server.wait_ready(args.startup_timeout)
         model = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {KEYS['A']}"}, timeout=10)
@@ -348,6 +350,13 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--flood-ratio", type=_positive, default=4.0, help="B's request rate (and count) over A's")
     p.add_argument(
         "--cache-fraction", type=_fraction, default=0.25, help="KV cache size as a fraction of B's whole flood"
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=positive_int,
+        default=config_default("max_num_seqs"),
+        help="the server's cap on requests running at once: running requests' blocks are not free, so no "
+        "priority keeps A's prefix once B's running requests need the whole cache",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for the server to come up")
