@@ -36,6 +36,7 @@ import httpx
 from prefixcache.argtypes import positive_int
 from prefixcache.bench.live import Process
 from prefixcache.bench.offload_live import Bench
+from prefixcache.bench.offload_live import _fraction as fraction
 from prefixcache.bench.serve import Messages, Target, reset_prefix_cache, run_point, send_request, summarize
 from prefixcache.config import DTYPES, EngineConfig
 from prefixcache.engine.args import config_default
@@ -47,13 +48,6 @@ TTFT_GOAL = 1.2  # A's mean TTFT with cache_control over A's alone, at most
 TTL = "1h"
 KEYS = {"A": "tenant-a-key", "B": "tenant-b-key"}
 _NOT_OPTIONS = {"func", "command", "bench", "log_level"}  # the CLI's own, not this benchmark's
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
 
 
 def _positive(text: str) -> float:
@@ -349,7 +343,7 @@ def register(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--flood-len", type=positive_int, default=1024, help="tokens of each of B's unique prompts")
     p.add_argument("--flood-ratio", type=_positive, default=4.0, help="B's request rate (and count) over A's")
     p.add_argument(
-        "--cache-fraction", type=_fraction, default=0.25, help="KV cache size as a fraction of B's whole flood"
+        "--cache-fraction", type=fraction, default=0.25, help="KV cache size as a fraction of B's whole flood"
     )
     p.add_argument(
         "--max-num-seqs",
