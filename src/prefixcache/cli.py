@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     from prefixcache.bench import clients as bench_clients
     from prefixcache.bench import decode as bench_decode
     from prefixcache.bench import hybrid as bench_hybrid
+    from prefixcache.bench import noisy as bench_noisy
     from prefixcache.bench import offline
     from prefixcache.bench import offload_live as bench_offload
     from prefixcache.bench import route as bench_route
@@ -126,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_hybrid.register(bench)
     bench_checkpoints.register(bench)
     bench_decode.register(bench)
+    bench_noisy.register(bench)
 
     generate = commands.add_parser("generate", help="complete prompts on the command line")
     generate.add_argument("prompt", nargs="+", help="one or more prompts")

@@ -72,16 +72,28 @@ def make_prompts(
     return [prefix + rng.choices(token_ids, k=input_len - prefix_len) for _ in range(num_prompts)]
 
 
+Messages = list[dict[str, Any]]
+
+
 async def send_request(
-    client: httpx.AsyncClient, target: Target, prompt: list[int] | str, output_len: int, output_ids: bool = False
+    client: httpx.AsyncClient,
+    target: Target,
+    prompt: list[int] | str | Messages,
+    output_len: int,
+    output_ids: bool = False,
 ) -> RequestResult:
     """Stream one completion; a token is a chunk with choices, the usage chunk gives the server's counts.
 
-    ``output_ids`` also collects the generated token ids (from log-probabilities named ``token_id:<id>``, vLLM's
-    extension), for a follow-up prompt that must continue exactly what the server computed."""
+    A prompt of chat messages (dicts) goes to /v1/chat/completions, whose first delta carries the first token's
+    text too, so TTFT means the same on both endpoints. ``output_ids`` also collects the generated token ids (from
+    completion log-probabilities named ``token_id:<id>``, vLLM's extension), for a follow-up prompt that must
+    continue exactly what the server computed."""
+    chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+    if chat and output_ids:
+        raise ValueError("output_ids needs a completion prompt, not chat messages")
     payload: dict[str, Any] = {
         "model": target.model,
-        "prompt": prompt,
+        "messages" if chat else "prompt": prompt,
         "max_tokens": output_len,
         "temperature": 0.0,
         "ignore_eos": True,
@@ -90,12 +102,12 @@ async def send_request(
     }
     if output_ids:
         payload |= {"logprobs": 0, "return_tokens_as_token_ids": True}
-    result = RequestResult(prompt_tokens=len(prompt) if isinstance(prompt, list) else 0)  # usage has the real count
+    # The usage chunk has the real count; a token-id prompt's length stands in where a server sends none.
+    result = RequestResult(prompt_tokens=len(prompt) if isinstance(prompt, list) and not chat else 0)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
     start = last = time.perf_counter()
     try:
-        async with client.stream(
-            "POST", f"{target.base_url}/v1/completions", json=payload, headers=target.headers
-        ) as response:
+        async with client.stream("POST", f"{target.base_url}{path}", json=payload, headers=target.headers) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')}"
                 return result
@@ -138,7 +150,7 @@ async def send_request(
 async def run_point(
     client: httpx.AsyncClient,
     target: Target,
-    prompts: list[list[int]],
+    prompts: Sequence[list[int] | Messages],
     output_len: int,
     request_rate: float,
     max_concurrency: int | None,
@@ -151,7 +163,7 @@ async def run_point(
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(prompts), desc="requests", unit="req", disable=not progress)
 
-    async def one(prompt: list[int]) -> RequestResult:
+    async def one(prompt: list[int] | Messages) -> RequestResult:
         if limit is None:
             result = await send_request(client, target, prompt, output_len)
         else:
