@@ -59,6 +59,7 @@ INPUTS = [
         SamplingParams(),
         retention=(RetentionRange(0, 32, priority=90, ttl_s=3600.0), RetentionRange(32, priority=10)),
         tenant="acme",
+        checkpoint_hints=(16, 37),
     ),
     AbortRequests(["req-1", "req-2"]),
     UtilityCall(3, "reset_prefix_cache"),

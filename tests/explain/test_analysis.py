@@ -230,7 +230,7 @@ def test_a_span_at_the_start_or_end_has_no_ellipsis_there_and_an_open_one_marks_
 
 
 def test_a_chat_divergence_names_the_message_it_is_in(tokenizer):
-    from prefixcache.engine.input_processor import chat_token_ids
+    from prefixcache.engine.chat_breakpoints import chat_token_ids
 
     def chat(time: str, question: str) -> tuple[dict[str, str], ...]:
         system = f"You are a helpful assistant. Current time: {time}. Answer briefly and truthfully."

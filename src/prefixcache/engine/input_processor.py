@@ -6,9 +6,11 @@ engine nothing and gets a clear ``ValueError``. Runs on the API side (tokenizing
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from prefixcache.core.retention import RetentionRange, check_retention
+from prefixcache.engine.chat_breakpoints import Breakpoint, chat_prompt, chat_token_ids
 from prefixcache.engine.messages import EngineCoreRequest, EngineInfo
 from prefixcache.engine.sampling_params import SamplingParams
 
@@ -19,6 +21,8 @@ class InputProcessor:
     def __init__(self, tokenizer: Any, info: EngineInfo) -> None:
         self.tokenizer = tokenizer
         self.info = info
+        # Message ends are worth their renders only where they place state checkpoints.
+        self.hints_message_ends = info.enable_prefix_caching and any(g.recurrent_state for g in info.kv_cache_groups)
 
     def prompt_token_ids(self, prompt: PromptInput, keep_last: int | None = None) -> tuple[str | None, list[int]]:
         """The prompt's text (None when it came as token ids, or was cut) and its token ids, checked against the
@@ -45,13 +49,16 @@ class InputProcessor:
     ) -> tuple[EngineCoreRequest, str | None]:
         """The core request and the prompt text (None when the prompt came as token ids or was truncated).
 
-        ``retention`` ranges index the prompt as it is after truncation; one past it is a ValueError."""
+        ``retention`` ranges index the prompt as it is after truncation; one past it is a ValueError. A prompt
+        dict of token ids may carry ``checkpoint_hints`` (positions in them, as :meth:`chat_prompt` puts the
+        message ends), which move with a truncation and drop out where it cut them off."""
         vocab_size = self.info.vocab_size
         max_model_len = self.info.max_model_len
         keep_last = params.truncate_prompt_tokens
         if keep_last == -1:  # as much as fits beside max_tokens
             keep_last = max(1, max_model_len - params.max_tokens)
         text, token_ids = self.prompt_token_ids(prompt, keep_last)
+        hints = _checkpoint_hints(prompt, len(token_ids))
         if len(token_ids) + params.max_tokens > max_model_len:
             raise ValueError(
                 f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
@@ -74,11 +81,35 @@ class InputProcessor:
             lora_name=lora_name,
             retention=retention,
             tenant=tenant,
+            checkpoint_hints=hints,
         )
         return request, text
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         return chat_token_ids(self.tokenizer, messages, add_generation_prompt)
+
+    def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        breakpoints: Sequence[Breakpoint] = (),
+        add_generation_prompt: bool = True,
+    ) -> tuple[dict[str, Any], list[int]]:
+        """The conversation as a prompt dict of token ids (``tools`` rendered by the template) and the token
+        position of each breakpoint (``ChatTemplateError`` as ``chat_prompt`` raises it).
+
+        On a model with recurrent layers the prompt also carries where each message ends, as
+        ``checkpoint_hints``: a later conversation sharing the first messages parts from this one right after
+        one of them, and a state checkpoint at that block boundary lets it hit all of them (the core's ``hint``
+        rule; without it the second such conversation would hit nothing). Other models skip the renders."""
+        ends = [Breakpoint("message", index) for index in range(len(messages))] if self.hints_message_ends else []
+        points = [*breakpoints, *ends]
+        token_ids, positions = chat_prompt(self.tokenizer, messages, tools, points, add_generation_prompt)
+        prompt: dict[str, Any] = {"prompt": None, "prompt_token_ids": token_ids}
+        hints = sorted({position for position in positions[len(breakpoints) :] if position > 0})
+        if hints:
+            prompt["checkpoint_hints"] = hints
+        return prompt, positions[: len(breakpoints)]
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, prompt)
@@ -110,19 +141,21 @@ def check_vocabulary(token_ids: list[int], vocab_size: int) -> None:
         raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
 
 
-def chat_token_ids(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    add_generation_prompt: bool = True,
-    tools: list[dict[str, Any]] | None = None,
-) -> list[int]:
-    """The conversation as prompt token ids, through the model's own chat template (given ``tools``, the
-    definitions it renders for the model to read)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
-    kwargs = {"tools": tools} if tools else {}
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+def _checkpoint_hints(prompt: PromptInput, num_tokens: int) -> tuple[int, ...]:
+    """A prompt dict's ``checkpoint_hints`` as positions in its ``num_tokens`` tokens after truncation (which
+    keeps the last ones); ValueError for hints that are not positions of its ``prompt_token_ids``."""
+    if not isinstance(prompt, dict) or "checkpoint_hints" not in prompt:
+        return ()
+    hints = prompt["checkpoint_hints"]
+    if "prompt_token_ids" not in prompt:
+        raise ValueError("checkpoint_hints index a prompt's token ids: send them with prompt_token_ids")
+    given = len(prompt["prompt_token_ids"])
+    if not isinstance(hints, list | tuple) or not all(
+        isinstance(h, int) and not isinstance(h, bool) and 0 < h <= given for h in hints
+    ):
+        raise ValueError(f"checkpoint_hints must be a list of prompt positions in 1 .. {given}")
+    cut = given - num_tokens
+    return tuple(h - cut for h in hints if h > cut)
 
 
 def _check_token_ids(token_ids: Any) -> list[int]:

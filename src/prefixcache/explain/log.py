@@ -19,7 +19,8 @@ from typing import Any
 from jinja2 import TemplateError
 from pydantic import TypeAdapter, ValidationError
 
-from prefixcache.engine.input_processor import chat_token_ids, check_vocabulary, tokenize_prompt
+from prefixcache.engine.chat_breakpoints import chat_token_ids
+from prefixcache.engine.input_processor import check_vocabulary, tokenize_prompt
 from prefixcache.server.protocol import ChatMessage, Text
 
 # The largest token id any server accepts (vLLM's bound; ids are int64 in the analysis).

@@ -24,7 +24,7 @@ import msgspec
 from prefixcache.config import EngineConfig
 from prefixcache.core import PrefixLookup
 from prefixcache.core.retention import RetentionRange
-from prefixcache.engine.chat_breakpoints import Breakpoint, chat_prompt
+from prefixcache.engine.chat_breakpoints import Breakpoint
 from prefixcache.engine.core_process import EngineCoreProcess
 from prefixcache.engine.input_processor import InputProcessor, PromptInput
 from prefixcache.engine.messages import (
@@ -213,11 +213,12 @@ class AsyncLLM:
 
     async def chat_prompt(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, breakpoints: list[Breakpoint]
-    ) -> tuple[list[int], list[int]]:
-        """The conversation's prompt token ids (with ``tools`` for the template) and the token position of each
-        breakpoint (``engine/chat_breakpoints.py``)."""
+    ) -> tuple[dict[str, Any], list[int]]:
+        """The conversation as a prompt dict of token ids (with ``tools`` for the template; with the message
+        ends as checkpoint hints on a model with recurrent layers) and the token position of each breakpoint
+        (``InputProcessor.chat_prompt``)."""
         self._check_accepting()
-        return await self._on_worker(chat_prompt, self.tokenizer, messages, tools, breakpoints)
+        return await self._on_worker(self._input_processor.chat_prompt, messages, tools, breakpoints)
 
     async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """The token ids of ``text``; the default is what the completions endpoint feeds the model."""
