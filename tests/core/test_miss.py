@@ -83,7 +83,7 @@ def test_reasons_with_a_surviving_head_and_an_evicted_middle():
     before = dict(mgr.stats.missed_tokens)
     assert run(mgr, head) == 8  # h0 and h1 hit; h2 was evicted
     delta = {r: mgr.stats.missed_tokens[r] - before[r] for r in MISS_REASONS}
-    assert delta == {"new": 0, "evicted": 4, "partial_block": 1, "skipped": 0}
+    assert delta == {"new": 0, "evicted": 4, "partial_block": 1, "skipped": 0, "no_checkpoint": 0}
 
 
 def test_evictions_older_than_the_record_count_as_new():
@@ -147,7 +147,7 @@ def test_lookup_reports_the_cached_prefix_and_the_reason_for_the_rest():
     found = mgr.lookup(tokens)
     assert found.prompt_tokens == 14
     assert (found.cached_tokens, found.cached_prefix_end, found.copied_tokens) == (8, 8, 0)
-    assert found.missed_tokens == {"new": 4, "evicted": 0, "partial_block": 2, "skipped": 0}
+    assert found.missed_tokens == {"new": 4, "evicted": 0, "partial_block": 2, "skipped": 0, "no_checkpoint": 0}
     assert found.first_miss_reason == "new"
     assert mgr.lookup(unique_tokens(9, 0), cache_salt="other").cached_tokens == 0
     assert mgr.lookup(unique_tokens(9, 0)).first_miss_reason == "partial_block"

@@ -26,7 +26,7 @@ STATS = EngineStats(
     100,
     40,
     4,
-    {"new": 50, "evicted": 6, "partial_block": 4, "skipped": 0},
+    {"new": 50, "evicted": 6, "partial_block": 4, "skipped": 0, "no_checkpoint": 0},
     0.4,
     0.5,
     3,

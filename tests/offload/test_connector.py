@@ -198,7 +198,7 @@ def test_a_lookup_splits_the_hit_by_tier_as_admission_takes_it_and_reads_nothing
     found = manager.lookup(request.prompt_token_ids)
     assert found.cached_tokens_by_tier == {"device": 2 * B, "CPU": B, "DISK": 2 * B}
     assert (found.cached_tokens, found.cached_prefix_end, found.first_miss_reason) == (5 * B, 5 * B, "new")
-    assert found.missed_tokens == {"new": B, "evicted": 0, "partial_block": 1, "skipped": 0}
+    assert found.missed_tokens == {"new": B, "evicted": 0, "partial_block": 1, "skipped": 0, "no_checkpoint": 0}
     assert connector.stats() == before and not take_plan(manager)  # nothing read, staged or planned
     assert admit(manager, request) == (2 * B, 3 * B)
 

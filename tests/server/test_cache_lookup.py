@@ -34,7 +34,7 @@ def test_lookup_predicts_the_hit_of_the_next_request(server):
     assert before["prompt_tokens"] == 18
     assert (before["cached_tokens"], before["cached_prefix_end"]) == (0, 0)
     assert before["first_miss_reason"] == "new"
-    assert before["missed_tokens"] == {"new": 16, "evicted": 0, "partial_block": 2, "skipped": 0}
+    assert before["missed_tokens"] == {"new": 16, "evicted": 0, "partial_block": 2, "skipped": 0, "no_checkpoint": 0}
     complete(server, prompt=prompt)
     # any completion field is accepted, and the sampling ones are not used
     after = lookup(server, prompt=[prompt], max_tokens=99, temperature=0.5, n=2, stream=True, echo=True).json()
@@ -75,6 +75,7 @@ def test_lookups_count_nothing_and_requests_count_missed_tokens_by_reason(server
         "evicted": 0,
         "partial_block": 2,
         "skipped": 0,
+        "no_checkpoint": 0,
     }
 
 
