@@ -41,5 +41,11 @@ def test_stats_count_missed_tokens_by_reason(make_llm):
     [out] = llm.generate([first], ONE_TOKEN, use_tqdm=False)
     assert out.num_cached_tokens == 4
     stats = llm.stats()
-    assert stats.prefix_cache_missed_tokens == {"new": 8 + 24, "evicted": 4, "partial_block": 2 + 4 + 2, "skipped": 0, "no_checkpoint": 0}
+    assert stats.prefix_cache_missed_tokens == {
+        "new": 8 + 24,
+        "evicted": 4,
+        "partial_block": 2 + 4 + 2,
+        "skipped": 0,
+        "no_checkpoint": 0,
+    }
     assert stats.prefix_cache_queries == stats.prefix_cache_hits + sum(stats.prefix_cache_missed_tokens.values())

@@ -275,4 +275,10 @@ def test_tokens_after_evicted_blocks_count_as_evicted_like_the_engine_counts_the
         request = make_request(tokens)
         admit(manager, request)
         manager.free(request)
-    assert manager.lookup(again).missed_tokens == {"new": 0, "evicted": 48, "partial_block": 1, "skipped": 0, "no_checkpoint": 0}
+    assert manager.lookup(again).missed_tokens == {
+        "new": 0,
+        "evicted": 48,
+        "partial_block": 1,
+        "skipped": 0,
+        "no_checkpoint": 0,
+    }
