@@ -113,6 +113,7 @@ def test_reasons_with_a_surviving_head_and_an_evicted_middle():
         "evicted_below_retained": 0,
         "partial_block": 1,
         "skipped": 0,
+        "no_checkpoint": 0,
     }
 
 
@@ -184,6 +185,7 @@ def test_lookup_reports_the_cached_prefix_and_the_reason_for_the_rest():
         "evicted_below_retained": 0,
         "partial_block": 2,
         "skipped": 0,
+        "no_checkpoint": 0,
     }
     assert found.first_miss_reason == "new"
     assert mgr.lookup(unique_tokens(9, 0), cache_salt="other").cached_tokens == 0

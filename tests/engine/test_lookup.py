@@ -64,5 +64,6 @@ def test_stats_count_missed_tokens_by_reason(make_llm):
         "evicted_below_retained": 0,
         "partial_block": 2 + 4 + 2,
         "skipped": 0,
+        "no_checkpoint": 0,
     }
     assert stats.prefix_cache_queries == stats.prefix_cache_hits + sum(stats.prefix_cache_missed_tokens.values())

@@ -118,3 +118,28 @@ def test_a_batch_with_preemption_and_a_salt_keeps_the_outputs(make_llm):
     assert tight.engine.core.scheduler.num_preemptions > 0
     cold = make_llm(enable_prefix_caching=False).generate(params, GREEDY, use_tqdm=False)
     assert_same_outputs(cached, cold)
+
+
+def test_a_second_conversation_sharing_the_first_two_messages_hits_at_their_end(make_llm, qwen35):
+    """``LLM.chat`` hints each message's end: the second conversation resumes from the checkpoint at the block
+    boundary before the end of the messages it shares, where no other rule left one (the prompts are shorter
+    than the sparse interval, the first conversation's frontier lies past where they part); the same token ids
+    sent without the hints hit nothing."""
+    from prefixcache.engine.chat_breakpoints import chat_token_ids
+    from tests.helpers import CORPUS
+
+    shared = [{"role": "system", "content": " ".join(CORPUS)}, {"role": "user", "content": CORPUS[1] + CORPUS[0]}]
+    conversations = [
+        [*shared, {"role": "assistant", "content": "Yes. " + CORPUS[3]}, {"role": "user", "content": CORPUS[2]}],
+        [*shared, {"role": "assistant", "content": "No. " + CORPUS[2]}, {"role": "user", "content": CORPUS[0]}],
+    ]
+    tokenizer = qwen35.tokenizer
+    shared_end = len(chat_token_ids(tokenizer, shared, add_generation_prompt=False))
+    llm = make_llm()
+    cached = [llm.chat(c, GREEDY, use_tqdm=False)[0] for c in conversations]
+    assert [o.num_cached_tokens for o in cached] == [0, shared_end // BLOCK_SIZE * BLOCK_SIZE] and shared_end > 64
+    assert llm.engine.core.manager.state.stats.hits["hint"] == 1
+    assert_same_outputs(cached, make_llm(enable_prefix_caching=False).chat(conversations, GREEDY, use_tqdm=False))
+    unhinted = make_llm()
+    prompts = [chat_token_ids(tokenizer, c) for c in conversations]
+    assert [o.num_cached_tokens for o in serve(unhinted, prompts)] == [0, 0]

@@ -242,7 +242,7 @@ def test_a_span_at_the_start_or_end_has_no_ellipsis_there_and_an_open_one_marks_
 
 
 def test_a_chat_divergence_names_the_message_it_is_in(tokenizer):
-    from prefixcache.engine.input_processor import chat_token_ids
+    from prefixcache.engine.chat_breakpoints import chat_token_ids
 
     def chat(time: str, question: str) -> tuple[dict[str, str], ...]:
         system = f"You are a helpful assistant. Current time: {time}. Answer briefly and truthfully."
@@ -294,6 +294,7 @@ def test_tokens_after_evicted_blocks_count_as_evicted_like_the_engine_counts_the
         "evicted_below_retained": 0,
         "partial_block": 1,
         "skipped": 0,
+        "no_checkpoint": 0,
     }
 
 
@@ -330,6 +331,7 @@ def test_a_timed_replay_lets_ttls_end_and_counts_the_misses_expired():
         "evicted_below_retained": 0,
         "partial_block": 5,
         "skipped": 0,
+        "no_checkpoint": 0,
     }
 
 

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from prefixcache.cli import main
-from prefixcache.engine.input_processor import chat_token_ids
+from prefixcache.engine.chat_breakpoints import chat_token_ids
 from prefixcache.explain.log import Prompt
 from tests.helpers import build_tokenizer
 

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from prefixcache.core.retention import RetentionRange
-from prefixcache.engine.input_processor import chat_token_ids, tokenize_prompt
+from prefixcache.engine.chat_breakpoints import chat_token_ids
+from prefixcache.engine.input_processor import tokenize_prompt
 from prefixcache.explain.log import read_log, tokenize_body, tokenize_log
 
 GOOD = [

@@ -8,7 +8,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from prefixcache.cli import main
-from prefixcache.engine.input_processor import chat_token_ids
+from prefixcache.engine.chat_breakpoints import chat_token_ids
 from tests.explain.test_cli import stamped_log
 from tests.router.fakes import ThreadedServer
 

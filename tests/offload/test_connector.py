@@ -207,6 +207,7 @@ def test_a_lookup_splits_the_hit_by_tier_as_admission_takes_it_and_reads_nothing
         "evicted_below_retained": 0,
         "partial_block": 1,
         "skipped": 0,
+        "no_checkpoint": 0,
     }
     assert connector.stats() == before and not take_plan(manager)  # nothing read, staged or planned
     assert admit(manager, request) == (2 * B, 3 * B)

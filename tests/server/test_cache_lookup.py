@@ -41,6 +41,7 @@ def test_lookup_predicts_the_hit_of_the_next_request(server):
         "evicted_below_retained": 0,
         "partial_block": 2,
         "skipped": 0,
+        "no_checkpoint": 0,
     }
     complete(server, prompt=prompt)
     # any completion field is accepted, and the sampling ones are not used
@@ -84,6 +85,7 @@ def test_lookups_count_nothing_and_requests_count_missed_tokens_by_reason(server
         "evicted_below_retained": 0,
         "partial_block": 2,
         "skipped": 0,
+        "no_checkpoint": 0,
     }
 
 

@@ -419,7 +419,7 @@ class KVCacheManager:
             by_tier["device"] = num_cached + num_copied
         total = sum(by_tier.values())
         missed = dict.fromkeys(MISS_REASONS, 0)
-        self._count_missed(missed, request, total - num_copied, num_copied)
+        self._count_missed(missed, request, total - num_copied, num_copied, num_no_checkpoint)
         return PrefixLookup(
             prompt_tokens=request.num_tokens,
             cached_tokens=total,
@@ -535,7 +535,10 @@ class KVCacheManager:
                 self._apply_retention(request, tables, 0, num_held)
             if self.retention_rule is not None:
                 self._tell_rule(request, tables, num_held)
-            self._count_admission(request, num_held * block_size + hit.num_external_tokens, num_copied)
+            num_no_checkpoint = (hit.junction_blocks - num_held) * block_size if hit.junction_blocks else 0
+            self._count_admission(
+                request, num_held * block_size + hit.num_external_tokens, num_copied, num_no_checkpoint
+            )
             if self.sub_blocks is not None:
                 self._sub_block_requests[request.request_id] = request
                 self._sub_block_indexed[request.request_id] = num_held * block_size
@@ -843,7 +846,9 @@ class KVCacheManager:
                 "looked-up one (evicted since the lookup); look it up again"
             )
 
-    def _count_admission(self, request: Request, num_hit_tokens: int, num_copied_tokens: int) -> None:
+    def _count_admission(
+        self, request: Request, num_hit_tokens: int, num_copied_tokens: int, num_no_checkpoint_tokens: int
+    ) -> None:
         stats = self.stats
         if request.counted_in_stats:  # admitted again after a preemption: its own blocks, mostly
             stats.preempted_requests += 1
@@ -855,12 +860,18 @@ class KVCacheManager:
         stats.queries += request.num_tokens
         stats.hits += num_hit_tokens + num_copied_tokens
         stats.copied_tokens += num_copied_tokens
-        self._count_missed(stats.missed_tokens, request, num_hit_tokens, num_copied_tokens)
+        self._count_missed(stats.missed_tokens, request, num_hit_tokens, num_copied_tokens, num_no_checkpoint_tokens)
 
     def _count_missed(
-        self, missed: dict[str, int], request: Request, num_hit_tokens: int, num_copied_tokens: int
+        self,
+        missed: dict[str, int],
+        request: Request,
+        num_hit_tokens: int,
+        num_copied_tokens: int,
+        num_no_checkpoint_tokens: int,
     ) -> None:
-        """Add the request's missed prompt tokens to ``missed`` by reason, given what its lookup found.
+        """Add the request's missed prompt tokens to ``missed`` by reason, given what its lookup found
+        (``num_no_checkpoint_tokens``: the attention groups' blocks right after the hit, a junction's).
 
         The reasons are defined in :mod:`prefixcache.core.miss`.
         """
@@ -868,10 +879,12 @@ class KVCacheManager:
         if not self.enable_caching or request.skip_reading_prefix_cache:
             missed["skipped"] += num_tokens
             return
-        cached_end = num_hit_tokens + num_copied_tokens
+        missed["no_checkpoint"] += num_no_checkpoint_tokens
+        held_end = num_hit_tokens + num_no_checkpoint_tokens  # what the attention groups hold
+        cached_end = held_end + num_copied_tokens
         hittable_end = hittable_tokens(num_tokens, self.block_size)
         if cached_end < hittable_end:
-            first_missing = self.block_hashes(request)[num_hit_tokens // self.block_size]
+            first_missing = self.block_hashes(request)[held_end // self.block_size]
             missed[self.evicted.cause(first_missing) or "new"] += hittable_end - cached_end
         missed["partial_block"] += num_tokens - max(cached_end, hittable_end)
 

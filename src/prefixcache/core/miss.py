@@ -29,6 +29,12 @@ minus the tokens it reused (shared blocks plus sub-block copies):
 ``skipped``
     Every prompt token of a request that does not read the cache (prefix caching off, or prompt
     logprobs asked for, which need every position computed).
+``no_checkpoint``
+    A model with recurrent layers: the hittable tokens right after the hit that every attention group
+    holds, lost only because the recurrent state has no checkpoint where this prompt parts from the cached
+    path (``PrefixLookup.no_checkpoint_tokens``). A checkpoint there would have saved them; admitting the
+    request leaves one (a junction). The hittable tokens after those are ``evicted`` or ``new`` by the first
+    block the attention groups miss.
 
 ``prefixcache explain`` splits each reason finer (``explain/analysis.py``: ``REFINES``); summed by these
 reasons, its counts are the ones defined here.
@@ -43,6 +49,7 @@ from prefixcache.core.hashing import BlockHash
 
 # The eviction reasons are the pool's eviction causes, by the same names.
 MISS_REASONS = ("new", *EVICTION_CAUSES, "partial_block", "skipped")
+MISS_REASONS += ("no_checkpoint",)  # a model with recurrent layers
 
 
 class EvictedHashes(BlockPoolListener):
@@ -125,7 +132,7 @@ def hittable_tokens(num_tokens: int, block_size: int) -> int:
 
 def first_miss_reason(missed: dict[str, int]) -> str:
     """The reason of the first token computed: the hittable miss if any, else the partial block."""
-    for reason in ("skipped", "new", *EVICTION_CAUSES):
+    for reason in ("skipped", "no_checkpoint", "new", *EVICTION_CAUSES):
         if missed[reason]:
             return reason
     return "partial_block"
@@ -157,7 +164,7 @@ class PrefixLookup:
     ``no_checkpoint_tokens`` (a model with recurrent layers): of the missed
     tokens, those every attention group holds right after the hit, lost only because the recurrent state
     has no checkpoint where this prompt parts from the cached path; a checkpoint there would have saved
-    them (admitting the prompt leaves one, a junction).
+    them (admitting the prompt leaves one, a junction). They are ``missed_tokens["no_checkpoint"]``.
     """
 
     prompt_tokens: int

@@ -1,4 +1,5 @@
-"""Where a chat template puts the end of a marked part: the token positions of ``cache_control`` breakpoints.
+"""The chat template: a conversation's prompt token ids, and where the template puts the end of a marked part
+(the token positions of ``cache_control`` breakpoints, and of the message ends a recurrent model checkpoints at).
 
 A breakpoint means "the prefix up to the end of this part" (a tool definition, a message, a content part). The
 template decides what surrounds each part, so the end is found by rendering, never by guessing the template's
@@ -18,8 +19,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from jinja2 import TemplateError
-
-from prefixcache.engine.input_processor import chat_token_ids
 
 # Two private-use characters: no text a template adds starts with either, so one of them diverges right at a part's end.
 _MARKERS = ("\ue000", "\ue001")
@@ -46,6 +45,40 @@ class Breakpoint:
     kind: Literal["tool", "message", "content"]
     index: int
     chars: int = 0
+
+
+def chat_text(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """The conversation as the model's own chat template writes it (its special tokens are in the text; given
+    ``tools``, the definitions it renders for the model to read)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
+    kwargs = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+    )
+
+
+def chat_token_ids(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    add_special_tokens: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """The conversation as prompt token ids: the template's text tokenized as transformers does it (no special
+    tokens beyond the template's, unless ``add_special_tokens``, vLLM's chat field, asks for them on top)."""
+    text = chat_text(tokenizer, messages, add_generation_prompt, tools)
+    return chat_text_token_ids(tokenizer, text, add_special_tokens)
+
+
+def chat_text_token_ids(tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
+    """A rendered conversation's token ids (the router renders it first to bound its length)."""
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def chat_prompt(

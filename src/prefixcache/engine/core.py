@@ -212,6 +212,7 @@ class EngineCore:
             lora_name=request.lora_name,
             retention=request.retention,
             tenant=request.tenant,
+            checkpoint_hints=request.checkpoint_hints,
             skip_reading_prefix_cache=params.prompt_logprobs is not None,
             sampling_params=params,
         )

@@ -7,10 +7,12 @@ engine nothing and gets a clear ``ValueError``. Runs on the API side (tokenizing
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from prefixcache.core.retention import RetentionRange, check_retention
+from prefixcache.engine.chat_breakpoints import Breakpoint, chat_prompt, chat_token_ids
 from prefixcache.engine.messages import EngineCoreRequest, EngineInfo
 from prefixcache.engine.sampling_params import SamplingParams
 
@@ -39,6 +41,8 @@ class InputProcessor:
     def __init__(self, tokenizer: Any, info: EngineInfo) -> None:
         self.tokenizer = tokenizer
         self.info = info
+        # Message ends are worth their renders only where they place state checkpoints.
+        self.hints_message_ends = info.enable_prefix_caching and any(g.recurrent_state for g in info.kv_cache_groups)
 
     def prompt_token_ids(
         self, prompt: PromptInput, keep_last: int | None = None, add_special_tokens: bool = True
@@ -77,7 +81,9 @@ class InputProcessor:
     ) -> tuple[EngineCoreRequest, str | None]:
         """The core request and the prompt text (None when the prompt came as token ids or was truncated).
 
-        ``retention`` ranges index the prompt as it is after truncation; one past it is a ValueError."""
+        ``retention`` ranges index the prompt as it is after truncation; one past it is a ValueError. A prompt
+        dict of token ids may carry ``checkpoint_hints`` (positions in them, as :meth:`chat_prompt` puts the
+        message ends), which move with a truncation and drop out where it cut them off."""
         vocab_size = self.info.vocab_size
         max_model_len = self.info.max_model_len
         output_room = 0 if options.prompt_only else params.max_tokens
@@ -85,6 +91,7 @@ class InputProcessor:
         if keep_last == -1:  # as much as fits beside max_tokens, in the context and in the KV cache
             keep_last = max(1, self.info.max_request_tokens - output_room)
         text, token_ids = self.prompt_token_ids(prompt, keep_last, options.add_special_tokens)
+        hints = _checkpoint_hints(prompt, len(token_ids))
         if len(token_ids) + output_room > max_model_len:
             raise ValueError(
                 f"prompt ({len(token_ids)} tokens) plus max_tokens ({output_room}) exceeds the "
@@ -107,6 +114,7 @@ class InputProcessor:
             lora_name=lora_name,
             retention=retention,
             tenant=tenant,
+            checkpoint_hints=hints,
         )
         return request, text
 
@@ -124,6 +132,33 @@ class InputProcessor:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, add_special_tokens: bool = False
     ) -> list[int]:
         return chat_token_ids(self.tokenizer, messages, add_generation_prompt, add_special_tokens)
+
+    def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        breakpoints: Sequence[Breakpoint] = (),
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> tuple[dict[str, Any], list[int]]:
+        """The conversation as a prompt dict of token ids (``tools`` rendered by the template) and the token
+        position of each breakpoint (the tokenizer's special tokens on top with ``add_special_tokens``;
+        ``ChatTemplateError`` as ``chat_prompt`` raises it).
+
+        On a model with recurrent layers the prompt also carries where each message ends, as
+        ``checkpoint_hints``: a later conversation sharing the first messages parts from this one right after
+        one of them, and a state checkpoint at that block boundary lets it hit all of them (the core's ``hint``
+        rule; without it the second such conversation would hit nothing). Other models skip the renders."""
+        ends = [Breakpoint("message", index) for index in range(len(messages))] if self.hints_message_ends else []
+        points = [*breakpoints, *ends]
+        token_ids, positions = chat_prompt(
+            self.tokenizer, messages, tools, points, add_generation_prompt, add_special_tokens
+        )
+        prompt: dict[str, Any] = {"prompt": None, "prompt_token_ids": token_ids}
+        hints = sorted({position for position in positions[len(breakpoints) :] if position > 0})
+        if hints:
+            prompt["checkpoint_hints"] = hints
+        return prompt, positions[: len(breakpoints)]
 
 
 def _is_text(prompt: PromptInput) -> bool:
@@ -162,38 +197,21 @@ def check_vocabulary(token_ids: list[int], vocab_size: int) -> None:
         raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
 
 
-def chat_text(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    add_generation_prompt: bool = True,
-    tools: list[dict[str, Any]] | None = None,
-) -> str:
-    """The conversation as the model's own chat template writes it (its special tokens are in the text; given
-    ``tools``, the definitions it renders for the model to read)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
-    kwargs = {"tools": tools} if tools else {}
-    return tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
-    )
-
-
-def chat_token_ids(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    add_generation_prompt: bool = True,
-    add_special_tokens: bool = False,
-    tools: list[dict[str, Any]] | None = None,
-) -> list[int]:
-    """The conversation as prompt token ids: the template's text tokenized as transformers does it (no special
-    tokens beyond the template's, unless ``add_special_tokens``, vLLM's chat field, asks for them on top)."""
-    text = chat_text(tokenizer, messages, add_generation_prompt, tools)
-    return chat_text_token_ids(tokenizer, text, add_special_tokens)
-
-
-def chat_text_token_ids(tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
-    """A rendered conversation's token ids (the router renders it first to bound its length)."""
-    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+def _checkpoint_hints(prompt: PromptInput, num_tokens: int) -> tuple[int, ...]:
+    """A prompt dict's ``checkpoint_hints`` as positions in its ``num_tokens`` tokens after truncation (which
+    keeps the last ones); ValueError for hints that are not positions of its ``prompt_token_ids``."""
+    if not isinstance(prompt, dict) or "checkpoint_hints" not in prompt:
+        return ()
+    hints = prompt["checkpoint_hints"]
+    if "prompt_token_ids" not in prompt:
+        raise ValueError("checkpoint_hints index a prompt's token ids: send them with prompt_token_ids")
+    given = len(prompt["prompt_token_ids"])
+    if not isinstance(hints, list | tuple) or not all(
+        isinstance(h, int) and not isinstance(h, bool) and 0 < h <= given for h in hints
+    ):
+        raise ValueError(f"checkpoint_hints must be a list of prompt positions in 1 .. {given}")
+    cut = given - num_tokens
+    return tuple(h - cut for h in hints if h > cut)
 
 
 def _check_token_ids(token_ids: Any) -> list[int]:

@@ -85,12 +85,11 @@ class LLM:
         cache_salt: str | None = None,
         retention: Sequence[RetentionRange] | Sequence[Sequence[RetentionRange]] = (),
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate (``retention`` as there)."""
+        """Apply the model's chat template to each conversation, then generate (``retention`` as there). On a
+        model with recurrent layers each message's end is a checkpoint hint, so a later conversation sharing
+        the first messages hits them all."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [
-            {"prompt": None, "prompt_token_ids": self.apply_chat_template(c, add_generation_prompt)}
-            for c in conversations
-        ]
+        prompts = [self.engine.chat_prompt(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, cache_salt=cache_salt, retention=retention)
 
     def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:

@@ -84,6 +84,11 @@ class LLMEngine:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         return self.input_processor.apply_chat_template(messages, add_generation_prompt)
 
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> dict[str, Any]:
+        """The conversation as a prompt of token ids, with the message ends as checkpoint hints on a model with
+        recurrent layers (``InputProcessor.chat_prompt``)."""
+        return self.input_processor.chat_prompt(messages, add_generation_prompt=add_generation_prompt)[0]
+
     def reset_prefix_cache(self) -> bool:
         return self.core.reset_prefix_cache()
 

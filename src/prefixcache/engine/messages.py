@@ -24,6 +24,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, tag=True, frozen=True):
 
     ``retention`` holds the request's retention directives (token ranges with a priority and a TTL, from any of
     the API shapes); ``tenant`` is the API key's tenant (None without API keys), whose quota bounds them.
+    ``checkpoint_hints`` are prompt positions where a later request is likely to part from this one (a chat's
+    message ends), where a model with recurrent layers checkpoints its state.
     """
 
     request_id: str
@@ -33,6 +35,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, tag=True, frozen=True):
     lora_name: str | None = None
     retention: tuple[RetentionRange, ...] = ()
     tenant: str | None = None
+    checkpoint_hints: tuple[int, ...] = ()
 
 
 class AbortRequests(msgspec.Struct, array_like=True, tag=True, frozen=True):

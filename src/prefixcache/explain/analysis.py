@@ -81,6 +81,7 @@ CORE_REASON_LABELS = {
     "evicted_below_retained": "evicted_below_retained: lost to retained",
     "partial_block": "partial_block: smaller blocks help",
     "skipped": "skipped: the cache is not read",
+    "no_checkpoint": "no_checkpoint: a state checkpoint where the prompts part would help",
 }
 REASON_LABELS = {
     "never_seen": "never seen",

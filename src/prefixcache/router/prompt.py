@@ -24,7 +24,8 @@ from pydantic import ValidationError
 
 from prefixcache.core import Request, hittable_blocks
 from prefixcache.core.hashing import root_hash
-from prefixcache.engine.input_processor import chat_text, chat_text_token_ids, prompt_too_long, tokenize_prompt
+from prefixcache.engine.chat_breakpoints import chat_text, chat_text_token_ids
+from prefixcache.engine.input_processor import prompt_too_long, tokenize_prompt
 from prefixcache.router.backend_config import CacheConfig
 from prefixcache.router.blocks import CONTENT_HASH_ALGO, CONTENT_ROOT
 from prefixcache.router.wire import external_block_hash

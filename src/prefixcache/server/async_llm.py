@@ -24,7 +24,7 @@ import msgspec
 from prefixcache.config import EngineConfig
 from prefixcache.core import PrefixLookup
 from prefixcache.core.retention import RetentionRange
-from prefixcache.engine.chat_breakpoints import Breakpoint, chat_prompt
+from prefixcache.engine.chat_breakpoints import Breakpoint
 from prefixcache.engine.core_process import EngineCoreProcess
 from prefixcache.engine.input_processor import DEFAULT_PROMPT_OPTIONS, InputProcessor, PromptInput, PromptOptions
 from prefixcache.engine.messages import (
@@ -228,13 +228,13 @@ class AsyncLLM:
         tools: list[dict[str, Any]] | None,
         breakpoints: list[Breakpoint],
         add_special_tokens: bool = False,
-    ) -> tuple[list[int], list[int]]:
-        """The conversation's prompt token ids (with ``tools`` for the template, and the tokenizer's special
-        tokens on top when ``add_special_tokens``) and the token position of each breakpoint
-        (``engine/chat_breakpoints.py``)."""
+    ) -> tuple[dict[str, Any], list[int]]:
+        """The conversation as a prompt dict of token ids (with ``tools`` for the template, the tokenizer's special
+        tokens on top when ``add_special_tokens``, and the message ends as checkpoint hints on a model with recurrent
+        layers) and the token position of each breakpoint (``InputProcessor.chat_prompt``)."""
         self._check_accepting()
         return await self._on_worker(
-            chat_prompt, self.tokenizer, messages, tools, breakpoints, True, add_special_tokens
+            self._input_processor.chat_prompt, messages, tools, breakpoints, True, add_special_tokens
         )
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:

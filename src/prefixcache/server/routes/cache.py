@@ -32,10 +32,10 @@ async def cache_lookup(request: Request, raw: dict[str, Any], engine: Engine, se
         raise APIError(400, str(exc)) from exc
     model_name(settings, body.model)
     if isinstance(body, ChatLookupRequest):
-        prompt_ids, _ = await chat_prompt(
+        chat, _ = await chat_prompt(
             engine, body.template_messages(), body.template_tools(), add_special_tokens=body.add_special_tokens
         )
-        prompt: PromptInput = prompt_ids
+        prompt: PromptInput = chat["prompt_token_ids"]
     else:
         prompt = body.prompts[0]
     salt = engine_salt(tenant_of(request.scope), body.cache_salt)

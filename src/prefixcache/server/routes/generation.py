@@ -101,18 +101,18 @@ async def _chat_prompt(
     engine: AsyncLLM, body: ChatCompletionRequest
 ) -> tuple[dict[str, Any], int, list[RetentionRange]]:
     """The conversation as a prompt of token ids, the engine's max_tokens for it and its breakpoints' ranges."""
-    prompt_ids, breakpoints = await chat_prompt(
+    prompt, breakpoints = await chat_prompt(
         engine, body.template_messages(), body.template_tools(), body.breakpoints(), body.add_special_tokens
     )
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     # Unset: generate as far as the request may grow (the context, or less where the KV cache holds less); at
     # least 1, so an overlong prompt gets the context error (or, with truncate_prompt_tokens -1, keeps all but
     # one token of what fits).
-    prompt_len = len(prompt_ids)
+    prompt_len = len(prompt["prompt_token_ids"])
     if body.truncate_prompt_tokens is not None and body.truncate_prompt_tokens > 0:
         prompt_len = min(prompt_len, body.truncate_prompt_tokens)
     max_tokens = requested if requested is not None else max(1, engine.info.max_request_tokens - prompt_len)
-    return {"prompt": None, "prompt_token_ids": prompt_ids}, max_tokens, breakpoints
+    return prompt, max_tokens, breakpoints
 
 
 def _sampling_params(

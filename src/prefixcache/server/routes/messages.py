@@ -41,10 +41,9 @@ async def create_message(body: MessagesRequest, request: Request, engine: Engine
     except InvalidParameter as exc:
         raise APIError(400, str(exc), param=exc.param) from exc
     messages, marks = body.conversation()
-    prompt_ids, retention = await chat_prompt(engine, messages, body.template_tools(), marks)
+    prompt, retention = await chat_prompt(engine, messages, body.template_tools(), marks)
     record = record_of(request.scope)
     message_id = f"msg_{record.request_id}"
-    prompt = {"prompt": None, "prompt_token_ids": prompt_ids}
     stream = await queue_request(request, engine, [prompt], params, message_id, None, 1, retention)
     if body.stream:
         return RequestStreamingResponse(stream, _events(stream, message_id, name, record))
@@ -66,8 +65,8 @@ async def count_tokens(body: CountTokensRequest, engine: Engine, settings: Setti
     """The prompt's length as ``/v1/messages`` would run it (Anthropic's endpoint)."""
     model_name(settings, body.model)
     messages, _ = body.conversation()
-    prompt_ids, _ = await chat_prompt(engine, messages, body.template_tools())
-    return {"input_tokens": len(prompt_ids)}
+    prompt, _ = await chat_prompt(engine, messages, body.template_tools())
+    return {"input_tokens": len(prompt["prompt_token_ids"])}
 
 
 async def _events(stream: RequestStream, message_id: str, name: str, record: RequestRecord) -> AsyncIterator[str]:

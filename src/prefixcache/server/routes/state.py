@@ -54,16 +54,15 @@ async def chat_prompt(
     tools: list[dict[str, Any]] | None = None,
     marks: list[tuple[Breakpoint, CacheControl]] | None = None,
     add_special_tokens: bool = False,
-) -> tuple[list[int], list[RetentionRange]]:
-    """The conversation's prompt token ids (``tools`` rendered by the template) and the retention ranges of its
-    ``cache_control`` breakpoints; a template that fails on them is the client's 400, naming the field."""
+) -> tuple[dict[str, Any], list[RetentionRange]]:
+    """The conversation as a prompt dict of token ids (``tools`` rendered by the template; the message ends as
+    checkpoint hints on a recurrent model) and the retention ranges of its ``cache_control`` breakpoints; a
+    template that fails on them is the client's 400, naming the field."""
     marks = marks or []
     try:
-        token_ids, positions = await engine.chat_prompt(
-            messages, tools, [point for point, _ in marks], add_special_tokens
-        )
+        prompt, positions = await engine.chat_prompt(messages, tools, [point for point, _ in marks], add_special_tokens)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param=exc.param) from exc
     except (ValueError, TemplateError) as exc:
         raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
-    return token_ids, breakpoint_ranges(positions, [control for _, control in marks])
+    return prompt, breakpoint_ranges(positions, [control for _, control in marks])
