@@ -18,7 +18,6 @@ import pytest
 from prefixcache.core import FULL_ATTENTION
 from prefixcache.core.kv_cache_groups import RECURRENT_STATE
 from prefixcache.engine import LLM, SamplingParams
-from tests.helpers import assert_no_leaks
 from tests.model.conftest import write_checkpoint
 
 BLOCK_SIZE = 16
@@ -39,20 +38,17 @@ def qwen35(tmp_path_factory):
 
 
 @pytest.fixture
-def make_llm(qwen35):
-    built: list[LLM] = []
+def make_llm(make_llm, qwen35):
+    """The shared factory (leak check, close) on the tiny Qwen3.5 in 16-token blocks, its pool sized by memory so
+    that the checkpoints get their share (41 of them in 1200 KiB)."""
 
     def make(**kwargs) -> LLM:
-        kwargs.setdefault("kv_cache_memory", "1200KiB")  # 41 checkpoints
+        kwargs.setdefault("kv_cache_memory", "1200KiB")
+        kwargs.setdefault("num_blocks", None)
         kwargs.setdefault("max_num_batched_tokens", 40)
-        llm = LLM(str(qwen35.model_dir), loaded=qwen35, block_size=BLOCK_SIZE, dtype="float32", **kwargs)
-        built.append(llm)
-        return llm
+        return make_llm(loaded=qwen35, block_size=BLOCK_SIZE, **kwargs)
 
-    yield make
-    for llm in built:
-        assert_no_leaks(llm)
-        llm.engine.core.close()
+    return make
 
 
 def serve(llm: LLM, prompts: list[list[int]]) -> list:

@@ -18,14 +18,29 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 import httpx
 
 from prefixcache.bench.serve import Target, send_request
 
+if TYPE_CHECKING:
+    from prefixcache.model.config import ModelConfig
+
 _READY = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
 STOP_HANG_S = 60.0
+
+
+def served_model(model: str | None) -> tuple[Path, str, ModelConfig]:
+    """The model a live benchmark's servers will load: its folder, name and config, read as the servers read them;
+    a model that cannot be found or read ends the benchmark with its one-line reason."""
+    from prefixcache.model.loader import read_config, resolve_model
+
+    try:
+        model_dir, name = resolve_model(model)
+        return model_dir, name, read_config(model_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def free_port() -> int:

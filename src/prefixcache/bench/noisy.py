@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 
 from prefixcache.argtypes import positive_int
-from prefixcache.bench.live import Process
+from prefixcache.bench.live import Process, served_model
 from prefixcache.bench.offload_live import Bench
 from prefixcache.bench.offload_live import _fraction as fraction
 from prefixcache.bench.serve import Messages, Target, reset_prefix_cache, run_point, send_request, summarize
@@ -234,13 +234,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import AutoTokenizer
 
-    from prefixcache.model.loader import read_config, resolve_model
-
-    try:
-        model_dir, model_name = resolve_model(args.model)
-        config = read_config(model_dir)
-    except (FileNotFoundError, ValueError) as exc:
-        raise SystemExit(str(exc)) from None
+    model_dir, model_name, config = served_model(args.model)
     engine = EngineConfig(dtype=args.dtype)  # the server runs this machine's resolution of auto too
     args = argparse.Namespace(**{**vars(args), "dtype": engine.dtype, "model": str(model_dir)})
     workload = Workload.make(AutoTokenizer.from_pretrained(model_dir), args)

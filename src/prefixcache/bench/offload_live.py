@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 
 from prefixcache.argtypes import positive_int
-from prefixcache.bench.live import Process, RedisServer, scrape, warm_up
+from prefixcache.bench.live import Process, RedisServer, scrape, served_model, warm_up
 from prefixcache.bench.serve import RequestResult, Target, run_point, send_request, summarize
 from prefixcache.config import DTYPES, EngineConfig, parse_memory
 from prefixcache.engine.args import config_default
@@ -345,13 +345,7 @@ def estimate(args: argparse.Namespace, vocab_size: int) -> tuple[str, float]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from prefixcache.model.loader import read_config, resolve_model
-
-    try:
-        model_dir, model_name = resolve_model(args.model)
-        config = read_config(model_dir)
-    except (FileNotFoundError, ValueError) as exc:
-        raise SystemExit(str(exc)) from None
+    model_dir, model_name, config = served_model(args.model)
     engine = EngineConfig(dtype=args.dtype)  # the servers run this machine's resolution of auto too
     args = argparse.Namespace(**{**vars(args), "dtype": engine.dtype})
     cores = os.cpu_count() or 0
