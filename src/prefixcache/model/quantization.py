@@ -121,7 +121,16 @@ def _kernel_works(kind: str, device: torch.device) -> bool:
     return True
 
 
-class Int4Linear(nn.Module):
+class _WeightOnlyLinear(nn.Module):
+    """What the quantized linear layers share: their shape, and a float bias on the weights' device."""
+
+    def __init__(self, shape: torch.Size, bias: torch.Tensor | None, device: torch.device) -> None:
+        super().__init__()
+        self.out_features, self.in_features = shape
+        self.bias = None if bias is None else nn.Parameter(bias.to(device), requires_grad=False)
+
+
+class Int4Linear(_WeightOnlyLinear):
     """Weight-only int4 linear layer, groups of 32 along the input: ``y = x @ ((q - 8) * scale + zero).T + b``.
 
     ``q`` ``[N, K]`` holds integers 0..15, ``scale`` and ``minimum`` ``[N, K / 32]`` (``w = scale * q + min``).
@@ -137,10 +146,8 @@ class Int4Linear(nn.Module):
         device: torch.device | str,
         probe: bool = True,
     ) -> None:
-        super().__init__()
-        self.out_features, self.in_features = q.shape
         device = torch.device(device)
-        self.bias = None if bias is None else nn.Parameter(bias.to(device), requires_grad=False)
+        super().__init__(q.shape, bias, device)
         zero = minimum + 8 * scale
         if probe and not _kernel_works("int4", device):
             dense = scale.repeat_interleave(GROUP_SIZE, 1) * q.float() + minimum.repeat_interleave(GROUP_SIZE, 1)
@@ -170,7 +177,7 @@ class Int4Linear(nn.Module):
         return out.view(*shape[:-1], self.out_features)
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(_WeightOnlyLinear):
     """Weight-only int8 linear layer with one scale per output channel: ``y = (x @ q.T) * scale + b``.
 
     Also an embedding (:meth:`rows`), so a tied embedding and its output projection share one int8 copy.
@@ -184,10 +191,8 @@ class Int8Linear(nn.Module):
         device: torch.device | str,
         probe: bool = True,
     ) -> None:
-        super().__init__()
-        self.out_features, self.in_features = q.shape
         device = torch.device(device)
-        self.bias = None if bias is None else nn.Parameter(bias.to(device), requires_grad=False)
+        super().__init__(q.shape, bias, device)
         self.register_buffer("q", q.to(device))
         self.register_buffer("scale", scale.to(device=device, dtype=COMPUTE_DTYPE))
         self._kernel = not probe or _kernel_works("int8", device)
