@@ -267,6 +267,7 @@ def test_a_block_whose_ttl_ended_misses_as_expired():
         "evicted_below_retained": 0,
         "partial_block": 1,
         "skipped": 0,
+        "no_checkpoint": 0,
     }
     before = dict(mgr.stats.missed_tokens)
     run(mgr, prompt)

@@ -79,7 +79,15 @@ def test_junction_second_request_leaves_one_third_hits_it_exactly():
     # B shares 2 blocks of A's path, where A has no checkpoint: it starts from zero and leaves one at 2.
     found = mgr.lookup([*range(100, 108), 1, 2, 3, 4, 5])
     assert (found.cached_tokens, found.no_checkpoint_tokens, found.first_miss_reason) == (0, 8, "no_checkpoint")
-    assert found.missed_tokens == {"new": 4, "evicted": 0, "partial_block": 1, "skipped": 0, "no_checkpoint": 8}
+    assert found.missed_tokens == {
+        "new": 4,
+        "evicted": 0,
+        "expired": 0,
+        "evicted_below_retained": 0,
+        "partial_block": 1,
+        "skipped": 0,
+        "no_checkpoint": 8,
+    }
     hit, works = serve(mgr, make_request([*range(100, 108), 1, 2, 3, 4, 5]))
     assert (hit.num_tokens, hit.checkpoint, hit.junction_blocks) == (0, None, 2)
     assert mgr.stats.missed_tokens["no_checkpoint"] == 8  # admission counts what the lookup said
