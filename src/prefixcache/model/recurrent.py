@@ -137,6 +137,19 @@ def _decay_matrices(log_decay: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return cum, pairwise
 
 
+def _chunk_terms(
+    q: torch.Tensor, k: torch.Tensor, cum: torch.Tensor, pairwise: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What both chunked recurrences take of each chunk: the queries' decayed causal scores against its keys, each
+    query decayed from the chunk's start (it reads the state there), each key decayed to the chunk's end (it writes
+    the state there), and the whole chunk's decay of the state."""
+    intra = (q @ k.transpose(-1, -2)) * pairwise
+    q_decayed = q * cum.exp()[..., None]
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    return intra, q_decayed, k_to_end, chunk_decay
+
+
 def gated_delta_rule_chunked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,10 +167,7 @@ def gated_delta_rule_chunked(
     system = (k_beta @ k.transpose(-1, -2)) * pairwise  # its strictly lower part; the diagonal is taken as 1
     new_values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
     state_reads = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
-    intra = (q @ k.transpose(-1, -2)) * pairwise
-    q_decayed = q * cum.exp()[..., None]
-    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]
+    intra, q_decayed, k_to_end, chunk_decay = _chunk_terms(q, k, cum, pairwise)
     out = torch.empty_like(v)
     for c in range(q.shape[1]):
         corrected = new_values[:, c] - state_reads[:, c] @ state
@@ -202,10 +212,7 @@ def decayed_linear_attention_chunked(
     length = q.shape[0]
     q, k, v, log_decay = _chunk_views(min(chunk, length), q, k, v, log_decay)
     cum, pairwise = _decay_matrices(log_decay)
-    intra = (q @ k.transpose(-1, -2)) * pairwise
-    q_decayed = q * cum.exp()[..., None]
-    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]
+    intra, q_decayed, k_to_end, chunk_decay = _chunk_terms(q, k, cum, pairwise)
     out = torch.empty_like(v)
     for c in range(q.shape[1]):
         out[:, c] = q_decayed[:, c] @ state + intra[:, c] @ v[:, c]
