@@ -13,12 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
-from collections.abc import Callable
-from functools import partial
 
 import torch
+from alternating import compare_alternately
 
 from prefixcache.argtypes import positive_int
 from prefixcache.model import AttentionMetadata, DecoderForCausalLM, ModelConfig, StateMetadata
@@ -79,12 +76,6 @@ class Runner:
         self.model(ids, attention.positions, self.kv_caches, [attention], self.state_cache, state)
 
 
-def timed(run: Callable[[], object]) -> float:
-    start = time.process_time()
-    run()
-    return time.process_time() - start
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=positive_int, default=2048)
@@ -127,17 +118,7 @@ def main() -> None:
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": 1},
         "state_bytes_per_slot": models["qwen3.5 hybrid"].state_bytes_per_slot(torch.float32),
     }
-    for case, (num_tokens, run) in cases.items():
-        for runner in runners.values():
-            run(runner)  # warm up, and fill the cache for the decodes
-        times: dict[str, list[float]] = {name: [] for name in runners}
-        for _ in range(args.repeats):
-            for name, runner in runners.items():
-                times[name].append(timed(partial(run, runner)))
-        rates = {name: num_tokens / statistics.median(t) for name, t in times.items()}
-        report[case] = {name: round(rate, 1) for name, rate in rates.items()}
-        report[case]["ratio"] = round(rates["qwen3.5 hybrid"] / rates["full attention"], 2)
-        print(f"{case}: " + ", ".join(f"{n} {r:.0f} tok/s" for n, r in rates.items()), f"-> {report[case]['ratio']}x")
+    report.update(compare_alternately(cases, runners, args.repeats, ("ratio", "qwen3.5 hybrid", "full attention")))
     print(json.dumps(report))
 
 

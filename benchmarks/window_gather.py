@@ -12,12 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
-from collections.abc import Callable
-from functools import partial
 
 import torch
+from alternating import compare_alternately
 
 from prefixcache.argtypes import positive_int
 from prefixcache.model import AttentionMetadata, DecoderForCausalLM, KVCacheGroup, ModelConfig
@@ -71,12 +68,6 @@ class Layout:
         self.model(ids, metadata[0].positions, self.kv_caches, metadata)
 
 
-def timed(run: Callable[[], object]) -> float:
-    start = time.process_time()
-    run()
-    return time.process_time() - start
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=positive_int, default=4096)
@@ -111,17 +102,7 @@ def main() -> None:
         ),
     }
     report: dict = {"config": vars(args), "machine": {"cpu": platform.processor() or platform.machine(), "threads": 1}}
-    for case, (num_tokens, run) in cases.items():
-        for layout in layouts.values():
-            run(layout)  # warm up, and fill the cache for the decodes
-        times: dict[str, list[float]] = {name: [] for name in layouts}
-        for _ in range(args.repeats):
-            for name, layout in layouts.items():
-                times[name].append(timed(partial(run, layout)))
-        rates = {name: num_tokens / statistics.median(t) for name, t in times.items()}
-        report[case] = {name: round(rate, 1) for name, rate in rates.items()}
-        report[case]["speedup"] = round(rates["window gather"] / rates["mask-only"], 2)
-        print(f"{case}: " + ", ".join(f"{n} {r:.0f} tok/s" for n, r in rates.items()), f"-> {report[case]['speedup']}x")
+    report.update(compare_alternately(cases, layouts, args.repeats, ("speedup", "window gather", "mask-only")))
     print(json.dumps(report))
 
 
