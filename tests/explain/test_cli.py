@@ -169,7 +169,7 @@ def test_breakpoint_what_if_reports_both_rates_from_one_replay(tmp_path, tiny_ll
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--breakpoint", "system"], "give --capacity-tokens too"),
+        (["--breakpoint", "system"], "give --capacity-tokens or --kv-cache-memory too"),
         (["--breakpoint", "middle", "--capacity-tokens", "64"], "WHERE is 'system' or a number of tokens"),
         (["--breakpoint", "64:2h", "--capacity-tokens", "64"], "ttl is one of 5m, 1h"),
     ],

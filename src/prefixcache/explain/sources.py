@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixcache.core import FULL_ATTENTION, KVCacheGroupSpec
 from prefixcache.core.kv_cache_groups import spec_of_kind
@@ -35,28 +35,30 @@ from prefixcache.explain.log import (
 from prefixcache.server.protocol import adds_special_tokens
 from prefixcache.server.retention import TokenRangeRetention
 
+if TYPE_CHECKING:
+    from prefixcache.model.config import ModelConfig
+
 
 def through_tokenizer(
     bodies: Sequence[LoggedBody], model: str | None, locate_system: bool = False
-) -> tuple[list[Prompt], list[LineError], Decode, str, tuple[KVCacheGroupSpec, ...]]:
+) -> tuple[list[Prompt], list[LineError], Decode, str, ModelConfig]:
     """Tokenize with the model's own tokenizer (no weights loaded); ids outside its vocabulary are refused. Also
-    the KV cache groups an engine would give the model, for the replay. ``locate_system``: find where each chat's
-    system messages end (``--breakpoint system``)."""
+    the model's config, from which the replay's cache is laid out as an engine would lay it out. A chat of a model
+    with recurrent layers gets its message ends as checkpoint hints, as the server gives them. ``locate_system``:
+    find where each chat's system messages end (``--breakpoint system``)."""
     from prefixcache.model.loader import load_tokenizer, read_config, resolve_model
 
     try:
         model_dir, name = resolve_model(model)
         tokenizer = load_tokenizer(model_dir)
         model_config = read_config(model_dir)
-        groups = tuple(KVCacheGroupSpec(group.sliding_window) for group in model_config.kv_cache_groups())
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"prefixcache explain: {exc}") from exc
-    if model_config.state_layers:  # as for a server's mamba group: no model of the checkpoint budget yet
-        raise SystemExit(f"prefixcache explain: cannot replay the recurrent-state checkpoints of {name}")
+    message_ends = bool(model_config.state_layers)
     prompts, errors = tokenize_log(
-        bodies, lambda body: tokenize_body(body, tokenizer, model_config.vocab_size, locate_system)
+        bodies, lambda body: tokenize_body(body, tokenizer, model_config.vocab_size, locate_system, message_ends)
     )
-    return prompts, errors, lambda ids: tokenizer.decode(list(ids)), name, groups
+    return prompts, errors, lambda ids: tokenizer.decode(list(ids)), name, model_config
 
 
 def server_client(base_url: str, api_key: str | None) -> Any:
