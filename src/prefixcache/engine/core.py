@@ -168,7 +168,19 @@ class EngineCore:
             # Layer views share storage per group slot; recurrent states (working and checkpoints) beside.
             kv_cache_bytes=self.manager.num_blocks * self.block_bytes + self.state_bytes,
             kv_cache_groups=self.manager.groups,
+            **self._state_budget(),
         )
+
+    def _state_budget(self) -> dict[str, int]:
+        """The recurrent-state group's slots and sparse interval (none without recurrent layers)."""
+        state = self.manager.state
+        if state is None:
+            return {}
+        return {
+            "num_state_slots": state.num_working_slots,
+            "num_checkpoint_slots": state.num_checkpoint_slots,
+            "sparse_every_blocks": state.policy.sparse_every_blocks,
+        }
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request the input processor validated; raises ValueError if it still cannot run here."""

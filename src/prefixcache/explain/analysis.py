@@ -91,7 +91,7 @@ CORE_REASON_LABELS = {
     "evicted_below_retained": "evicted_below_retained: lost to retained",
     "partial_block": "partial_block: smaller blocks help",
     "skipped": "skipped: the cache is not read",
-    "no_checkpoint": "no_checkpoint: a state checkpoint where the prompts part would help",
+    "no_checkpoint": "no_checkpoint: a checkpoint would help",
 }
 REASON_LABELS = {
     "no_checkpoint": "blocks cached, no state checkpoint",
@@ -167,7 +167,10 @@ class ExplainConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_groups", check_groups(self.kv_cache_groups))
         if self.has_state and self.capacity_tokens is None:
-            raise ValueError("a model with recurrent layers hits where its state checkpoints lie: give capacity_tokens")
+            raise ValueError(
+                "a model with recurrent layers hits where its state checkpoints lie, which needs a replay: give "
+                "capacity_tokens (--capacity-tokens)"
+            )
         if self.num_checkpoint_slots and not self.has_state:
             raise ValueError("num_checkpoint_slots needs a recurrent-state group in kv_cache_groups")
         if self.num_checkpoint_slots < 0 or self.num_state_slots <= 0:

@@ -111,7 +111,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     from prefixcache.explain.analysis import ExplainConfig, explain
     from prefixcache.explain.log import read_log
     from prefixcache.explain.report import format_report, to_json, write_plot
-    from prefixcache.explain.sources import server_client, server_groups, through_server, through_tokenizer
+    from prefixcache.explain.sources import server_cache, server_client, through_server, through_tokenizer
 
     if args.breakpoint is not None and args.capacity_tokens is None and args.kv_cache_memory is None:
         parser.error("--breakpoint compares two replays: give --capacity-tokens or --kv-cache-memory too")
@@ -132,7 +132,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             stack.callback(client.close)
             prompts, token_errors, decode, live_cached, server_block_size = through_server(bodies, client)
             source = f"{args.log} (tokenized by {args.base_url})"
-            groups = server_groups(client)
+            server = server_cache(client)
         else:
             locate_system = args.breakpoint is not None and args.breakpoint.at == "system"
             prompts, token_errors, decode, name, model_config = through_tokenizer(bodies, args.model, locate_system)
@@ -148,7 +148,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         block_size = args.block_size or server_block_size or DEFAULT_BLOCK_SIZE
         try:
             if args.base_url:
-                cache = {"kv_cache_groups": groups, "capacity_tokens": args.capacity_tokens}
+                cache = {**server, "capacity_tokens": args.capacity_tokens}
             else:
                 cache = replay_cache(args, block_size, model_config)
             config = ExplainConfig(
