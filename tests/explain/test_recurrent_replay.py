@@ -5,7 +5,9 @@ replay's hits are the live engine's ``num_cached_tokens``, request for request."
 
 import json
 import random
+import shutil
 
+import httpx
 import pytest
 
 from prefixcache.cli import main
@@ -16,6 +18,7 @@ from prefixcache.explain.analysis import ExplainConfig, explain
 from prefixcache.explain.report import format_report, to_json
 from tests.explain.conftest import decode_ids, prompts_of
 from tests.model.conftest import write_checkpoint
+from tests.server.harness import ServerProcess
 
 BLOCK_SIZE = 16
 HYBRID = (FULL_ATTENTION, RECURRENT_STATE)
@@ -83,6 +86,16 @@ def qwen35_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def config_only_dir(qwen35_dir, tmp_path_factory):
+    """The checkpoint's config and tokenizer without its weights: all explain reads."""
+    path = tmp_path_factory.mktemp("qwen3_5-config-only")
+    for file in qwen35_dir.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, path / file.name)
+    return path
+
+
+@pytest.fixture(scope="module")
 def qwen35(qwen35_dir):
     from prefixcache.model import load_model
 
@@ -96,21 +109,31 @@ def explain_json(tmp_path, qwen35_dir, bodies: list[dict], *flags: str) -> dict:
     return json.loads(out.read_text())
 
 
-def test_the_replay_predicts_the_engines_hits_on_a_tiny_qwen35(make_llm, qwen35, qwen35_dir, tmp_path):
-    """A document, then questions parting inside block 16 (the sparse checkpoint at 16 blocks), inside block 17
-    (sparse at 16 again: 16 tokens no_checkpoint; it leaves a junction at 17) and at 17 again (the junction)."""
-    rng = random.Random(5)
-    document = [rng.randrange(3, 500) for _ in range(300)]
-    prompts = [
-        document + [7, 8, 9, 10, 11],
-        document[:262] + [12, 13, 14, 15],
-        document[:285] + [16, 17, 18],
-        document[:285] + [19, 20, 21, 22, 23, 24],
-    ]
+DOCUMENT_RNG = random.Random(5)
+DOCUMENT = [DOCUMENT_RNG.randrange(3, 500) for _ in range(300)]
+# A document, then questions parting inside block 16 (the sparse checkpoint at 16 blocks), inside block 17 (sparse
+# at 16 again: 16 tokens no_checkpoint; it leaves a junction at 17) and at 17 again (the junction).
+QUESTIONS = [
+    DOCUMENT + [7, 8, 9, 10, 11],
+    DOCUMENT[:262] + [12, 13, 14, 15],
+    DOCUMENT[:285] + [16, 17, 18],
+    DOCUMENT[:285] + [19, 20, 21, 22, 23, 24],
+]
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer briefly and truthfully. " * 3}
+# Two conversations sharing a long system message: without the hint at its end the second would hit nothing.
+CHATS = [
+    [SYSTEM, {"role": "user", "content": "The quick brown fox?"}],
+    [SYSTEM, {"role": "user", "content": "Why cache prefixes?"}],
+]
+
+
+def test_the_replay_predicts_the_engines_hits_on_a_tiny_qwen35(make_llm, qwen35, config_only_dir, tmp_path):
+    """From the config and tokenizer alone, the replay's hits are the engine's (see QUESTIONS)."""
+    prompts = QUESTIONS
     llm = make_llm(loaded=qwen35, num_blocks=None, **ENGINE)
     served = [llm.generate([{"prompt_token_ids": p}], ONE_TOKEN, use_tqdm=False)[0].num_cached_tokens for p in prompts]
     assert served == [0, 256, 256, 272]
-    report = explain_json(tmp_path, qwen35_dir, [{"prompt": p} for p in prompts], *EXPLAIN_FLAGS)
+    report = explain_json(tmp_path, config_only_dir, [{"prompt": p} for p in prompts], *EXPLAIN_FLAGS)
     assert [r["capacity_hit"] for r in report["requests"]] == served
     assert [r["checkpoint_would_save"] for r in report["requests"]] == [0, 0, 16, 0]
     core = llm.engine.core
@@ -122,16 +145,39 @@ def test_the_replay_predicts_the_engines_hits_on_a_tiny_qwen35(make_llm, qwen35,
 def test_a_chats_message_ends_are_checkpoint_hints_in_the_replay_as_in_the_engine(
     make_llm, qwen35, qwen35_dir, tmp_path
 ):
-    """Two conversations sharing a long system message: the second hits the first's hint checkpoint at the block
-    boundary before the system message ends, in the engine and in the replay (which places the hints through the
-    same render)."""
-    system = {"role": "system", "content": "You are a helpful assistant. Answer briefly and truthfully. " * 3}
-    chats = [
-        [system, {"role": "user", "content": "The quick brown fox?"}],
-        [system, {"role": "user", "content": "Why cache prefixes?"}],
-    ]
+    """The second conversation hits the first's hint checkpoint at the block boundary before the system message
+    ends, in the engine and in the replay (which places the hints through the same render)."""
     llm = make_llm(loaded=qwen35, num_blocks=None, **ENGINE)
-    served = [llm.chat(chat, ONE_TOKEN, use_tqdm=False)[0].num_cached_tokens for chat in chats]
+    served = [llm.chat(chat, ONE_TOKEN, use_tqdm=False)[0].num_cached_tokens for chat in CHATS]
     assert served[1] > 0 and served[1] % BLOCK_SIZE == 0
-    report = explain_json(tmp_path, qwen35_dir, [{"messages": chat} for chat in chats], *EXPLAIN_FLAGS)
+    report = explain_json(tmp_path, qwen35_dir, [{"messages": chat} for chat in CHATS], *EXPLAIN_FLAGS)
     assert [r["capacity_hit"] for r in report["requests"]] == served
+
+
+def test_explain_replays_a_hybrid_servers_checkpoints_hit_for_hit(qwen35_dir, tmp_path):
+    """``--base-url``: the server's KV cache groups, its checkpoint budget (/v1/cache/config) and a chat's
+    checkpoint hints (/v1/cache/lookup) make the replay's hits the server's own."""
+    serve_args = ["--block-size", "16", "--kv-cache-memory", "1200KiB", "--max-num-batched-tokens", "40"]
+    server = ServerProcess(qwen35_dir, [*serve_args, "--dtype", "float32"], tmp_path / "serve.log")
+    bodies = [{"prompt": p} for p in QUESTIONS] + [{"messages": chat} for chat in CHATS]
+    try:
+        server.wait_ready()
+        served = []
+        for body in bodies:
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            response = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 1, "temperature": 0}, timeout=60)
+            assert response.status_code == 200, response.text
+            served.append(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        state = httpx.get(f"{server.url}/v1/cache/config").json()["recurrent_state"]
+        log, out = tmp_path / "log.jsonl", tmp_path / "report.json"
+        log.write_text("".join(json.dumps(body) + "\n" for body in bodies))
+        capacity = str(108 * BLOCK_SIZE)  # the server's blocks in 1200 KiB (tests/engine/test_cache_layout.py)
+        main(["explain", str(log), "--base-url", server.url, "--capacity-tokens", capacity, "--json", str(out)])
+    finally:
+        server.stop()
+    assert state == {"num_state_slots": 64, "num_checkpoint_slots": 41, "sparse_every_blocks": 16,
+                     "max_num_batched_tokens": 40}  # fmt: skip
+    assert served[:4] == [0, 256, 256, 272] and served[5] > 0
+    report = json.loads(out.read_text())
+    assert [r["capacity_hit"] for r in report["requests"]] == served
+    assert report["missed_tokens"]["no_checkpoint"] == 16

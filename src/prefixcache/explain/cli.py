@@ -157,7 +157,6 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 hash_algo=args.hash_algo,
                 window_tokens=args.window,
                 breakpoint=args.breakpoint,
-                max_chunk_tokens=args.max_num_batched_tokens,
                 **cache,
             )
             explanation = explain(prompts, config, decode, live_cached)
@@ -175,16 +174,19 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def replay_cache(args: argparse.Namespace, block_size: int, model_config: ModelConfig) -> dict:
-    """The ``ExplainConfig`` fields of the cache the replay runs through: the model's KV cache groups and, with
+    """The ``ExplainConfig`` fields of the cache the replay runs through: the engine's prefill chunk, the model's
+    KV cache groups and, with
     ``--kv-cache-memory`` or for a model with recurrent layers, what the engine would lay out (its blocks unless
     ``--capacity-tokens`` says how many, its state checkpoints and their policy); ValueError for a bad setting."""
     from prefixcache.core import KVCacheGroupSpec
 
+    chunk = args.max_num_batched_tokens
     if args.kv_cache_memory is None and not model_config.state_layers:
         groups = tuple(KVCacheGroupSpec(group.sliding_window) for group in model_config.kv_cache_groups())
-        return {"kv_cache_groups": groups, "capacity_tokens": args.capacity_tokens}
+        return {"kv_cache_groups": groups, "capacity_tokens": args.capacity_tokens, "max_chunk_tokens": chunk}
     layout = engine_layout(args, block_size, model_config)
     return {
+        "max_chunk_tokens": chunk,
         "kv_cache_groups": layout.groups,
         "capacity_tokens": args.capacity_tokens or layout.num_blocks * block_size,
         "num_state_slots": max(1, layout.num_state_slots),
