@@ -127,14 +127,20 @@ CHATS = [
 ]
 
 
-def test_the_replay_predicts_the_engines_hits_on_a_tiny_qwen35(make_llm, qwen35, config_only_dir, tmp_path):
+def test_the_replay_predicts_the_engines_hits_on_a_tiny_qwen35(make_llm, qwen35, config_only_dir, tmp_path, capsys):
     """From the config and tokenizer alone, the replay's hits are the engine's (see QUESTIONS)."""
     prompts = QUESTIONS
     llm = make_llm(loaded=qwen35, num_blocks=None, **ENGINE)
     served = [llm.generate([{"prompt_token_ids": p}], ONE_TOKEN, use_tqdm=False)[0].num_cached_tokens for p in prompts]
     assert served == [0, 256, 256, 272]
-    report = explain_json(tmp_path, config_only_dir, [{"prompt": p} for p in prompts], *EXPLAIN_FLAGS)
+    plot = tmp_path / "split.png"
+    report = explain_json(
+        tmp_path, config_only_dir, [{"prompt": p} for p in prompts], *EXPLAIN_FLAGS, "--plot", str(plot)
+    )
     assert [r["capacity_hit"] for r in report["requests"]] == served
+    printed = capsys.readouterr().out
+    assert "recurrent state: 41 checkpoint slots (sparse every 16 blocks" in printed
+    assert "prefill in chunks of 40" in printed and plot.stat().st_size > 0
     assert [r["checkpoint_would_save"] for r in report["requests"]] == [0, 0, 16, 0]
     core = llm.engine.core
     assert report["config"]["num_checkpoint_slots"] == core.manager.state.num_checkpoint_slots == 41
@@ -181,3 +187,21 @@ def test_explain_replays_a_hybrid_servers_checkpoints_hit_for_hit(qwen35_dir, tm
     report = json.loads(out.read_text())
     assert [r["capacity_hit"] for r in report["requests"]] == served
     assert report["missed_tokens"]["no_checkpoint"] == 16
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--kv-cache-memory", "lots"], "cannot read memory size 'lots'"),
+        (["--kv-cache-memory", "300KiB"], "fewer than 2 KV blocks"),  # the states alone take more
+        (["--max-state-checkpoint-fraction", "1.5"], "max_state_checkpoint_fraction must be in [0, 1)"),
+        (["--base-url", "http://127.0.0.1:9", "--kv-cache-memory", "1GiB"], "a server's cache is its own"),
+    ],
+)
+def test_a_bad_cache_setting_is_a_one_line_usage_error(tmp_path, config_only_dir, capsys, flags, message):
+    log = tmp_path / "requests.jsonl"
+    log.write_text(json.dumps({"prompt": [1, 2, 3]}) + "\n")
+    model = [] if "--base-url" in flags else ["--model", str(config_only_dir)]
+    with pytest.raises(SystemExit):
+        main(["explain", str(log), *model, *flags])
+    assert message in capsys.readouterr().err

@@ -208,9 +208,10 @@ def _request_json(request: RequestExplanation) -> dict[str, Any]:
 
 
 def write_plot(explanation: Explanation, path: Path, title: str) -> None:
-    """One bar per request (log order, top down) along the token axis: what an infinite cache reuses in whole
-    blocks, what block alignment loses, what a finite cache lost to eviction, and what is computed; a tick
-    marks where the prompt parts from the earlier one. Below, where prompts part, as a histogram."""
+    """One bar per request (log order, top down) along the token axis: what the cache reuses in whole blocks, what
+    a recurrent model computed again for want of a checkpoint, what a finite cache lost to eviction, what block
+    alignment loses, and what is computed; a tick marks where the prompt parts from the earlier one. Below, where
+    prompts part, as a histogram."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -221,13 +222,15 @@ def write_plot(explanation: Explanation, path: Path, title: str) -> None:
     bars, histogram = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])
     y = list(range(len(requests)))
     reused = [r.capacity_hit if capacity else r.block_hit for r in requests]
-    evicted = [r.block_hit - reused[i] for i, r in enumerate(requests)]
+    no_checkpoint = [r.checkpoint_would_save for r in requests]
+    evicted = [r.block_hit - reused[i] - no_checkpoint[i] for i, r in enumerate(requests)]
     aligned = [r.infinite_hit - r.block_hit for r in requests]
     computed = [r.prompt_tokens - r.infinite_hit for r in requests]
     height = 1.0 if len(requests) > 60 else 0.8
     left = [0] * len(requests)
     segments = [
         (reused, "#2e7d32", f"reused ({explanation.config.capacity_tokens:,}-token cache)" if capacity else "reused"),
+        (no_checkpoint, "#7b1fa2", "cached, no state checkpoint where it parts"),
         (evicted, "#ef6c00", "evicted (an infinite cache would reuse)"),
         (aligned, "#a5d6a7", "shared but not a whole block"),
         (computed, "#bdbdbd", "computed"),
