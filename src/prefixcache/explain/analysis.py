@@ -41,7 +41,10 @@ reason are what the engine would count replaying the log:
 On a model with recurrent layers (``ExplainConfig.num_checkpoint_slots``: Qwen3.5, Granite 4.0-H, LFM2) the replay
 is what tells the hit: its manager has the recurrent-state group, its checkpoint budget and policy as the engine
 sizes them (``engine/cache_layout.py``), prefills in the engine's chunks, and takes each prompt's checkpoint hints
-(a chat's message ends); so every prompt is replayed, with the engine's default memory when no capacity is given.
+(a chat's message ends); so such a model needs a capacity (the command gives it the engine's default memory). As
+the log holds no outputs, a request's finish checkpoint stays at its prompt's last full block, where the engine
+moves it on as a reply fills blocks: the replay matches the engine exactly for requests that decode no whole block
+(``max_tokens`` short of one, as in the tests), and may find a checkpoint there that the engine had moved on.
 """
 
 from __future__ import annotations
