@@ -13,6 +13,7 @@ def test_core_scheduler_processors_and_cli_parser_import_without_torch():
         "from prefixcache.engine import SamplingParams\n"
         "import prefixcache.engine.scheduler, prefixcache.engine.messages\n"
         "import prefixcache.engine.input_processor, prefixcache.engine.output_processor\n"
+        "import prefixcache.engine.cache_layout, prefixcache.replay\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

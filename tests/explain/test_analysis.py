@@ -89,6 +89,7 @@ def test_block_alignment_and_partial_blocks_are_counted_exactly():
     one, two, _, four = result.requests
     assert (two.infinite_hit, two.block_hit) == (37, 32)
     assert two.missed == {
+        "no_checkpoint": 0,
         "never_seen": 0,
         "different_salt": 0,
         "evicted": 0,

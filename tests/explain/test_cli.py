@@ -169,7 +169,7 @@ def test_breakpoint_what_if_reports_both_rates_from_one_replay(tmp_path, tiny_ll
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--breakpoint", "system"], "give --capacity-tokens too"),
+        (["--breakpoint", "system"], "give --capacity-tokens or --kv-cache-memory too"),
         (["--breakpoint", "middle", "--capacity-tokens", "64"], "WHERE is 'system' or a number of tokens"),
         (["--breakpoint", "64:2h", "--capacity-tokens", "64"], "ttl is one of 5m, 1h"),
     ],
@@ -180,3 +180,14 @@ def test_a_bad_breakpoint_is_a_one_line_usage_error(tmp_path, tiny_llama_dir, ca
     with pytest.raises(SystemExit):
         main(["explain", str(log), "--model", str(tiny_llama_dir), *flags])
     assert message in capsys.readouterr().err
+
+
+def test_kv_cache_memory_replays_through_the_blocks_serve_would_have(tmp_path, tiny_llama_dir, make_llm):
+    """The tiny Llama in 64 KiB of float32: the engine's 8 blocks of 16 tokens (2 layers x K and V x 2 heads x 16
+    x 4 bytes = 8 KiB a block) are the replay's capacity."""
+    log, out = tmp_path / "requests.jsonl", tmp_path / "report.json"
+    stamped_log(log, num_requests=3)
+    main(["explain", str(log), "--model", str(tiny_llama_dir), "--kv-cache-memory", "64KiB", "--dtype", "float32",
+          "--json", str(out)])  # fmt: skip
+    engine = make_llm(kv_cache_memory="64KiB", num_blocks=None, block_size=16).engine.core.manager
+    assert json.loads(out.read_text())["config"]["capacity_tokens"] == engine.num_blocks * 16 == 128

@@ -11,7 +11,7 @@ from prefixcache.cli import main
 from prefixcache.core import FULL_ATTENTION
 from prefixcache.explain.analysis import ExplainConfig, explain
 from prefixcache.explain.log import Prompt, read_log
-from prefixcache.explain.sources import server_client, server_groups, through_server, through_tokenizer
+from prefixcache.explain.sources import server_cache, server_client, through_server, through_tokenizer
 from tests.explain.conftest import decode_ids
 from tests.helpers import hybrid_workload
 from tests.router.fakes import ThreadedServer
@@ -51,15 +51,25 @@ def test_explain_replays_a_hybrid_servers_cache_hit_for_hit(tiny_gemma3_dir, tmp
     assert [r.capacity_hit for r in explain(logged, one_group, decode_ids).requests] != served
 
 
-def test_a_group_explain_cannot_replay_stops_it_with_the_kind():
+@pytest.mark.parametrize(
+    ("kind", "state", "message"),
+    [
+        ("cross_attention", None, "cannot replay a KV cache group of kind 'cross_attention'"),
+        ("mamba", None, "reports no budget of its state checkpoints"),  # a server from before it reported one
+    ],
+)
+def test_a_group_explain_cannot_replay_stops_it_with_the_kind(kind, state, message):
     app = FastAPI()
-    groups = [{"group_idx": 0, "kind": "mamba", "block_size": 16, "sliding_window": None}]
-    app.get("/v1/cache/config")(lambda: {"kv_cache_groups": groups})
+    groups = [
+        {"group_idx": 0, "kind": "full_attention", "block_size": 16, "sliding_window": None},
+        {"group_idx": 1, "kind": kind, "block_size": 16, "sliding_window": None},
+    ]
+    app.get("/v1/cache/config")(lambda: {"kv_cache_groups": groups, "recurrent_state": state})
     server = ThreadedServer(app)
     client = server_client(server.url, None)
     try:
-        with pytest.raises(SystemExit, match="cannot replay a KV cache group of kind 'mamba'"):
-            server_groups(client)
+        with pytest.raises(SystemExit, match=message):
+            server_cache(client)
     finally:
         client.close()
         server.stop()

@@ -63,6 +63,7 @@ def test_cache_config_says_how_the_cache_is_keyed_by_the_settings():
         "enable_prefix_caching": True,
         "tenant_salt": None,
         "kv_cache_groups": [{"group_idx": 0, "kind": "full_attention", "block_size": 4, "sliding_window": None}],
+        "recurrent_state": None,
         "kv_events": None,
     }
     keyed = app_with(cache.router, engine(kv_events=events), ServerSettings(("tiny",), api_keys=("k",)))

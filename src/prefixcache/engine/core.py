@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from prefixcache.config import EngineConfig, parse_memory
-from prefixcache.core import KVCacheGroupSpec, KVCacheManager, PrefixLookup
+from prefixcache.config import EngineConfig
+from prefixcache.core import KVCacheManager, PrefixLookup
 from prefixcache.core.hashing import resolve_hash_seed, root_hash
-from prefixcache.core.kv_cache_groups import RECURRENT_STATE, check_sub_blocks
-from prefixcache.core.state_table import CheckpointPolicy, sparse_interval
+from prefixcache.core.kv_cache_groups import check_sub_blocks
+from prefixcache.engine.cache_layout import cache_layout
 from prefixcache.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineInfo, EngineStats
 from prefixcache.engine.model_runner import ModelRunner
 from prefixcache.engine.request import EngineRequest, RequestStatus
@@ -59,39 +59,19 @@ class EngineCore:
             )
         model_config = self.loaded.config
         self.vocab_size = model_config.vocab_size
-        positions = model_config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > positions:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} (--max-model-len) is longer than the {positions:,} positions "
-                f"the model was trained for (max_position_embeddings in its config); use at most {positions}"
-            )
-        self.max_model_len = config.max_model_len or positions
-        enable_caching = config.enable_prefix_caching
-        if enable_caching and not model_config.is_causal:
+        if model_config.state_layers and config.offload_config().enabled:
+            raise ValueError(f"the KV offload tiers do not carry {model_config.architecture}'s recurrent states")
+        layout = cache_layout(config, model_config)
+        self.max_model_len = layout.max_model_len
+        enable_caching = layout.enable_caching
+        if config.enable_prefix_caching and not enable_caching:
             logger.warning("prefix caching turned off: %s attention is not causal", model_config.architecture)
-            enable_caching = False
         dtype = getattr(torch, config.dtype)
         model = self.loaded.model
-        # Layers of one attention spec form a KV cache group; without the hybrid manager, one group of all.
-        model_groups = model_config.kv_cache_groups(hybrid=not config.disable_hybrid_kv_cache_manager)
-        groups = tuple(KVCacheGroupSpec(group.sliding_window) for group in model_groups)
-        self.block_bytes = model.kv_bytes_per_block(config.block_size, dtype, model_groups)
-        memory = parse_memory(config.kv_cache_memory)
-        # Recurrent layers: one working state a running request and the checkpoints, out of the same memory.
-        has_state = bool(model_config.state_layers)
-        self.state_slot_bytes = model.state_bytes_per_slot(dtype) if has_state else 0
-        num_working = config.max_num_seqs if has_state else 0
-        num_checkpoints = 0
-        if has_state:
-            groups += (RECURRENT_STATE,)
-            if config.offload_config().enabled:
-                raise ValueError(f"the KV offload tiers do not carry {model_config.architecture}'s recurrent states")
-            if enable_caching:
-                num_checkpoints = int(memory * config.max_state_checkpoint_fraction) // self.state_slot_bytes
-        self.state_bytes = (num_working + num_checkpoints) * self.state_slot_bytes
-        num_blocks = config.num_blocks or max(0, memory - self.state_bytes) // self.block_bytes
-        if num_blocks < 2:
-            raise ValueError(_too_few_blocks(config, self.block_bytes, self.state_bytes))
+        model_groups, groups, num_blocks = layout.model_groups, layout.groups, layout.num_blocks
+        self.block_bytes = layout.block_bytes
+        self.state_slot_bytes = layout.state_slot_bytes
+        self.state_bytes = layout.state_bytes
         check_sub_blocks(groups, config.block_size, config.sub_block_size)  # before any tier starts
         self.kv_events = KVEventSink.create(config.kv_events_config, groups)
         listeners = [self.kv_events.collector] if self.kv_events is not None else []
@@ -114,11 +94,9 @@ class EngineCore:
             max_retained_fraction=config.max_retained_fraction,
             max_retention_ttl_s=config.max_retention_ttl_s,
             max_tenant_retained_fraction=config.max_tenant_retained_fraction,
-            num_state_slots=num_working,
-            num_checkpoint_slots=num_checkpoints,
-            checkpoint_policy=CheckpointPolicy(
-                sparse_every_blocks=sparse_interval(self.max_model_len, config.block_size, num_checkpoints)
-            ),
+            num_state_slots=layout.num_state_slots,
+            num_checkpoint_slots=layout.num_checkpoint_slots,
+            checkpoint_policy=layout.checkpoint_policy(config.block_size),
             retention_rule=config.retention_rule,
         )
         self.kv_capacity_tokens = self.manager.max_request_tokens(config.max_num_batched_tokens)
@@ -190,7 +168,19 @@ class EngineCore:
             # Layer views share storage per group slot; recurrent states (working and checkpoints) beside.
             kv_cache_bytes=self.manager.num_blocks * self.block_bytes + self.state_bytes,
             kv_cache_groups=self.manager.groups,
+            **self._state_budget(),
         )
+
+    def _state_budget(self) -> dict[str, int]:
+        """The recurrent-state group's slots and sparse interval (none without recurrent layers)."""
+        state = self.manager.state
+        if state is None:
+            return {}
+        return {
+            "num_state_slots": state.num_working_slots,
+            "num_checkpoint_slots": state.num_checkpoint_slots,
+            "sparse_every_blocks": state.policy.sparse_every_blocks,
+        }
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request the input processor validated; raises ValueError if it still cannot run here."""
@@ -364,19 +354,6 @@ def _retention_accounting(request: EngineRequest) -> dict[str, Any]:
         "num_retained_read_tokens": request.num_retained_read_tokens,
         "retention_clamped": ", ".join(request.retention_clamped) or None,
     }
-
-
-def _too_few_blocks(config: EngineConfig, block_bytes: int, state_bytes: int) -> str:
-    """Why the KV cache cannot work, naming the setting the user gave: the exact count, or the memory budget (of
-    which a model with recurrent layers first takes ``state_bytes`` for its states)."""
-    if config.num_blocks is not None:
-        return f"num_blocks {config.num_blocks} (--num-gpu-blocks-override) is fewer than the 2 KV blocks needed"
-    return (
-        f"kv_cache_memory {config.kv_cache_memory!r} (--kv-cache-memory) holds fewer than 2 KV blocks of "
-        f"{block_bytes:,} bytes each"
-        + (f" beside {state_bytes:,} bytes of recurrent states" if state_bytes else "")
-        + "; raise it"
-    )
 
 
 def _check_device(device: str) -> None:

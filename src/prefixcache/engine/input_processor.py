@@ -149,16 +149,34 @@ class InputProcessor:
         ``checkpoint_hints``: a later conversation sharing the first messages parts from this one right after
         one of them, and a state checkpoint at that block boundary lets it hit all of them (the core's ``hint``
         rule; without it the second such conversation would hit nothing). Other models skip the renders."""
-        ends = [Breakpoint("message", index) for index in range(len(messages))] if self.hints_message_ends else []
-        points = [*breakpoints, *ends]
-        token_ids, positions = chat_prompt(
-            self.tokenizer, messages, tools, points, add_generation_prompt, add_special_tokens
+        hint = self.hints_message_ends
+        token_ids, positions, hints = hinted_chat_prompt(
+            self.tokenizer, messages, tools, breakpoints, add_generation_prompt, add_special_tokens, hint
         )
         prompt: dict[str, Any] = {"prompt": None, "prompt_token_ids": token_ids}
-        hints = sorted({position for position in positions[len(breakpoints) :] if position > 0})
         if hints:
             prompt["checkpoint_hints"] = hints
-        return prompt, positions[: len(breakpoints)]
+        return prompt, positions
+
+
+def hinted_chat_prompt(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    breakpoints: Sequence[Breakpoint],
+    add_generation_prompt: bool,
+    add_special_tokens: bool,
+    hint_message_ends: bool,
+) -> tuple[list[int], list[int], list[int]]:
+    """The conversation's token ids, the token position of each breakpoint and, with ``hint_message_ends`` (a
+    model with recurrent layers), the checkpoint hints: where each message ends, in order (``explain`` places
+    them as the server does)."""
+    ends = [Breakpoint("message", index) for index in range(len(messages))] if hint_message_ends else []
+    token_ids, positions = chat_prompt(
+        tokenizer, messages, tools, [*breakpoints, *ends], add_generation_prompt, add_special_tokens
+    )
+    hints = sorted({position for position in positions[len(breakpoints) :] if position > 0})
+    return token_ids, positions[: len(breakpoints)], hints
 
 
 def _is_text(prompt: PromptInput) -> bool:

@@ -159,6 +159,9 @@ class EngineInfo(msgspec.Struct, array_like=True, tag=True, frozen=True):
     ``architecture``, ``dtype`` (the weights' and KV cache's, as resolved by the core), ``device`` and
     ``kv_cache_bytes`` (what the KV blocks take) describe the engine in the start-up log and metadata paths.
     ``kv_cache_groups`` are the cache's groups in the core's order, which a router needs to predict its hits.
+    A model with recurrent layers adds its state budget (``num_state_slots`` working states,
+    ``num_checkpoint_slots`` checkpoints, sparse ones every ``sparse_every_blocks`` blocks), which ``explain``
+    needs to replay the server's checkpoints.
     """
 
     model_name: str
@@ -176,6 +179,9 @@ class EngineInfo(msgspec.Struct, array_like=True, tag=True, frozen=True):
     device: str = ""
     kv_cache_bytes: int = 0
     kv_cache_groups: tuple[KVCacheGroupSpec, ...] = (FULL_ATTENTION,)
+    num_state_slots: int = 0
+    num_checkpoint_slots: int = 0
+    sparse_every_blocks: int = 0
 
     @property
     def max_request_tokens(self) -> int:

@@ -33,7 +33,18 @@ reason are what the engine would count replaying the log:
   same way, into themselves and ``after_expired`` / ``after_evicted_below_retained``, by the cause the replay's
   pool gave the eviction;
 * ``partial_block`` splits into ``shorter_than_block`` (the prompt does not fill one block beyond its last
-  token) and ``tail`` (after the last whole block a lookup may return).
+  token) and ``tail`` (after the last whole block a lookup may return);
+* ``no_checkpoint`` (a model with recurrent layers): the attention groups held these blocks right after the hit,
+  but no state checkpoint lies where the prompt parts from the cached path, so they were computed again. A
+  checkpoint there would have saved exactly them: the report's what-if, per request and in total.
+
+On a model with recurrent layers (``ExplainConfig.num_checkpoint_slots``: Qwen3.5, Granite 4.0-H, LFM2) the replay
+is what tells the hit: its manager has the recurrent-state group, its checkpoint budget and policy as the engine
+sizes them (``engine/cache_layout.py``), prefills in the engine's chunks, and takes each prompt's checkpoint hints
+(a chat's message ends); so such a model needs a capacity (the command gives it the engine's default memory). As
+the log holds no outputs, a request's finish checkpoint stays at its prompt's last full block, where the engine
+moves it on as a reply fills blocks: the replay matches the engine exactly for requests that decode no whole block
+(``max_tokens`` short of one, as in the tests), and may find a checkpoint there that the engine had moved on.
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ from prefixcache.core.block_pool import EVICTED, EVICTION_CAUSES
 from prefixcache.core.kv_cache_groups import check_groups
 from prefixcache.core.miss import MISS_REASONS, hittable_tokens
 from prefixcache.core.retention import RetentionRange
+from prefixcache.core.state_table import DEFAULT_CHECKPOINT_POLICY, CheckpointPolicy
 from prefixcache.explain.log import Decode, Prompt
 from prefixcache.replay import HeldCache
 from prefixcache.server.retention import BREAKPOINT_PRIORITY, TTL_SECONDS
@@ -65,6 +77,7 @@ TEXT_CHARS = 40
 
 # Each of explain's reasons and the core reason it refines, in the order the report lists them.
 REFINES = {
+    "no_checkpoint": "no_checkpoint",  # first in a prompt: right after the hit
     "never_seen": "new",
     "different_salt": "new",
     # An eviction's reason by its cause, under the same name (what an infinite cache would have reused), then
@@ -81,9 +94,10 @@ CORE_REASON_LABELS = {
     "evicted_below_retained": "evicted_below_retained: lost to retained",
     "partial_block": "partial_block: smaller blocks help",
     "skipped": "skipped: the cache is not read",
-    "no_checkpoint": "no_checkpoint: a state checkpoint where the prompts part would help",
+    "no_checkpoint": "no_checkpoint: a checkpoint would help",
 }
 REASON_LABELS = {
+    "no_checkpoint": "blocks cached, no state checkpoint",
     "never_seen": "never seen",
     "different_salt": "different salt or LoRA",
     "evicted": "an infinite cache would reuse",
@@ -134,7 +148,12 @@ class WhatIfBreakpoint:
 class ExplainConfig:
     """``capacity_tokens`` turns on the replay through a real manager of that many tokens (whole blocks), whose
     KV cache groups are ``kv_cache_groups`` (the model's: a sliding-window layer keeps only its window).
-    ``breakpoint`` (with a capacity) replays the log again with it added to every request."""
+    ``breakpoint`` (with a capacity) replays the log again with it added to every request.
+
+    With a recurrent-state group (last in ``kv_cache_groups``) the replay is needed, and holds
+    ``num_checkpoint_slots`` state checkpoints placed by ``checkpoint_policy`` beside ``num_state_slots`` working
+    states (``engine.cache_layout`` sizes them from the memory as the engine does). ``max_chunk_tokens`` (None: a
+    prompt in one step) prefills in the engine's chunks (its ``max_num_batched_tokens``)."""
 
     block_size: int = 16
     capacity_tokens: int | None = None
@@ -143,9 +162,24 @@ class ExplainConfig:
     window_tokens: int = 8
     kv_cache_groups: tuple[KVCacheGroupSpec, ...] = (FULL_ATTENTION,)
     breakpoint: WhatIfBreakpoint | None = None
+    num_state_slots: int = 1
+    num_checkpoint_slots: int = 0
+    checkpoint_policy: CheckpointPolicy = DEFAULT_CHECKPOINT_POLICY
+    max_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_groups", check_groups(self.kv_cache_groups))
+        if self.has_state and self.capacity_tokens is None:
+            raise ValueError(
+                "a model with recurrent layers hits where its state checkpoints lie, which needs a replay: give "
+                "capacity_tokens (--capacity-tokens)"
+            )
+        if self.num_checkpoint_slots and not self.has_state:
+            raise ValueError("num_checkpoint_slots needs a recurrent-state group in kv_cache_groups")
+        if self.num_checkpoint_slots < 0 or self.num_state_slots <= 0:
+            raise ValueError("num_checkpoint_slots must be >= 0 and num_state_slots positive")
+        if self.max_chunk_tokens is not None and self.max_chunk_tokens <= 0:
+            raise ValueError(f"max_chunk_tokens must be positive, got {self.max_chunk_tokens}")
         if self.breakpoint is not None and self.capacity_tokens is None:
             raise ValueError("a what-if breakpoint needs a replay: give capacity_tokens (--capacity-tokens)")
         if self.block_size <= 0:
@@ -158,6 +192,11 @@ class ExplainConfig:
             raise ValueError(f"unknown hash algorithm {self.hash_algo!r}; choose from {list(HASH_ALGOS)}")
         if self.window_tokens <= 0:
             raise ValueError(f"window_tokens must be positive, got {self.window_tokens}")
+
+    @property
+    def has_state(self) -> bool:
+        """Whether the model has recurrent layers (a recurrent-state group, last)."""
+        return self.kv_cache_groups[-1].recurrent_state
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +248,13 @@ class RequestExplanation:
         """The engine's reason of the first missed token (``first_miss_reason`` of ``/v1/cache/lookup``)."""
         return REFINES[self.reason]
 
+    @property
+    def checkpoint_would_save(self) -> int:
+        """The what-if of a recurrent model: the prompt tokens a state checkpoint where this prompt parts from the
+        cached path (at token ``capacity_hit + checkpoint_would_save``) would have saved it, its ``no_checkpoint``
+        tokens: the attention groups held them."""
+        return self.missed["no_checkpoint"]
+
 
 @dataclass(slots=True)
 class DivergenceSummary:
@@ -253,6 +299,19 @@ class Explanation:
     breakpoint_requests: int = 0  # requests it could be added to
 
     @property
+    def checkpoint_would_save(self) -> int:
+        """Prompt tokens state checkpoints where the prompts part would have saved, each request's alone summed
+        (:attr:`RequestExplanation.checkpoint_would_save`); 0 for a model without recurrent layers."""
+        return self.missed["no_checkpoint"]
+
+    @property
+    def checkpoint_hit_rate(self) -> float | None:
+        """The replay's hit rate with those tokens hit too (None without a replay of a recurrent model)."""
+        if self.capacity_hit_rate is None or not self.config.has_state:
+            return None
+        return self.capacity_hit_rate + self.checkpoint_would_save / self.prompt_tokens
+
+    @property
     def missed_by_core_reason(self) -> dict[str, int]:
         """``missed`` summed by the engine's reasons: what its ``missed_tokens`` counters would show."""
         totals = dict.fromkeys(MISS_REASONS, 0)
@@ -276,7 +335,7 @@ def explain(
     same = _longest_shared_prefixes(prompts, arrays, by_namespace=True)
     anywhere = _longest_shared_prefixes(prompts, arrays, by_namespace=False)
     replayed = _replay(prompts, config) if config.capacity_tokens is not None else None
-    capacity_hits = None if replayed is None else [hit for hit, _ in replayed]
+    capacity_hits = None if replayed is None else [hit for hit, _, _ in replayed]
     block_size = config.block_size
     requests = []
     for i, prompt in enumerate(prompts):
@@ -294,9 +353,7 @@ def explain(
             shared_tokens=shared,
             infinite_hit=min(shared, num_tokens - 1),
             block_hit=block_hit,
-            missed=_missed(
-                num_tokens, block_size, block_hit, anywhere[i][0], capacity_hit, replayed and replayed[i][1]
-            ),
+            missed=_missed(num_tokens, block_size, block_hit, anywhere[i][0], *(replayed[i] if replayed else (None,))),
             capacity_hit=capacity_hit,
             live_cached=None if live_cached is None else live_cached[i],
         )
@@ -310,7 +367,7 @@ def explain(
         with_breakpoint = [
             p if r is None else replace(p, retention=(*p.retention, r)) for p, r in zip(prompts, ranges, strict=True)
         ]
-        breakpoint_hit_rate = sum(hit for hit, _ in _replay(with_breakpoint, config)) / total
+        breakpoint_hit_rate = sum(hit for hit, _, _ in _replay(with_breakpoint, config)) / total
         breakpoint_requests = sum(r is not None for r in ranges)
     return Explanation(
         config=config,
@@ -377,17 +434,21 @@ def _missed(
     block_hit: int,
     shared_anywhere: int,
     capacity_hit: int | None,
+    no_checkpoint: int = 0,
     eviction_cause: str | None = None,
 ) -> dict[str, int]:
     """The request's missed tokens by reason (see the module docstring), split as the engine splits them: the
-    hittable tokens after the reused prefix by the first missing block, then the partial block.
+    attention groups' blocks past the hit that a state checkpoint was missing for (``no_checkpoint`` of them,
+    from the replay), the hittable tokens after those by the first missing block, then the partial block.
     ``eviction_cause`` is the replay's reason for them (plain ``evicted`` when the engine's record no longer
     held the hash)."""
     missed = dict.fromkeys(REASONS, 0)
+    missed["no_checkpoint"] = no_checkpoint
     hittable_end = hittable_tokens(num_tokens, block_size)
-    if capacity_hit is not None and capacity_hit < block_hit:  # the first missing block was cached, then evicted
+    held_end = None if capacity_hit is None else capacity_hit + no_checkpoint  # what the attention groups held
+    if held_end is not None and held_end < block_hit:  # the first missing block was cached, then evicted
         cause = eviction_cause or EVICTED
-        missed[cause] = block_hit - capacity_hit
+        missed[cause] = block_hit - held_end
         missed[f"after_{cause}"] = hittable_end - block_hit
     elif block_hit < hittable_end:
         other_namespace_has_next_block = shared_anywhere >= block_hit + block_size
@@ -411,9 +472,11 @@ def _timed(prompts: Sequence[Prompt]) -> bool:
     return all(p.timestamp is not None for p in prompts)
 
 
-def _replay(prompts: Sequence[Prompt], config: ExplainConfig) -> list[tuple[int, str | None]]:
+def _replay(prompts: Sequence[Prompt], config: ExplainConfig) -> list[tuple[int, int, str | None]]:
     """Each prompt's hit in a real manager of ``capacity_tokens``, one request at a time, in log order, with its
-    retention directives, and the eviction cause the manager counted its hittable miss under (None: not one).
+    retention directives and checkpoint hints, the tokens the manager counted as ``no_checkpoint`` (its attention
+    groups held them, a recurrent model's state checkpoint was missing) and the eviction cause it counted its
+    hittable miss under (None: not one).
 
     Raises ValueError for a prompt larger than the whole cache, numbered by its log line.
     """
@@ -425,8 +488,12 @@ def _replay(prompts: Sequence[Prompt], config: ExplainConfig) -> list[tuple[int,
         eviction_policy=config.eviction_policy,
         groups=config.kv_cache_groups,
         clock=clock,
+        num_state_slots=config.num_state_slots if config.has_state else 0,
+        num_checkpoint_slots=config.num_checkpoint_slots,
+        checkpoint_policy=config.checkpoint_policy,
     )
-    cache = HeldCache(manager, in_flight=1)  # a request is freed when the next one arrives
+    # A request is freed when the next one arrives, as an engine serving the log one request at a time frees it.
+    cache = HeldCache(manager, in_flight=1, max_chunk_tokens=config.max_chunk_tokens)
     timed = _timed(prompts)
     missed = manager.stats.missed_tokens
     out = []
@@ -440,11 +507,13 @@ def _replay(prompts: Sequence[Prompt], config: ExplainConfig) -> list[tuple[int,
             cache_salt=prompt.cache_salt,
             lora_name=prompt.lora_name,
             retention=prompt.retention,
+            checkpoint_hints=prompt.checkpoint_hints,
         )
         before = [missed[cause] for cause in EVICTION_CAUSES]
+        no_checkpoint = missed["no_checkpoint"]
         hit = cache.admit(prompt.line, request, 0)
         cause = next((c for c, n in zip(EVICTION_CAUSES, before, strict=True) if missed[c] > n), None)
-        out.append((hit, cause))
+        out.append((hit, missed["no_checkpoint"] - no_checkpoint, cause))
     cache.drain()
     return out
 

@@ -27,8 +27,8 @@ from jinja2 import TemplateError
 from pydantic import TypeAdapter, ValidationError
 
 from prefixcache.core.retention import RetentionRange, check_retention
-from prefixcache.engine.chat_breakpoints import Breakpoint, chat_prompt
-from prefixcache.engine.input_processor import check_vocabulary, tokenize_prompt
+from prefixcache.engine.chat_breakpoints import Breakpoint
+from prefixcache.engine.input_processor import check_vocabulary, hinted_chat_prompt, tokenize_prompt
 from prefixcache.server.protocol import ChatMessage, ChatTool, Text, adds_special_tokens
 from prefixcache.server.retention import (
     PromptCacheRetention,
@@ -68,7 +68,9 @@ class Prompt:
     messages as the template took them (to tell which message a prompt differs in). ``retention``: the ranges
     its directives ask for, as the server would give them to the engine; ``timestamp``: when it was sent
     (seconds), None when the line says not; ``system_end``: the token position right after its leading system
-    messages (where ``explain --breakpoint system`` puts a breakpoint), None when not located or it has none."""
+    messages (where ``explain --breakpoint system`` puts a breakpoint), None when not located or it has none;
+    ``checkpoint_hints``: where a chat's messages end, for a model with recurrent layers (the engine checkpoints
+    its state there)."""
 
     line: int
     token_ids: list[int]
@@ -78,6 +80,7 @@ class Prompt:
     retention: tuple[RetentionRange, ...] = ()
     timestamp: float | None = None
     system_end: int | None = None
+    checkpoint_hints: tuple[int, ...] = ()
 
     @property
     def namespace(self) -> tuple[str | None, str | None]:
@@ -87,11 +90,13 @@ class Prompt:
 @dataclass(frozen=True, slots=True)
 class Tokenized:
     """A body's prompt token ids, the ranges of its ``cache_control`` breakpoints (their positions are the chat
-    template's) and, when asked, the position after its leading system messages."""
+    template's) and, when asked, the position after its leading system messages and its messages' ends (the
+    checkpoint hints of a model with recurrent layers)."""
 
     token_ids: list[int]
     breakpoints: tuple[RetentionRange, ...] = ()
     system_end: int | None = None
+    checkpoint_hints: tuple[int, ...] = ()
 
 
 def read_log(path: Path) -> tuple[list[LoggedBody], list[LineError]]:
@@ -170,18 +175,23 @@ def chat_turns(body: dict[str, Any]) -> list[dict[str, str]] | None:
 
 
 def tokenize_body(
-    body: dict[str, Any], tokenizer: Any, vocab_size: int | None = None, locate_system: bool = False
+    body: dict[str, Any],
+    tokenizer: Any,
+    vocab_size: int | None = None,
+    locate_system: bool = False,
+    message_ends: bool = False,
 ) -> Tokenized:
     """The prompt's token ids (given ids, the encoded prompt text, or the templated conversation with its tools)
     and its breakpoints' ranges. With ``vocab_size``, ids outside the vocabulary are refused, as the server
-    refuses them; with ``locate_system``, a chat's position after its leading system messages is found too."""
+    refuses them; with ``locate_system``, a chat's position after its leading system messages is found too; with
+    ``message_ends`` (a model with recurrent layers), where its messages end, as the server's checkpoint hints."""
     kinds = [k for k in ("prompt_token_ids", "messages") if body.get(k) is not None]
     if "prompt" in body and body["prompt"] is not None and "messages" in kinds:
         raise ValueError("both prompt and messages: is this a completion or a chat body?")
     if "prompt_token_ids" in kinds:
         tokenized = Tokenized(checked_token_ids(body["prompt_token_ids"], "prompt_token_ids"))
     elif "messages" in kinds:
-        tokenized = _chat_tokens(body, tokenizer, locate_system)
+        tokenized = _chat_tokens(body, tokenizer, locate_system, message_ends)
     else:
         tokenized = Tokenized(_prompt_token_ids(body.get("prompt"), tokenizer, adds_special_tokens(body, chat=False)))
     if vocab_size is not None:
@@ -189,9 +199,10 @@ def tokenize_body(
     return tokenized
 
 
-def _chat_tokens(body: dict[str, Any], tokenizer: Any, locate_system: bool) -> Tokenized:
+def _chat_tokens(body: dict[str, Any], tokenizer: Any, locate_system: bool, message_ends: bool) -> Tokenized:
     """The conversation through the chat template, as the server's chat endpoint renders it, with the token
-    positions of its breakpoints (tools first, then the messages) and, if asked, of its system messages' end."""
+    positions of its breakpoints (tools first, then the messages) and, if asked, of its system messages' end and
+    of each message's end."""
     messages = chat_messages(body)
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
@@ -207,15 +218,17 @@ def _chat_tokens(body: dict[str, Any], tokenizer: Any, locate_system: bool) -> T
     if locate:
         points.append(Breakpoint("message", num_system - 1))
     template_tools = [tool.template_dict() for tool in tools] or None
-    ids, positions = chat_prompt(
+    ids, positions, hints = hinted_chat_prompt(
         tokenizer,
         [m.template_dict() for m in messages],
         template_tools,
         points,
+        add_generation_prompt=True,
         add_special_tokens=adds_special_tokens(body, chat=True),
+        hint_message_ends=message_ends,
     )
     system_end = positions.pop() if locate else None
-    return Tokenized(ids, tuple(breakpoint_ranges(positions, [c for _, c in marks])), system_end)
+    return Tokenized(ids, tuple(breakpoint_ranges(positions, [c for _, c in marks])), system_end, tuple(hints))
 
 
 def body_ranges(body: dict[str, Any]) -> list[RetentionRange]:
@@ -268,6 +281,7 @@ def prompt_of(logged: LoggedBody, tokenized: Tokenized, messages: tuple[dict[str
         retention=retention,
         timestamp=timestamp_of(body),
         system_end=tokenized.system_end,
+        checkpoint_hints=tokenized.checkpoint_hints,
     )
 
 

@@ -46,6 +46,8 @@ def format_report(explanation: Explanation, source: str, errors: list[LineError]
                 f" {len(explanation.requests):,} requests, same replay)"
             )
         lines.append(f"  {_directives_line(explanation)}")
+        if config.has_state:
+            lines += _checkpoint_lines(explanation)
     if explanation.live_hit_rate is not None:
         lines.append(_rate_line("the server's cache now", explanation.live_hit_rate))
     lines += ["", "missed prompt tokens by reason (the engine's reasons, as /metrics counts them, then split finer)"]
@@ -53,7 +55,9 @@ def format_report(explanation: Explanation, source: str, errors: list[LineError]
     for core_reason, total in explanation.missed_by_core_reason.items():
         if core_reason == "skipped" or (core_reason in EVICTION_CAUSES and explanation.capacity_hit_rate is None):
             continue  # explain reads every prompt's cache; without a capacity nothing is evicted
-        if core_reason != EVICTED and not total and not explanation.directed_requests:
+        if core_reason == "no_checkpoint" and not config.has_state:
+            continue  # only a model with recurrent layers needs checkpoints
+        if core_reason not in (EVICTED, "no_checkpoint") and not total and not explanation.directed_requests:
             continue  # without directives nothing expires or is lost to retained blocks
         lines.append(_count_line(CORE_REASON_LABELS[core_reason], total, total_tokens))
         for reason in (r for r in REASONS if REFINES[r] == core_reason):
@@ -65,6 +69,23 @@ def format_report(explanation: Explanation, source: str, errors: list[LineError]
     if errors:
         lines += ["", "skipped lines"] + [f"  line {e.line}: {e.message}" for e in errors]
     return "\n".join(lines)
+
+
+def _checkpoint_lines(explanation: Explanation) -> list[str]:
+    """A recurrent model's replay: its checkpoint budget and policy, and the what-if of a checkpoint where each
+    prompt parts from the cached path."""
+    config = explanation.config
+    policy = config.checkpoint_policy
+    sparse = f"sparse every {policy.sparse_every_blocks} blocks" if policy.sparse_every_blocks else "no sparse ones"
+    chunks = f"prefill in chunks of {config.max_chunk_tokens:,}" if config.max_chunk_tokens else "prompts in one step"
+    saved = explanation.checkpoint_would_save
+    helped = sum(bool(r.checkpoint_would_save) for r in explanation.requests)
+    return [
+        f"  recurrent state: {config.num_checkpoint_slots:,} checkpoint slots ({sparse}, finish, junction and"
+        f" message-end hints), {chunks}",
+        _rate_line("  with a checkpoint where each parts", explanation.checkpoint_hit_rate)
+        + f"   (+{saved:,} tokens on {helped:,} requests: what the attention blocks held past each hit)",
+    ]
 
 
 def _directives_line(explanation: Explanation) -> str:
@@ -123,14 +144,17 @@ def _where(summary: DivergenceSummary) -> str:
 def _request_rows(explanation: Explanation, max_rows: int) -> list[str]:
     capacity = explanation.capacity_hit_rate is not None
     live = explanation.live_hit_rate is not None
+    state = explanation.config.has_state
     header = f"  {'line':>6} {'tokens':>7} {'infinite':>8} {'blocks':>7}"
-    header += f" {'cache':>6}" * capacity + f" {'server':>6}" * live
+    header += f" {'cache':>6}" * capacity + f" {'+ckpt':>6}" * state + f" {'server':>6}" * live
     header += f"  {'first miss':<18} {'shares with':>11} {'tokens':>6}  parts at"
     rows = [header]
     for r in explanation.requests[:max_rows]:
         row = f"  {r.line:>6} {r.prompt_tokens:>7} {_rate(r.infinite_hit, r):>8} {_rate(r.block_hit, r):>7}"
         if capacity:
             row += f" {_rate(r.capacity_hit, r):>6}"
+        if state:  # tokens a checkpoint where it parts would have saved
+            row += f" {r.checkpoint_would_save:>6}"
         if live:
             row += f" {_rate(r.live_cached, r):>6}"
         match = "—" if r.match_line is None else f"line {r.match_line}"
@@ -163,22 +187,31 @@ def to_json(explanation: Explanation, source: str, errors: list[LineError]) -> d
             "capacity": explanation.capacity_hit_rate,
             "server_now": explanation.live_hit_rate,
             "with_breakpoint": explanation.breakpoint_hit_rate,
+            "with_checkpoints_where_prompts_part": explanation.checkpoint_hit_rate,
         },
+        "checkpoint_would_save": explanation.checkpoint_would_save,
         "breakpoint_requests": explanation.breakpoint_requests,
         "directed_requests": explanation.directed_requests,
         "timed": explanation.timed,
         "missed_tokens": explanation.missed_by_core_reason,
         "missed_tokens_refined": explanation.missed,
         "divergence": None if explanation.divergence is None else asdict(explanation.divergence),
-        "requests": [{**asdict(r), "reason": r.reason, "core_reason": r.core_reason} for r in explanation.requests],
+        "requests": [_request_json(r) for r in explanation.requests],
         "errors": [asdict(e) for e in errors],
     }
 
 
+def _request_json(request: RequestExplanation) -> dict[str, Any]:
+    """A request's fields and the properties derived from them."""
+    derived = ("reason", "core_reason", "checkpoint_would_save")
+    return asdict(request) | {name: getattr(request, name) for name in derived}
+
+
 def write_plot(explanation: Explanation, path: Path, title: str) -> None:
-    """One bar per request (log order, top down) along the token axis: what an infinite cache reuses in whole
-    blocks, what block alignment loses, what a finite cache lost to eviction, and what is computed; a tick
-    marks where the prompt parts from the earlier one. Below, where prompts part, as a histogram."""
+    """One bar per request (log order, top down) along the token axis: what the cache reuses in whole blocks, what
+    a recurrent model computed again for want of a checkpoint, what a finite cache lost to eviction, what block
+    alignment loses, and what is computed; a tick marks where the prompt parts from the earlier one. Below, where
+    prompts part, as a histogram."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -189,13 +222,15 @@ def write_plot(explanation: Explanation, path: Path, title: str) -> None:
     bars, histogram = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])
     y = list(range(len(requests)))
     reused = [r.capacity_hit if capacity else r.block_hit for r in requests]
-    evicted = [r.block_hit - reused[i] for i, r in enumerate(requests)]
+    no_checkpoint = [r.checkpoint_would_save for r in requests]
+    evicted = [r.block_hit - reused[i] - no_checkpoint[i] for i, r in enumerate(requests)]
     aligned = [r.infinite_hit - r.block_hit for r in requests]
     computed = [r.prompt_tokens - r.infinite_hit for r in requests]
     height = 1.0 if len(requests) > 60 else 0.8
     left = [0] * len(requests)
     segments = [
         (reused, "#2e7d32", f"reused ({explanation.config.capacity_tokens:,}-token cache)" if capacity else "reused"),
+        (no_checkpoint, "#7b1fa2", "cached, no state checkpoint where it parts"),
         (evicted, "#ef6c00", "evicted (an infinite cache would reuse)"),
         (aligned, "#a5d6a7", "shared but not a whole block"),
         (computed, "#bdbdbd", "computed"),

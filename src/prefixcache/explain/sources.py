@@ -1,7 +1,8 @@
 """Where ``explain`` gets token ids and text: the model's tokenizer, or a running server.
 
-A prefixcache server answers ``POST /v1/cache/lookup`` (its tokens, each token's text and what its cache
-holds now), ``GET /v1/cache/config`` (its KV cache groups, for the replay) and ``POST
+A prefixcache server answers ``POST /v1/cache/lookup`` (its tokens, each token's text, a chat's checkpoint hints
+and what its cache holds now), ``GET /v1/cache/config`` (its KV cache groups and a recurrent model's checkpoint
+budget, for the replay) and ``POST
 /v1/chat/completions/render`` (where a chat's ``cache_control`` breakpoints land). Any other server with vLLM's
 ``/tokenize`` (vLLM itself: it takes a completion's ``prompt`` or a chat's ``messages``) gives the tokens it
 would run, and ``/detokenize`` their text; it reports no cache state, no block size, no KV cache groups (the
@@ -14,11 +15,12 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prefixcache.core import FULL_ATTENTION, KVCacheGroupSpec
+from prefixcache.core import FULL_ATTENTION
 from prefixcache.core.kv_cache_groups import spec_of_kind
 from prefixcache.core.retention import RetentionRange
+from prefixcache.core.state_table import CheckpointPolicy
 from prefixcache.explain.log import (
     Decode,
     LineError,
@@ -35,28 +37,30 @@ from prefixcache.explain.log import (
 from prefixcache.server.protocol import adds_special_tokens
 from prefixcache.server.retention import TokenRangeRetention
 
+if TYPE_CHECKING:
+    from prefixcache.model.config import ModelConfig
+
 
 def through_tokenizer(
     bodies: Sequence[LoggedBody], model: str | None, locate_system: bool = False
-) -> tuple[list[Prompt], list[LineError], Decode, str, tuple[KVCacheGroupSpec, ...]]:
+) -> tuple[list[Prompt], list[LineError], Decode, str, ModelConfig]:
     """Tokenize with the model's own tokenizer (no weights loaded); ids outside its vocabulary are refused. Also
-    the KV cache groups an engine would give the model, for the replay. ``locate_system``: find where each chat's
-    system messages end (``--breakpoint system``)."""
+    the model's config, from which the replay's cache is laid out as an engine would lay it out. A chat of a model
+    with recurrent layers gets its message ends as checkpoint hints, as the server gives them. ``locate_system``:
+    find where each chat's system messages end (``--breakpoint system``)."""
     from prefixcache.model.loader import load_tokenizer, read_config, resolve_model
 
     try:
         model_dir, name = resolve_model(model)
         tokenizer = load_tokenizer(model_dir)
         model_config = read_config(model_dir)
-        groups = tuple(KVCacheGroupSpec(group.sliding_window) for group in model_config.kv_cache_groups())
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(f"prefixcache explain: {exc}") from exc
-    if model_config.state_layers:  # as for a server's mamba group: no model of the checkpoint budget yet
-        raise SystemExit(f"prefixcache explain: cannot replay the recurrent-state checkpoints of {name}")
+    message_ends = bool(model_config.state_layers)
     prompts, errors = tokenize_log(
-        bodies, lambda body: tokenize_body(body, tokenizer, model_config.vocab_size, locate_system)
+        bodies, lambda body: tokenize_body(body, tokenizer, model_config.vocab_size, locate_system, message_ends)
     )
-    return prompts, errors, lambda ids: tokenizer.decode(list(ids)), name, groups
+    return prompts, errors, lambda ids: tokenizer.decode(list(ids)), name, model_config
 
 
 def server_client(base_url: str, api_key: str | None) -> Any:
@@ -82,21 +86,35 @@ def through_server(
         return _through_lookup(client, bodies)
 
 
-def server_groups(client: Any) -> tuple[KVCacheGroupSpec, ...]:
-    """The KV cache groups the server reports at /v1/cache/config, for the replay to admit as it does; one
-    full-attention group for a server that reports none (one from before them, or not prefixcache)."""
+def server_cache(client: Any) -> dict[str, Any]:
+    """The ``ExplainConfig`` fields of the cache the server reports at /v1/cache/config, for the replay to admit
+    as it does: its KV cache groups (one full-attention group for a server that reports none: one from before
+    them, or not prefixcache) and, for a model with recurrent layers, its state checkpoints' budget, sparse
+    interval and prefill chunk."""
     path = "/v1/cache/config"
     with _reaching(client):
         response = client.get(path)
     if response.status_code in (404, 405):
-        return (FULL_ATTENTION,)
+        return {"kv_cache_groups": (FULL_ATTENTION,)}
+    answer = _answer(client, response, path)
     groups = []
-    for group in _answer(client, response, path).get("kv_cache_groups") or []:
+    for group in answer.get("kv_cache_groups") or []:
         spec = spec_of_kind(group["kind"], group.get("sliding_window"))
-        if spec is None or spec.recurrent_state:  # the replay has no model of the server's checkpoint budget yet
+        if spec is None:
             raise SystemExit(f"prefixcache explain: cannot replay a KV cache group of kind {group['kind']!r}")
         groups.append(spec)
-    return tuple(groups) or (FULL_ATTENTION,)
+    cache: dict[str, Any] = {"kv_cache_groups": tuple(groups) or (FULL_ATTENTION,)}
+    if groups and groups[-1].recurrent_state:
+        state = answer.get("recurrent_state")
+        if not state:
+            raise SystemExit(f"prefixcache explain: {client.base_url} reports no budget of its state checkpoints")
+        cache |= {
+            "num_state_slots": state["num_state_slots"],
+            "num_checkpoint_slots": state["num_checkpoint_slots"],
+            "checkpoint_policy": CheckpointPolicy(sparse_every_blocks=state["sparse_every_blocks"]),
+            "max_chunk_tokens": state["max_num_batched_tokens"],
+        }
+    return cache
 
 
 @contextlib.contextmanager
@@ -124,7 +142,9 @@ def _through_lookup(
             namespace_of(logged.body)
             answer = _post(client, "/v1/cache/lookup", _lookup_body(logged.body))
             ids = answer["prompt_token_ids"]
-            prompt = prompt_of(logged, Tokenized(ids, _breakpoints(client, logged.body)), _messages(logged.body))
+            hints = tuple(answer.get("checkpoint_hints") or ())
+            tokenized = Tokenized(ids, _breakpoints(client, logged.body), checkpoint_hints=hints)
+            prompt = prompt_of(logged, tokenized, _messages(logged.body))
         except ValueError as exc:
             errors.append(LineError(logged.line, str(exc)))
             continue

@@ -9,6 +9,7 @@ No torch here: the config is read before any weights are.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -336,6 +337,38 @@ class ModelConfig:
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """Bytes one token's K and V take across the attention layers, to size a cache before any model is loaded."""
         return 2 * len(self.attention_layers) * self.num_kv_heads * self.head_dim * itemsize
+
+    def kv_bytes_per_block(self, block_size: int, itemsize: int, groups: tuple[KVCacheGroup, ...] | None = None) -> int:
+        """Bytes one block of the pool takes (K and V of each group slot), to size the cache from a memory budget
+        without the model: a block serves one group, so it spans the largest group's layers (default: the
+        mask-only single group, all of them)."""
+        slots = max(len(group.layers) for group in groups or self.kv_cache_groups(hybrid=False))
+        return block_size * slots * 2 * self.num_kv_heads * self.head_dim * itemsize
+
+    def state_shapes(self, layer: int) -> tuple[tuple[int, ...], ...]:
+        """One sequence's state in recurrent ``layer``: its conv window ``[kernel - 1, channels]`` (in the model's
+        dtype), then for Gated DeltaNet ``[Hv, Dk, Dv]`` and for Mamba2 ``[H, N, P]``, its matrix state (float32
+        at least). What the model allocates and what sizing a cache without the model counts."""
+        kind = self.layer_types[layer] if self.layer_types else None
+        if kind == "gated_delta_net":
+            gdn = self.gated_delta_net
+            return (gdn.conv_kernel - 1, gdn.conv_channels), (gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim)
+        if kind == "mamba2":
+            mamba = self.mamba2
+            return (mamba.conv_kernel - 1, mamba.conv_channels), (mamba.num_heads, mamba.state_size, mamba.head_dim)
+        if kind == "short_conv":
+            return ((self.short_conv.conv_kernel - 1, self.hidden_size),)
+        raise ValueError(f"layer {layer} is not a recurrent layer")
+
+    def state_bytes_per_slot(self, itemsize: int) -> int:
+        """Bytes one sequence's state takes across the recurrent layers (0 without any), the conv windows in a dtype
+        of ``itemsize`` bytes and the matrix states in float32 at least (``model.recurrent.state_dtype``)."""
+        matrix_itemsize = max(itemsize, 4)
+        total = 0
+        for layer in self.state_layers:
+            conv, *matrices = self.state_shapes(layer)
+            total += math.prod(conv) * itemsize + sum(math.prod(shape) for shape in matrices) * matrix_itemsize
+        return total
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> ModelConfig:

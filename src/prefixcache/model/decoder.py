@@ -436,10 +436,8 @@ class DecoderForCausalLM(nn.Module):
 
         A block serves one group, so it spans the largest group's layers; with the default single group, all.
         """
-        groups = self._check_groups(groups)
         itemsize = (dtype or self.model.norm.weight.dtype).itemsize
-        slots = max(len(group.layers) for group in groups)
-        return block_size * slots * 2 * self.config.num_kv_heads * self.config.head_dim * itemsize
+        return self.config.kv_bytes_per_block(block_size, itemsize, tuple(self._check_groups(groups)))
 
     def _check_groups(self, groups: Sequence[KVCacheGroup] | None) -> Sequence[KVCacheGroup]:
         """The groups (default: the mask-only single group); ValueError unless they hold every attention layer once
@@ -455,20 +453,10 @@ class DecoderForCausalLM(nn.Module):
             )
         return groups
 
-    def _recurrent_layers(self) -> list[nn.Module]:
-        layers = [self.model.layers[i] for i in self.config.state_layers]
-        return [getattr(layer, layer.mixer_name) for layer in layers]
-
     def state_bytes_per_slot(self, dtype: torch.dtype | None = None) -> int:
         """Bytes one sequence's state takes across all recurrent layers (0 without any): each conv window in
         ``dtype`` (default: the model's) and each matrix state in ``state_dtype(dtype)`` (float32 at least)."""
-        dtype = dtype or self.model.embed_tokens.weight.dtype
-        matrix_itemsize = state_dtype(dtype).itemsize
-        total = 0
-        for mixer in self._recurrent_layers():
-            conv, *matrices = mixer.state_shapes()
-            total += math.prod(conv) * dtype.itemsize + sum(math.prod(shape) for shape in matrices) * matrix_itemsize
-        return total
+        return self.config.state_bytes_per_slot((dtype or self.model.embed_tokens.weight.dtype).itemsize)
 
     def allocate_state_cache(
         self, num_slots: int, dtype: torch.dtype | None = None, device: torch.device | str | None = None
@@ -483,8 +471,8 @@ class DecoderForCausalLM(nn.Module):
         dtype = dtype or param.dtype
         device = device or param.device
         cache: StateCache = []
-        for mixer in self._recurrent_layers():
-            conv, *matrices = mixer.state_shapes()
+        for layer in self.config.state_layers:
+            conv, *matrices = self.config.state_shapes(layer)
             tensors = [torch.zeros((num_slots, *conv), dtype=dtype, device=device)]
             tensors += [torch.zeros((num_slots, *shape), dtype=state_dtype(dtype), device=device) for shape in matrices]
             cache.append(tuple(tensors))

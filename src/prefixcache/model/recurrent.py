@@ -1,10 +1,11 @@
 """The recurrent layers of hybrid models, in pure PyTorch: Gated DeltaNet (Qwen3.5), Mamba2 (Granite 4.0-H) and
 LFM2's gated short convolution.
 
-Each keeps a fixed-size state per sequence in a slot of the state cache (slot-major tensors, see
-``state_shapes``): the window of its causal depthwise convolution (the last ``kernel - 1`` inputs, token-major) and, for
-Gated DeltaNet and Mamba2, one matrix per head, in float32 at least (``state_dtype``; transformers keeps it in
-float32 too: a bfloat16 matrix state would drift over a long sequence). The recurrences compute in that dtype.
+Each keeps a fixed-size state per sequence in a slot of the state cache (slot-major tensors shaped by
+``ModelConfig.state_shapes``): the window of its causal depthwise convolution (the last ``kernel - 1`` inputs,
+token-major) and, for Gated DeltaNet and Mamba2, one matrix per head, in float32 at least (``state_dtype``;
+transformers keeps it in float32 too: a bfloat16 matrix state would drift over a long sequence). The recurrences
+compute in that dtype.
 :class:`~prefixcache.model.state.StateMetadata` says which slot each request reads and writes and where states
 are saved.
 
@@ -282,11 +283,6 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(spec.head_v_dim, config.rms_norm_eps, gate_first=False)
         self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
 
-    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Per slot: the conv window ``[K - 1, C]`` (model dtype) and the matrix state ``[Hv, Dk, Dv]``."""
-        spec = self.spec
-        return (spec.conv_kernel - 1, spec.conv_channels), (spec.num_v_heads, spec.head_k_dim, spec.head_v_dim)
-
     def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], meta: StateMetadata) -> torch.Tensor:
         spec, num_tokens = self.spec, x.shape[0]
         qkv, z, b, a = self.in_proj_qkvzba(x).split(self.split_sizes, dim=-1)
@@ -323,11 +319,6 @@ class Mamba2Mixer(nn.Module):
         self.norm = GatedRMSNorm(spec.inner_size, config.rms_norm_eps, gate_first=True, num_groups=spec.num_groups)
         self.out_proj = nn.Linear(spec.inner_size, config.hidden_size, bias=spec.proj_bias)
 
-    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Per slot: the conv window ``[K - 1, C]`` (model dtype) and the matrix state ``[H, N, P]``."""
-        spec = self.spec
-        return (spec.conv_kernel - 1, spec.conv_channels), (spec.num_heads, spec.state_size, spec.head_dim)
-
     def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], meta: StateMetadata) -> torch.Tensor:
         spec, num_tokens = self.spec, x.shape[0]
         gate, xbc, dt = self.in_proj(x).split(self.split_sizes, dim=-1)
@@ -361,10 +352,6 @@ class ShortConv(nn.Module):
         self.in_proj = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=spec.bias)
         self.conv = _depthwise_conv(config.hidden_size, spec.conv_kernel, bias=spec.bias)
         self.out_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=spec.bias)
-
-    def state_shapes(self) -> tuple[tuple[int, ...]]:
-        """Per slot: the conv window ``[K - 1, hidden]`` (model dtype)."""
-        return ((self.spec.conv_kernel - 1, self.conv.weight.shape[0]),)
 
     def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, ...], meta: StateMetadata) -> torch.Tensor:
         b, c, h = self.in_proj(x).chunk(3, dim=-1)

@@ -36,8 +36,9 @@ async def cache_lookup(request: Request, raw: dict[str, Any], engine: Engine, se
             engine, body.template_messages(), body.template_tools(), add_special_tokens=body.add_special_tokens
         )
         prompt: PromptInput = chat["prompt_token_ids"]
+        hints = chat.get("checkpoint_hints", [])
     else:
-        prompt = body.prompts[0]
+        prompt, hints = body.prompts[0], []
     salt = engine_salt(tenant_of(request.scope), body.cache_salt)
     try:  # a chat's ids are final; a text completion prompt is tokenized as the completions endpoint does
         token_ids, found = await engine.lookup(prompt, salt, body.add_special_tokens)
@@ -47,6 +48,7 @@ async def cache_lookup(request: Request, raw: dict[str, Any], engine: Engine, se
     if body.return_token_ids:
         answer["prompt_token_ids"] = token_ids
         answer["prompt_token_texts"] = await engine.token_texts(token_ids)
+        answer["checkpoint_hints"] = hints  # a recurrent model's state checkpoints go there (a chat's message ends)
     return answer
 
 
@@ -58,7 +60,9 @@ async def cache_config(engine: Engine, settings: Settings) -> dict[str, Any]:
     the key's ``tenant_salt`` and the body's ``cache_salt``), null when only ``cache_salt`` salts.
     ``kv_cache_groups`` are the KV cache groups in the shape vLLM gives its event consumers (index, kind,
     block size, window), so that a router predicts a hybrid model's hits before any event arrives.
-    ``kv_events.endpoint_bound`` false: the publisher connects to ``endpoint``, where a subscriber must bind."""
+    ``kv_events.endpoint_bound`` false: the publisher connects to ``endpoint``, where a subscriber must bind.
+    ``recurrent_state`` (null without recurrent layers): the state checkpoints' budget and where prefill chunks
+    end, what ``explain --base-url`` needs to replay them."""
     info = engine.info
     keyed = bool(settings.api_keys) and not settings.share_cache_across_keys
     events = engine.config.kv_events_config
@@ -75,6 +79,16 @@ async def cache_config(engine: Engine, settings: Settings) -> dict[str, Any]:
             {"group_idx": g, "kind": spec.kind, "block_size": info.block_size, "sliding_window": spec.sliding_window}
             for g, spec in enumerate(info.kv_cache_groups)
         ],
+        "recurrent_state": (
+            {
+                "num_state_slots": info.num_state_slots,
+                "num_checkpoint_slots": info.num_checkpoint_slots,
+                "sparse_every_blocks": info.sparse_every_blocks,
+                "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+            }
+            if any(spec.recurrent_state for spec in info.kv_cache_groups)
+            else None
+        ),
         "kv_events": (
             {
                 "endpoint": events.endpoint,
