@@ -41,13 +41,16 @@ def build_offload(
     groups: Sequence[KVCacheGroupSpec],
     enable_caching: bool,
     tier_listeners: Sequence[TierEventListener] = (),
+    state_bytes: int = 0,
 ) -> OffloadTiers | None:
     """The tiers ``config`` asks for, None without tiers (or with prefix caching off).
 
     ``weights_digest`` (``LoadedModel.weights_digest``) identifies the model's weights in the tiers' namespace.
-    With more than one KV cache group the host tier is filled write-through (see
-    :mod:`prefixcache.offload.connector`). The tiers are closed (queued writes finished, connections dropped)
-    when ``owner`` is garbage-collected or the interpreter exits, or earlier by ``connector.close()``.
+    With more than one attention KV cache group the host tier is filled write-through (see
+    :mod:`prefixcache.offload.connector`); a model with recurrent layers (its recurrent-state group last in
+    ``groups``) stores its state checkpoints too, ``state_bytes`` each. The tiers are closed (queued writes
+    finished, connections dropped) when ``owner`` is garbage-collected or the interpreter exits, or earlier by
+    ``connector.close()``.
     """
     offload = config.offload_config()
     if not offload.enabled:
@@ -59,13 +62,15 @@ def build_offload(
         model_fingerprint=model_fingerprint(model_config, weights_digest),
         dtype=config.dtype,
         block_size=config.block_size,
-        num_layers=model_config.num_layers,
+        num_layers=len(model_config.attention_layers),
         num_kv_heads=model_config.num_kv_heads,
         head_dim=model_config.head_dim,
         hash_algo=config.hash_algo,
         root_hash=root_hash,
         record_key=offload.record_key,
+        state_bytes=state_bytes,
     )
+    groups = [group for group in groups if not group.recurrent_state]  # checkpoints are no blocks
     mode = offload.mode
     if mode == WRITE_BACK and len(groups) > 1:
         logger.warning(
