@@ -101,7 +101,8 @@ class Checkpoint:
 @dataclass(slots=True)
 class StateWork:
     """A request's state work for one step, for the model runner: before the forward pass, zero ``slot``
-    (``zero``) or copy checkpoint slot ``restore_from`` into it (the first step after admission only); during
+    (``zero``) or copy checkpoint slot ``restore_from`` into it (the first step after admission only; with neither
+    at admission, an offload tier's checkpoint is loaded into it); during
     it, for each ``(n, s)`` of ``saves``, copy the state after the first ``n`` tokens of this step's chunk into
     slot ``s`` (``n`` a multiple of the block size, counted from the chunk's first token)."""
 
