@@ -23,7 +23,9 @@ GROUPS = (FULL_ATTENTION, RECURRENT_STATE)
 PROMPT = [*range(1000, 1008), 1, 2, 3]  # the first 8 tokens of make_request(10) and 3 others
 
 
-def make(mode=WRITE_BACK, tiers=("cpu",), tmp_path=None, num_blocks=6, num_checkpoint_slots=1, **kwargs):
+def make(
+    mode=WRITE_BACK, tiers=("cpu",), tmp_path=None, num_blocks=6, num_checkpoint_slots=1, min_priority=0, **kwargs
+):
     layout = make_layout(root_hash=root_hash("sha256"), block_size=B, state_bytes=STATE_BYTES)
     stores = [
         HostMemoryStore(layout, 100 * layout.block_bytes)
@@ -31,7 +33,7 @@ def make(mode=WRITE_BACK, tiers=("cpu",), tmp_path=None, num_blocks=6, num_check
         else DiskStore(layout, tmp_path / "disk", 100 * 2 * layout.block_bytes)
         for tier in tiers
     ]
-    connector = OffloadConnector(stores, B, mode, TierWriter(stores, background=False))
+    connector = OffloadConnector(stores, B, mode, TierWriter(stores, background=False), min_priority=min_priority)
     manager = KVCacheManager(
         num_blocks=num_blocks,
         block_size=B,
@@ -160,6 +162,18 @@ def test_a_demoted_checkpoint_keeps_its_blocks_retention():
     [save] = plan.state_save_before
     priority, left = save.retention
     assert priority == 80 and 0 < left <= 600.0
+
+
+def test_a_checkpoint_below_the_minimum_priority_is_dropped_as_its_block_is():
+    """With ``min_priority`` 36 only A's retained prefix offloads: its checkpoint (block at 80) is demoted, B's
+    (default priority) is dropped when C's evicts it."""
+    manager, connector = make(WRITE_BACK, num_blocks=12, min_priority=36)
+    a = Request("a", list(range(1000, 1010)), retention=[RetentionRange(0, 8, 80, 600.0)])
+    serve(manager, connector, a)
+    _, _, plan = serve(manager, connector, make_request(10, start=2000, request_id="b"))
+    assert [save.key for save in plan.state_save_before] == [state_key(manager.block_hashes(a)[1])]
+    _, _, plan = serve(manager, connector, make_request(10, start=3000, request_id="c"))
+    assert plan.state_save_before == []
 
 
 def test_a_hybrid_cache_refuses_a_connector_that_keeps_no_checkpoints():

@@ -102,8 +102,9 @@ class StateConnector(KVConnector, Protocol):
     def state_admitted(self, request: Request, slot: int) -> None:
         """``request`` was admitted with its staged checkpoint: load it into working state slot ``slot``."""
 
-    def checkpoints_saved(self, saved: Sequence[tuple[BlockHash, int]]) -> None:
-        """This step's forward pass saves these checkpoints (block hash, state slot)."""
+    def checkpoints_saved(self, saved: Sequence[tuple[BlockHash, int, Block | None]]) -> None:
+        """This step's forward pass saves these checkpoints (block hash, state slot, the pool's block of that hash,
+        whose retention they have)."""
 
     def checkpoint_evicted(self, block_hash: BlockHash, slot: int, block: Block | None) -> None:
         """The checkpoint in ``slot`` is evicted (its slot is reused after this step's plan is taken); ``block``
@@ -635,7 +636,10 @@ class KVCacheManager:
         plan = None
         if self.connector is not None:
             if self.state is not None:
-                self.connector.checkpoints_saved([(c.block_hash, c.slot) for c in self.state.pending])
+                lookup = self._attention_lookups[0]
+                self.connector.checkpoints_saved(
+                    [(c.block_hash, c.slot, lookup(c.block_hash)) for c in self.state.pending]
+                )
             plan = self.connector.take_plan(self._cached_block_ids)
         if self.state is not None:
             self.state.step_done()

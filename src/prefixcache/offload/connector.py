@@ -41,7 +41,9 @@ Retention: a block a directive marked goes to the tiers with its priority and th
 evicts in the device pool's order and stops serving it when the time runs out (see
 :mod:`prefixcache.offload.store`). Written through when computed, it has its whole TTL (``prompt_cache_retention:
 "24h"`` keeps it 24 hours on disk or in Redis); demoted at eviction (write-back), what is left of the TTL the
-device pool ran from its last use; an expired block is demoted at the default priority.
+device pool ran from its last use; an expired block is demoted at the default priority. With ``min_priority`` (the
+TensorRT-LLM semantics of ``--kv-offload-min-priority``) a block or checkpoint whose priority is below it is
+dropped where it would go to a tier, written through or demoted: only what a directive keeps is worth a tier.
 """
 
 from __future__ import annotations
@@ -220,7 +222,8 @@ class OffloadConnector(BlockPoolListener, TierEventListener):
     """Scheduler side of the offload tiers for one cache manager; see the module docstring.
 
     ``groups`` are the cache's KV cache groups; ``tier_listeners`` hear the tiers' events (KV events);
-    ``clock`` is the device pool's, which the expiry of an evicted block is on.
+    ``clock`` is the device pool's, which the expiry of an evicted block is on; blocks below ``min_priority`` never
+    go to a tier (an expired block counts at the default priority).
     """
 
     def __init__(
@@ -232,6 +235,7 @@ class OffloadConnector(BlockPoolListener, TierEventListener):
         groups: Sequence[KVCacheGroupSpec] = (FULL_ATTENTION,),
         tier_listeners: Sequence[TierEventListener] = (),
         clock: Callable[[], float] = time.monotonic,
+        min_priority: int = 0,
     ) -> None:
         if mode not in OFFLOAD_MODES:
             raise ValueError(f"offload mode must be one of {', '.join(OFFLOAD_MODES)}, got {mode!r}")
@@ -263,6 +267,7 @@ class OffloadConnector(BlockPoolListener, TierEventListener):
         self._to_save: list[BlockHash] = []
         self._to_save_retention: dict[BlockHash, Retention] = {}
         self.clock = clock
+        self.min_priority = min_priority
         self._loaded_this_step: set[BlockHash] = set()
         self._event_lock = threading.Lock()
         self._events: list[tuple[str, str, list[BlockHash], int]] = []
@@ -358,21 +363,20 @@ class OffloadConnector(BlockPoolListener, TierEventListener):
         self.stores[tier].count_served(1, 0)
         self.writer.submit([t for t in self._write_through_tiers if t < tier], [(key, payload)])
 
-    def checkpoints_saved(self, saved: Sequence[tuple[BlockHash, int]]) -> None:
-        """This step's forward pass saves these checkpoints (block hash, state slot): the write-through tiers get
-        them after it, with the retention their blocks were saved with."""
+    def checkpoints_saved(self, saved: Sequence[tuple[BlockHash, int, Block | None]]) -> None:
+        """This step's forward pass saves these checkpoints (block hash, state slot, the pool's block of that hash):
+        the write-through tiers get them after it, with their block's retention."""
         tiers = self._write_through_tiers
-        if tiers:
-            retention = self._to_save_retention
-            self._plan.state_save_after.extend(
-                StateSave(slot, state_key(block_hash), tiers, retention.get(block_hash)) for block_hash, slot in saved
-            )
+        for block_hash, slot, block in saved:
+            if tiers and self._offloads(block):
+                retention = None if block is None else self._retention_left(block)
+                self._plan.state_save_after.append(StateSave(slot, state_key(block_hash), tiers, retention))
 
     def checkpoint_evicted(self, block_hash: BlockHash, slot: int, block: Block | None) -> None:
         """The device evicts the checkpoint in ``slot``: the write-back tiers get it before the forward pass
         overwrites the slot, with what its block (None: gone) has left of its retention."""
         tiers = self._write_back_tiers
-        if tiers:
+        if tiers and self._offloads(block):
             retention = None if block is None else self._retention_left(block)
             self._plan.state_save_before.append(StateSave(slot, state_key(block_hash), tiers, retention))
 
@@ -428,18 +432,32 @@ class OffloadConnector(BlockPoolListener, TierEventListener):
     # ---- device pool listener: what to save --------------------------------------------------------
 
     def blocks_stored(self, stored: StoredBlocks) -> None:
-        if self._write_through_tiers and stored.group == self._saving_group:
-            self._to_save.extend(stored.block_hashes)
-            if stored.retention is not None:
-                for block_hash, (priority, ttl_s) in zip(stored.block_hashes, stored.retention, strict=True):
-                    if ttl_s is not None and priority != DEFAULT_PRIORITY:
-                        self._to_save_retention[block_hash] = (priority, ttl_s)
+        if not self._write_through_tiers or stored.group != self._saving_group:
+            return
+        if stored.retention is None:
+            if self._offloads_priority(DEFAULT_PRIORITY):
+                self._to_save.extend(stored.block_hashes)
+            return
+        for block_hash, (priority, ttl_s) in zip(stored.block_hashes, stored.retention, strict=True):
+            if not self._offloads_priority(priority):
+                continue
+            self._to_save.append(block_hash)
+            if ttl_s is not None and priority != DEFAULT_PRIORITY:
+                self._to_save_retention[block_hash] = (priority, ttl_s)
 
     def block_reused(self, block: Block, last_copy: bool) -> None:
         tiers = self._write_back_tiers  # one group only (checked at construction)
-        if tiers and last_copy:
+        if tiers and last_copy and self._offloads(block):
             retention = self._retention_left(block)
             self._plan.save_before.append(BlockSave((block.block_id,), block.block_hash, tiers, retention))
+
+    def _offloads(self, block: Block | None) -> bool:
+        """Whether a block (None: gone, at the default priority) goes to the tiers: at ``min_priority`` or above."""
+        return self._offloads_priority(DEFAULT_PRIORITY if block is None else block.priority)
+
+    def _offloads_priority(self, priority: int) -> bool:
+        """Whether a block of ``priority`` goes to the tiers (an expired one counts at the default priority)."""
+        return (DEFAULT_PRIORITY if priority == EXPIRED else priority) >= self.min_priority
 
     def _retention_left(self, block: Block) -> Retention | None:
         """A demoted block's (priority, seconds left) when a directive marked it: its TTL runs from its last use

@@ -90,12 +90,15 @@ def build_offload(
         capacity = _at_least_one_block(offload.redis_bytes, layout, "redis")
         stores.append(RedisStore(layout, offload.redis_url, capacity, password=offload.redis_password))
     writer = TierWriter(stores)
-    connector = OffloadConnector(stores, config.block_size, mode, writer, groups, tier_listeners)
+    connector = OffloadConnector(
+        stores, config.block_size, mode, writer, groups, tier_listeners, min_priority=offload.min_priority
+    )
     weakref.finalize(owner, connector.close)
     logger.info(
-        "KV offload: %s, host tier %s; blocks of %.2f MiB, namespace %s; %s",
+        "KV offload: %s, host tier %s%s; blocks of %.2f MiB, namespace %s; %s",
         ", ".join(f"{s.medium} {s.capacity_bytes / 2**30:.2f} GiB" for s in stores),
         mode.replace("_", "-"),
+        f", blocks below priority {offload.min_priority} dropped" if offload.min_priority else "",
         layout.block_bytes / 2**20,
         layout.namespace.hex(),
         "records checksummed, not authenticated (no --kv-offload-secret-file)"
