@@ -9,6 +9,7 @@ import pytest
 
 from prefixcache.core import FULL_ATTENTION, KVCacheManager, Request, root_hash
 from prefixcache.core.kv_cache_groups import RECURRENT_STATE
+from prefixcache.core.kv_cache_manager import PrefixHit
 from prefixcache.core.retention import RetentionRange
 from prefixcache.core.state_table import StateWork
 from prefixcache.offload import DiskStore, HostMemoryStore
@@ -179,3 +180,12 @@ def test_a_checkpoint_below_the_minimum_priority_is_dropped_as_its_block_is():
 def test_a_hybrid_cache_refuses_a_connector_that_keeps_no_checkpoints():
     with pytest.raises(ValueError, match="does not carry recurrent-state checkpoints"):
         KVCacheManager(num_blocks=8, block_size=B, groups=GROUPS, num_state_slots=2, connector=FakeConnector())
+
+
+def test_a_hit_that_claims_a_tier_checkpoint_without_blocks_is_misuse_and_changes_nothing():
+    manager, _ = make()
+    request = make_request(10)
+    with pytest.raises(ValueError, match="a state from the connector needs a hit of blocks"):
+        manager.allocate_slots(request, 10, PrefixHit([[], []], external_state=True))
+    assert manager.block_ids(request) == [[], []] and manager.state.has_working_slot
+    manager.check_invariants()

@@ -917,8 +917,9 @@ class KVCacheManager:
         self.stats.retained_written_tokens += num_written
 
     def _check_checkpoint(self, request: Request, hit: PrefixHit, num_full: int) -> None:
-        """A hit of ``num_full`` blocks needs the ready checkpoint at exactly that boundary (none for no hit), and
-        a junction beyond it within the prompt's hittable blocks."""
+        """A hit of ``num_full`` pool blocks and the connector's after them needs a checkpoint at exactly where they
+        end: the pool's ready one, or the connector's (``external_state``); none for no hit. A junction lies beyond
+        it within the prompt's hittable blocks."""
         max_blocks = hittable_blocks(request.num_tokens, self.block_size)
         end = num_full + hit.num_external_tokens // self.block_size  # where the hit's blocks end
         if hit.junction_blocks and not end < hit.junction_blocks <= max_blocks:
