@@ -92,6 +92,8 @@ class EngineConfig:
     device) or ``write_through`` (as blocks are computed); disk and Redis are always written through.
     ``kv_offload_secret_file`` (else ``$PREFIXCACHE_KV_OFFLOAD_SECRET``) holds a deployment secret that
     authenticates disk and Redis records (HMAC-SHA256); every engine sharing a store needs the same one.
+    ``kv_offload_min_priority`` (0-100, default 0: every block) drops blocks whose retention priority is below it
+    instead of offloading them (TensorRT-LLM's semantics: only blocks at a priority are worth a tier).
 
     Retention directives (``prefixcache.core.retention``) are bounded by the operator: ``max_retained_fraction``
     is the share of the KV blocks that retained blocks (priority above the default) may hold, past which the
@@ -126,6 +128,7 @@ class EngineConfig:
     kv_offload_redis: str | None = None
     kv_offload_mode: str = "write_back"
     kv_offload_secret_file: str | None = None
+    kv_offload_min_priority: int = 0
     max_retained_fraction: float = DEFAULT_MAX_RETAINED_FRACTION
     max_retention_ttl_s: float = DEFAULT_MAX_RETENTION_TTL_S
     max_tenant_retained_fraction: float | None = None
@@ -178,4 +181,5 @@ class EngineConfig:
             self.kv_offload_redis,
             self.kv_offload_mode,
             self.kv_offload_secret_file,
+            self.kv_offload_min_priority,
         )

@@ -51,11 +51,11 @@ def test_flags_reach_the_engine_config():
     add_engine_args(parser)
     args = parser.parse_args(
         ["--kv-offload-cpu", "8GiB", "--kv-offload-disk", "/tmp/kv:1GiB", "--kv-offload-redis", "redis://r:6379/1"]
-        + ["--kv-offload-mode", "write_through"]
+        + ["--kv-offload-mode", "write_through", "--kv-offload-min-priority", "36"]
     )
     offload = EngineConfig(**engine_kwargs(args)).offload_config()
     assert offload == OffloadConfig(
-        8 * 2**30, "/tmp/kv", 2**30, "redis://r:6379/1", DEFAULT_REDIS_BYTES, "write_through"
+        8 * 2**30, "/tmp/kv", 2**30, "redis://r:6379/1", DEFAULT_REDIS_BYTES, "write_through", min_priority=36
     )
     assert not EngineConfig().offload_config().enabled
 
@@ -67,6 +67,9 @@ def test_bad_options_are_refused_by_the_engine_config():
         EngineConfig(kv_offload_disk=" ")
     with pytest.raises(ValueError, match="kv_offload_mode"):
         EngineConfig(kv_offload_mode="lazy")
+    for priority in (-1, 101, 3.5, True):
+        with pytest.raises(ValueError, match=r"kv_offload_min_priority must be an integer in \[0, 100\]"):
+            EngineConfig(kv_offload_cpu="1GiB", kv_offload_min_priority=priority)
 
 
 def test_the_secret_comes_from_the_file_flag_else_the_environment(tmp_path, monkeypatch):

@@ -263,12 +263,13 @@ def test_with_a_sliding_group_each_load_and_save_names_the_block_of_every_group_
     manager.check_invariants()
 
 
-def retained_connector(mode, num_blocks=4):
+def retained_connector(mode, num_blocks=4, min_priority=0):
     """A manager and its connector on one fake clock (the device pool's), with a host tier on another."""
     clock = FakeClock()
     layout = make_layout(root_hash=root_hash("sha256"), block_size=B)
     host = HostMemoryStore(layout, 100 * layout.block_bytes)
-    connector = OffloadConnector([host], B, mode, TierWriter([host], background=False), clock=clock)
+    writer = TierWriter([host], background=False)
+    connector = OffloadConnector([host], B, mode, writer, clock=clock, min_priority=min_priority)
     manager = KVCacheManager(num_blocks=num_blocks, block_size=B, connector=connector, clock=clock)
     return manager, connector, clock
 
@@ -308,3 +309,28 @@ def test_write_through_hands_a_24h_block_its_whole_ttl():
         (hashes[1], (90, 86400.0)),
         (hashes[2], None),
     ]
+
+
+# Three blocks of one prompt at priorities 90, 20 and the default 35 (the last two blocks).
+MIXED = (RetentionRange(0, B, 90, 60.0), RetentionRange(B, 2 * B, 20, 60.0))
+
+
+@pytest.mark.parametrize(("min_priority", "kept"), [(0, [0, 1, 2]), (21, [0, 2]), (36, [0])])
+def test_write_back_drops_the_blocks_below_the_minimum_priority_instead_of_demoting_them(min_priority, kept):
+    manager, _, _ = retained_connector(WRITE_BACK, min_priority=min_priority)
+    first = Request("first", list(range(1000, 1000 + 3 * B + 1)), retention=MIXED)
+    admit(manager, first)
+    take_plan(manager)
+    manager.free(first)
+    admit(manager, make_request(4 * B - 1, start=5000, request_id="second"))  # evicts every block of the first
+    hashes = manager.block_hashes(first)
+    assert sorted(hashes.index(s.block_hash) for s in take_plan(manager).save_before) == kept
+
+
+@pytest.mark.parametrize(("min_priority", "kept"), [(0, [0, 1, 2]), (35, [0, 2]), (90, [0]), (91, [])])
+def test_write_through_saves_only_the_blocks_at_the_minimum_priority(min_priority, kept):
+    manager, _, _ = retained_connector(WRITE_THROUGH, num_blocks=8, min_priority=min_priority)
+    request = Request("r", list(range(1000, 1000 + 3 * B + 1)), retention=MIXED)
+    admit(manager, request)
+    hashes = manager.block_hashes(request)
+    assert [hashes.index(s.block_hash) for s in take_plan(manager).save_after] == kept

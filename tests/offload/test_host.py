@@ -3,12 +3,14 @@
 import pytest
 
 from prefixcache.offload import HostMemoryStore, TierEventListener
+from prefixcache.offload.record import state_key
 from tests.offload.conftest import (
     WallClock,
     block_hash,
     blocks,
     check_held_prefix_reads_nothing,
     check_retention_order,
+    make_layout,
     payload,
 )
 
@@ -52,6 +54,23 @@ def test_capacity_evicts_the_least_recently_used(layout):
         ("removed", "CPU", [block_hash(3), block_hash(1)]),
     ]
     assert store.snapshot().evictions == 3
+
+
+def test_checkpoints_count_their_own_size_against_the_budget():
+    """A state checkpoint of three blocks' size in a budget of four blocks pushes out the least recently used
+    block, not a block count's worth."""
+    layout = make_layout(state_bytes=3 * make_layout().block_bytes)
+    store = HostMemoryStore(layout, capacity_bytes=4 * layout.block_bytes)
+    store.store(blocks(layout, [1, 2]))
+    checkpoint = (state_key(block_hash(2)), bytes(range(256)) * (layout.state_bytes // 256))
+    store.store([checkpoint])
+    assert [block_hash(1) in store, block_hash(2) in store, checkpoint[0] in store] == [False, True, True]
+    assert store.load_prefix([checkpoint[0]]) == [checkpoint[1]]
+    stats = store.snapshot()
+    assert (stats.used_bytes, stats.num_blocks, stats.evictions) == (4 * layout.block_bytes, 2, 1)
+    assert stats.bytes_stored == 5 * layout.block_bytes
+    store.discard([checkpoint[0]])
+    assert store.snapshot().used_bytes == layout.block_bytes
 
 
 def test_held_prefix_reads_nothing_and_leaves_the_lru_order(layout):

@@ -1,6 +1,8 @@
 """Records: a block reads back only for the exact layout and hash it was written for, intact, and with a
 deployment secret only if it was written with that secret."""
 
+import dataclasses
+
 import pytest
 
 from prefixcache.offload.record import (
@@ -11,6 +13,7 @@ from prefixcache.offload.record import (
     decode_record,
     encode_record,
     record_retention,
+    state_key,
 )
 from tests.offload.conftest import SECRET, block_hash, forger, keyed_layout, make_layout, payload
 
@@ -139,3 +142,33 @@ def test_a_retained_record_names_its_retention_inside_the_check(keyed):
     extended[4 + 1 + 16 + 1 + 32 + 8] ^= 0x01  # the last byte of the expiry: someone keeping it longer
     bad = decode_record(layout, block_hash(3), bytes(extended))
     assert isinstance(bad, BadRecord) and bad.reason is (RecordError.FORGED if keyed else RecordError.CORRUPT)
+
+
+def test_a_checkpoint_reads_back_under_its_blocks_state_key_and_nowhere_else():
+    """A model with recurrent layers stores each checkpoint under its block's state key, with the layout's state
+    size; a block record where a checkpoint belongs (or the reverse) is foreign, as is a checkpoint of a model whose
+    states have another size."""
+    layout = make_layout(state_bytes=40)
+    key = state_key(block_hash(1))
+    state = bytes(range(40))
+    record = encode_record(layout, key, state)
+    assert decode_record(layout, key, record) == state
+    assert decode_record(layout, block_hash(1), record).reason is RecordError.FOREIGN
+    block_record = encode_record(layout, block_hash(1), payload(layout, 1))
+    assert decode_record(layout, key, block_record).reason is RecordError.FOREIGN
+    other = make_layout(state_bytes=48)
+    assert other.namespace != layout.namespace
+    assert decode_record(other, key, encode_record(other, key, bytes(48))) == bytes(48)
+    assert decode_record(layout, key, encode_record(other, key, bytes(48))).reason is RecordError.FOREIGN
+    with pytest.raises(ValueError, match="payload has 39 bytes"):
+        encode_record(layout, key, state[:-1])
+
+
+def test_an_attention_only_layout_keeps_its_namespace_and_stores_no_checkpoints(layout):
+    assert "state_bytes" not in layout.describe()  # the namespace digests what it did before checkpoints existed
+    with pytest.raises(ValueError, match="no recurrent state"):
+        encode_record(layout, state_key(block_hash(1)), b"")
+    with_states = dataclasses.replace(layout, state_bytes=8)  # a checkpoint written into this namespace
+    object.__setattr__(with_states, "namespace", layout.namespace)
+    record = encode_record(with_states, state_key(block_hash(1)), bytes(8))
+    assert decode_record(layout, state_key(block_hash(1)), record).reason is RecordError.FOREIGN

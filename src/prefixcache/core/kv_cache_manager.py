@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from prefixcache.core.block_pool import Block, BlockPool, BlockPoolListener
 from prefixcache.core.eviction import EXPIRED, EvictionPolicy
@@ -87,6 +87,30 @@ class KVConnector(Protocol):
         group (None when some group lacks it)."""
 
 
+@runtime_checkable
+class StateConnector(KVConnector, Protocol):
+    """A connector that also keeps state checkpoints (a model with recurrent layers), each under the hash of the
+    block it ends, as the recurrent-state group keys them."""
+
+    def holds_state(self, block_hash: BlockHash) -> bool:
+        """Whether the source holds the checkpoint at the end of ``block_hash``'s block; reads nothing."""
+
+    def stage_state(self, request: Request, block_hash: BlockHash) -> bool:
+        """Read (and verify) that checkpoint now, staged for ``request``'s admission; False when it is not held
+        or does not read back."""
+
+    def state_admitted(self, request: Request, slot: int) -> None:
+        """``request`` was admitted with its staged checkpoint: load it into working state slot ``slot``."""
+
+    def checkpoints_saved(self, saved: Sequence[tuple[BlockHash, int, Block | None]]) -> None:
+        """This step's forward pass saves these checkpoints (block hash, state slot, the pool's block of that hash,
+        whose retention they have)."""
+
+    def checkpoint_evicted(self, block_hash: BlockHash, slot: int, block: Block | None) -> None:
+        """The checkpoint in ``slot`` is evicted (its slot is reused after this step's plan is taken); ``block``
+        is the pool's block of that hash (None when gone), whose retention it had."""
+
+
 @dataclass(slots=True)
 class PrefixCacheStats:
     """Counted when a request is admitted: prompt tokens looked up, not computed, and missed.
@@ -126,8 +150,9 @@ class PrefixHit:
     (``num_copied_tokens`` > 0, one full-attention group only) the last block is the copy source.
     ``num_external_tokens`` are whole blocks right after, which the connector staged and loads into
     new blocks. With a recurrent-state group (whose ``blocks`` entry is empty), ``checkpoint`` is the state
-    at the hit's end (None for no hit), and ``junction_blocks`` the longer prefix the attention groups alone
-    hold (0 when not longer), where admission leaves a junction checkpoint.
+    at the hit's end (None for no hit, or when ``external_state``: the connector staged it), and
+    ``junction_blocks`` the longer prefix the attention groups alone hold (0 when not longer), where admission
+    leaves a junction checkpoint.
     """
 
     blocks: list[list[Block]]
@@ -136,6 +161,7 @@ class PrefixHit:
     num_external_tokens: int = 0
     checkpoint: Checkpoint | None = None
     junction_blocks: int = 0
+    external_state: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -191,7 +217,9 @@ class KVCacheManager:
 
     A model with recurrent layers has a recurrent-state group last: ``num_state_slots`` working states
     (the most requests that run at once), ``num_checkpoint_slots`` checkpoints placed by
-    ``checkpoint_policy`` (:mod:`prefixcache.core.state_table`); offload tiers do not carry checkpoints.
+    ``checkpoint_policy`` (:mod:`prefixcache.core.state_table`). Its connector must be a
+    :class:`StateConnector`: a hit then reaches as far as every attention group's blocks (pool, then connector)
+    and a checkpoint at exactly that boundary (pool or connector) go, and evicted checkpoints go to it.
     """
 
     def __init__(
@@ -229,8 +257,8 @@ class KVCacheManager:
         self.groups = check_groups(groups)
         check_sub_blocks(self.groups, block_size, sub_block_size)
         has_state = self.groups[-1].recurrent_state
-        if has_state and connector is not None:
-            raise ValueError("the offload tiers do not carry recurrent-state checkpoints; turn them off for this model")
+        if has_state and enable_caching and connector is not None and not isinstance(connector, StateConnector):
+            raise ValueError("this connector does not carry recurrent-state checkpoints; turn it off for this model")
         # The attention groups, which hold blocks: all but the recurrent-state group (last when there is one).
         self._attention = self.groups[:-1] if has_state else self.groups
         self.block_size = block_size
@@ -287,6 +315,7 @@ class KVCacheManager:
                 self._attention_lookups,
                 group=len(self._attention),
                 listeners=listeners,
+                on_evicted=None if self.connector is None else self._checkpoint_evicted,
             )
         self._lookups = self._attention_lookups + ([self.state.lookup] if self.state else [])
         self._single_full = self.groups == (FULL_ATTENTION,)
@@ -370,6 +399,8 @@ class KVCacheManager:
         hashes = self.block_hashes(request)
         max_blocks = hittable_blocks(request.num_tokens, self.block_size)
         hit = self._local_hit(request, hashes, max_blocks)
+        if self.connector is not None and self.state is not None:
+            return self._state_connector_hit(request, hashes, hit, max_blocks, read=True)
         if self.connector is not None:
             num_blocks = hit.num_local_tokens // self.block_size
             num_external = self.connector.extend_hit(request, hashes, num_blocks, max_blocks) * self.block_size
@@ -403,6 +434,9 @@ class KVCacheManager:
             hashes = self.block_hashes(request)
             max_blocks = hittable_blocks(request.num_tokens, self.block_size)
             hit = self._local_hit(request, hashes, max_blocks)
+            if self.connector is not None and self.state is not None:
+                hit = self._state_connector_hit(request, hashes, hit, max_blocks, read=False)
+                max_blocks = hit.num_tokens // self.block_size  # where the tiers' blocks end
             num_copied = hit.num_copied_tokens
             num_blocks = hit.num_local_tokens // self.block_size
             retention = self._retention_runs(hit.blocks[: len(self._attention)], num_blocks)
@@ -543,7 +577,7 @@ class KVCacheManager:
                 self._sub_block_requests[request.request_id] = request
                 self._sub_block_indexed[request.request_id] = num_held * block_size
             if self.state is not None:
-                self.state.admit(request, hit.checkpoint, hit.junction_blocks)
+                self.state.admit(request, hit.checkpoint, hit.junction_blocks, loaded=hit.external_state)
         elif leaving is not None:
             for g, positions in enumerate(leaving):
                 if positions:
@@ -564,6 +598,8 @@ class KVCacheManager:
                 end = num_held + hit.num_external_tokens // block_size
                 targets = [self._targets(tables, i) for i in range(num_held, end)]
                 self.connector.admitted(request, self.block_hashes(request), num_held, targets)
+            if hit.external_state:
+                self.connector.state_admitted(request, self.state.work(request).slot)
         if self.state is not None:
             self.state.schedule_saves(request, self.block_hashes(request), num_computed, total)
         request.num_computed_tokens = total
@@ -597,7 +633,14 @@ class KVCacheManager:
         """What the model runner must move around this step's forward pass: the sub-block hits' K/V copies
         (before it) and the connector's plan (None without a connector)."""
         ops, self._pending_copies = self._pending_copies, []
-        plan = None if self.connector is None else self.connector.take_plan(self._cached_block_ids)
+        plan = None
+        if self.connector is not None:
+            if self.state is not None:
+                lookup = self._attention_lookups[0]
+                self.connector.checkpoints_saved(
+                    [(c.block_hash, c.slot, lookup(c.block_hash)) for c in self.state.pending]
+                )
+            plan = self.connector.take_plan(self._cached_block_ids)
         if self.state is not None:
             self.state.step_done()
         return ops, plan
@@ -701,6 +744,53 @@ class KVCacheManager:
                 blocks[0].append(found_copy[0])
                 return PrefixHit(blocks, num_blocks * self.block_size + found_copy[1], found_copy[1])
         return PrefixHit(blocks, num_blocks * self.block_size, checkpoint=checkpoint, junction_blocks=junction)
+
+    def _state_connector_hit(
+        self, request: Request, hashes: list[BlockHash], hit: PrefixHit, max_blocks: int, read: bool
+    ) -> PrefixHit:
+        """The pool's ``hit`` extended by the connector on a model with recurrent layers: the longest prefix of
+        ``k`` blocks that the attention groups hold (the pool's blocks, then the connector's run right after
+        them) with a checkpoint at exactly ``k`` (the pool's, else the connector's), the deepest first. With
+        ``read``, the run and the checkpoint are read and staged (``find_prefix``); without, only the indexes
+        are asked (``lookup``)."""
+        block_size, connector = self.block_size, self.connector
+        num_local = hit.num_local_tokens // block_size
+        num_held = max(hit.junction_blocks, num_local)  # what the attention groups hold in the pool
+        if read:
+            num_run = connector.extend_hit(request, hashes, num_held, max_blocks)
+        else:
+            num_run = sum(connector.held(request, hashes, num_held, max_blocks).values()) // block_size
+        for end in range(num_held + num_run, num_local, -1):
+            checkpoint = self.state.lookup(hashes[end - 1])
+            if checkpoint is not None:
+                break
+            if connector.stage_state(request, hashes[end - 1]) if read else connector.holds_state(hashes[end - 1]):
+                break
+        else:
+            return hit
+        num_pool = min(end, num_held)
+        blocks = hit.blocks if num_pool == num_local else self._attention_blocks(hashes, num_pool) + [[]]
+        return PrefixHit(
+            blocks,
+            num_pool * block_size,
+            num_external_tokens=(end - num_pool) * block_size,
+            checkpoint=checkpoint,
+            junction_blocks=num_held if num_held > end else 0,
+            external_state=checkpoint is None,
+        )
+
+    def _attention_blocks(self, hashes: list[BlockHash], num_blocks: int) -> list[list[Block]]:
+        """Each attention group's cached blocks for the first ``num_blocks`` blocks, which they all hold (a
+        sliding group's table padded with the null block before its window)."""
+        _, blocks = longest_common_hit(self._attention, self._attention_lookups, hashes, num_blocks, self.block_size)
+        for g in self._sliding:
+            blocks[g] = [self.null_block] * (num_blocks - len(blocks[g])) + blocks[g]
+        return blocks
+
+    def _checkpoint_evicted(self, checkpoint: Checkpoint) -> None:
+        """The state table evicts ``checkpoint``: the connector demotes it, with the retention of its block."""
+        block = self._attention_lookups[0](checkpoint.block_hash)
+        self.connector.checkpoint_evicted(checkpoint.block_hash, checkpoint.slot, block)
 
     def _targets(self, tables: list[list[Block]], position: int) -> BlockTargets:
         null = self.null_block
@@ -827,22 +917,28 @@ class KVCacheManager:
         self.stats.retained_written_tokens += num_written
 
     def _check_checkpoint(self, request: Request, hit: PrefixHit, num_full: int) -> None:
-        """A hit of ``num_full`` blocks needs the ready checkpoint at exactly that boundary (none for no hit), and
-        a junction beyond it within the prompt's hittable blocks."""
+        """A hit of ``num_full`` pool blocks and the connector's after them needs a checkpoint at exactly where they
+        end: the pool's ready one, or the connector's (``external_state``); none for no hit. A junction lies beyond
+        it within the prompt's hittable blocks."""
         max_blocks = hittable_blocks(request.num_tokens, self.block_size)
-        if hit.junction_blocks and not num_full < hit.junction_blocks <= max_blocks:
+        end = num_full + hit.num_external_tokens // self.block_size  # where the hit's blocks end
+        if hit.junction_blocks and not end < hit.junction_blocks <= max_blocks:
             raise ValueError(f"junction_blocks={hit.junction_blocks} is not beyond the hit and within the prompt")
         checkpoint = hit.checkpoint
-        if num_full == 0:
+        if hit.external_state:
+            if checkpoint is not None or end == 0 or self.connector is None:
+                raise ValueError("a state from the connector needs a hit of blocks, a connector and no checkpoint")
+            return
+        if end == 0:
             if checkpoint is not None:
                 raise ValueError("a hit of no blocks restores no checkpoint")
             return
         if checkpoint is None:
-            raise ValueError(f"a hit of {num_full} blocks needs the recurrent state's checkpoint at its end")
-        block_hash = self.block_hashes(request)[num_full - 1]
-        if checkpoint.num_blocks != num_full or self.state.lookup(block_hash) is not checkpoint:
+            raise ValueError(f"a hit of {end} blocks needs the recurrent state's checkpoint at its end")
+        block_hash = self.block_hashes(request)[end - 1]
+        if checkpoint.num_blocks != end or self.state.lookup(block_hash) is not checkpoint:
             raise ValueError(
-                f"request {request.request_id!r}: the state checkpoint at block {num_full} is gone or not the "
+                f"request {request.request_id!r}: the state checkpoint at block {end} is gone or not the "
                 "looked-up one (evicted since the lookup); look it up again"
             )
 

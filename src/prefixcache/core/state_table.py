@@ -101,7 +101,8 @@ class Checkpoint:
 @dataclass(slots=True)
 class StateWork:
     """A request's state work for one step, for the model runner: before the forward pass, zero ``slot``
-    (``zero``) or copy checkpoint slot ``restore_from`` into it (the first step after admission only); during
+    (``zero``) or copy checkpoint slot ``restore_from`` into it (the first step after admission only; with neither
+    at admission, an offload tier's checkpoint is loaded into it); during
     it, for each ``(n, s)`` of ``saves``, copy the state after the first ``n`` tokens of this step's chunk into
     slot ``s`` (``n`` a multiple of the block size, counted from the chunk's first token)."""
 
@@ -138,7 +139,8 @@ class StateTable:
     ``listeners`` (KV events, a router's index) hear each checkpoint as a block of group ``group`` stored when
     its save is planned (before it is written, as blocks are) and removed when it goes, so a consumer that
     keeps each group's hashes predicts the hit with ``longest_common_hit``, as vLLM's events of a mamba group
-    allow.
+    allow. ``on_evicted`` hears each ready checkpoint the budget evicts, while its slot still holds it (until the
+    forward pass of the step that reuses the slot): the offload tiers demote it, as the pool's evicted blocks.
     """
 
     def __init__(
@@ -150,6 +152,7 @@ class StateTable:
         attention_lookups: Sequence[Callable[[BlockHash], object | None]],
         group: int = 1,
         listeners: Sequence[BlockPoolListener] = (),
+        on_evicted: Callable[[Checkpoint], None] | None = None,
     ) -> None:
         if num_working_slots < 1:
             raise ValueError(f"a recurrent-state group needs working state slots, got {num_working_slots}")
@@ -162,6 +165,7 @@ class StateTable:
         self._attention_lookups = list(attention_lookups)
         self.group = group
         self._listeners = list(listeners)
+        self._on_evicted = on_evicted
         self._free_working: deque[int] = deque(range(num_working_slots))
         self._free_checkpoints: deque[int] = deque(range(num_working_slots, num_working_slots + num_checkpoint_slots))
         self.checkpoints: dict[BlockHash, Checkpoint] = {}
@@ -179,21 +183,30 @@ class StateTable:
     def has_working_slot(self) -> bool:
         return bool(self._free_working)
 
+    @property
+    def pending(self) -> tuple[Checkpoint, ...]:
+        """The checkpoints this step saves (written by its forward pass, findable after :meth:`step_done`)."""
+        return tuple(self._pending)
+
     def lookup(self, block_hash: BlockHash) -> Checkpoint | None:
         """The ready checkpoint at the end of the block of ``block_hash``, if any."""
         checkpoint = self.checkpoints.get(block_hash)
         return checkpoint if checkpoint is not None and checkpoint.ready else None
 
-    def admit(self, request: Request, checkpoint: Checkpoint | None, junction_blocks: int) -> None:
-        """Give ``request`` a working slot, restored from ``checkpoint`` (zeroed without one); it leaves a junction
-        checkpoint at ``junction_blocks`` (0: none). The caller checked :attr:`has_working_slot`."""
+    def admit(
+        self, request: Request, checkpoint: Checkpoint | None, junction_blocks: int, loaded: bool = False
+    ) -> None:
+        """Give ``request`` a working slot, restored from ``checkpoint`` (zeroed without one, left as it is when the
+        state is ``loaded`` into it from elsewhere: an offload tier); it leaves a junction checkpoint at
+        ``junction_blocks`` (0: none). The caller checked :attr:`has_working_slot`."""
         slot = self._free_working.popleft()
         if checkpoint is not None:
             self._clock += 1
             checkpoint.hits += 1
             checkpoint.last_used = self._clock
             self.stats.hits[checkpoint.rule] += 1
-        work = StateWork(slot, zero=checkpoint is None, restore_from=None if checkpoint is None else checkpoint.slot)
+        zero = checkpoint is None and not loaded
+        work = StateWork(slot, zero=zero, restore_from=None if checkpoint is None else checkpoint.slot)
         hints = ()
         if self.policy.at_hints and request.checkpoint_hints:
             hints = tuple(sorted({position // self.block_size for position in request.checkpoint_hints}))
@@ -333,6 +346,8 @@ class StateTable:
         if not candidates:
             return None
         victim = min(candidates, key=self._usefulness)
+        if self._on_evicted is not None:
+            self._on_evicted(victim)
         self._remove(victim)
         self.stats.evicted[victim.rule] += 1
         return victim.slot

@@ -160,6 +160,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         help="fill the host tier on eviction from the device (write_back) or as blocks are computed",
     )
     offload.add_argument(
+        "--kv-offload-min-priority",
+        type=int,
+        default=config_default("kv_offload_min_priority"),
+        metavar="N",
+        help="drop, instead of offloading, blocks whose retention priority is below N (0-100; default 0: offload all)",
+    )
+    offload.add_argument(
         "--kv-offload-secret-file",
         default=None,
         metavar="PATH",

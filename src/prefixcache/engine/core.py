@@ -59,8 +59,6 @@ class EngineCore:
             )
         model_config = self.loaded.config
         self.vocab_size = model_config.vocab_size
-        if model_config.state_layers and config.offload_config().enabled:
-            raise ValueError(f"the KV offload tiers do not carry {model_config.architecture}'s recurrent states")
         layout = cache_layout(config, model_config)
         self.max_model_len = layout.max_model_len
         enable_caching = layout.enable_caching
@@ -77,7 +75,15 @@ class EngineCore:
         listeners = [self.kv_events.collector] if self.kv_events is not None else []
         root = root_hash(config.hash_algo, config.hash_seed)
         tiers = build_offload(
-            self, config, model_config, self.loaded.weights_digest, root, groups, enable_caching, listeners
+            self,
+            config,
+            model_config,
+            self.loaded.weights_digest,
+            root,
+            groups,
+            enable_caching,
+            listeners,
+            self.state_slot_bytes,
         )
         self.offload = tiers.connector if tiers is not None else None
         self.manager = KVCacheManager(
@@ -117,11 +123,13 @@ class EngineCore:
             state_cache = model.allocate_state_cache(self.manager.state.num_slots, dtype, device)
         worker = None
         if tiers is not None:
-            layer_groups = [0] * model_config.num_layers
+            # The KV cache group of each attention layer, in the order of the KV cache tensors.
+            position = {layer: i for i, layer in enumerate(model_config.attention_layers)}
+            layer_groups = [0] * len(position)
             for g, group in enumerate(model_groups):
                 for layer in group.layers:
-                    layer_groups[layer] = g
-            worker = OffloadWorker(kv_caches, tiers.layout, tiers.writer, layer_groups)
+                    layer_groups[position[layer]] = g
+            worker = OffloadWorker(kv_caches, tiers.layout, tiers.writer, layer_groups, state_cache)
         self.runner = ModelRunner(
             model,
             kv_caches,

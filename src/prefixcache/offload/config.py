@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from prefixcache.core.retention import MAX_PRIORITY, MIN_PRIORITY
 from prefixcache.offload.connector import OFFLOAD_MODES, WRITE_BACK
 from prefixcache.offload.record import RecordKey
 from prefixcache.units import parse_memory
@@ -37,7 +38,9 @@ class OffloadConfig:
     """Which tiers sit behind the device cache, how large each is, and how the host tier is filled.
 
     ``record_key`` authenticates the records of the disk and Redis tiers (None: checksummed only);
-    ``redis_password`` is the Redis password when the URL carries none (from the environment).
+    ``redis_password`` is the Redis password when the URL carries none (from the environment). ``min_priority``:
+    blocks (and checkpoints) whose retention priority is below it are dropped where they would go to a tier
+    (TensorRT-LLM's secondary offload minimum priority); 0, the default, offloads every block.
     """
 
     cpu_bytes: int | None = None
@@ -48,10 +51,16 @@ class OffloadConfig:
     mode: str = WRITE_BACK
     record_key: RecordKey | None = field(default=None, repr=False)
     redis_password: str | None = field(default=None, repr=False)
+    min_priority: int = MIN_PRIORITY
 
     def __post_init__(self) -> None:
         if self.mode not in OFFLOAD_MODES:
             raise ValueError(f"kv_offload_mode must be one of {', '.join(OFFLOAD_MODES)}, got {self.mode!r}")
+        priority = self.min_priority
+        if isinstance(priority, bool) or not isinstance(priority, int) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+            raise ValueError(
+                f"kv_offload_min_priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority!r}"
+            )
         for name in ("cpu_bytes", "disk_bytes", "redis_bytes"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -69,6 +78,7 @@ class OffloadConfig:
         redis_url: str | None,
         mode: str = WRITE_BACK,
         secret_file: str | None = None,
+        min_priority: int = MIN_PRIORITY,
     ) -> OffloadConfig:
         """From the engine options; ValueError naming the option for anything unreadable."""
         disk_path, disk_bytes = parse_disk_spec(disk) if disk else (None, DEFAULT_DISK_BYTES)
@@ -79,7 +89,7 @@ class OffloadConfig:
             raise ValueError(f"kv_offload_cpu: {exc}") from None
         record_key = read_record_key(secret_file) if disk_path or url else None  # only shared tiers use it
         password = os.environ.get(REDIS_PASSWORD_ENV) if url and not urlsplit(url).password else None
-        return cls(cpu_bytes, disk_path, disk_bytes, url, redis_bytes, mode, record_key, password)
+        return cls(cpu_bytes, disk_path, disk_bytes, url, redis_bytes, mode, record_key, password, min_priority)
 
 
 def read_record_key(secret_file: str | None) -> RecordKey | None:

@@ -28,6 +28,12 @@ host memory tier follows ``mode``:
   also holds most of what the device holds). Only evicted blocks are copied out.
 - ``write_through``: the host tier gets every block as it is computed, like the persistent tiers.
 
+A model with recurrent layers also needs the state at a hit's end: the tiers keep state checkpoints as records of
+their own under each checkpoint's block hash (:func:`~prefixcache.offload.record.state_key`), filled as blocks are:
+the write-through tiers get each checkpoint when the forward pass saves it, the write-back host tier gets it when the
+device's checkpoint budget evicts it (with its block's retention, as a block is demoted). A checkpoint read for a
+hit is loaded straight into the request's working state (the tier keeps it: no device checkpoint holds it then).
+
 The writes go to a :class:`TierWriter` and never stall a step. Blocks served from a lower tier are promoted
 into the write-through tiers above it from the bytes already read.
 
@@ -35,7 +41,9 @@ Retention: a block a directive marked goes to the tiers with its priority and th
 evicts in the device pool's order and stops serving it when the time runs out (see
 :mod:`prefixcache.offload.store`). Written through when computed, it has its whole TTL (``prompt_cache_retention:
 "24h"`` keeps it 24 hours on disk or in Redis); demoted at eviction (write-back), what is left of the TTL the
-device pool ran from its last use; an expired block is demoted at the default priority.
+device pool ran from its last use; an expired block is demoted at the default priority. With ``min_priority`` (the
+TensorRT-LLM semantics of ``--kv-offload-min-priority``) a block or checkpoint whose priority is below it is
+dropped where it would go to a tier, written through or demoted: only what a directive keeps is worth a tier.
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ from prefixcache.core.kv_cache_groups import FULL_ATTENTION, KVCacheGroupSpec, c
 from prefixcache.core.kv_cache_manager import BlockTargets
 from prefixcache.core.request import Request
 from prefixcache.core.retention import DEFAULT_PRIORITY
+from prefixcache.offload.record import is_state_key, state_key
 from prefixcache.offload.store import KVStore, Retention, TierEventListener, TierStats
 
 logger = logging.getLogger(__name__)
@@ -88,16 +97,47 @@ class BlockSave:
     retention: Retention | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class StateLoad:
+    """Write ``payload``, a checkpoint read from tier ``tier`` under ``key``, into working state slot ``slot``."""
+
+    slot: int
+    key: BlockHash
+    payload: bytes
+    tier: int
+
+
+@dataclass(frozen=True, slots=True)
+class StateSave:
+    """Copy out state slot ``slot`` (a checkpoint) and store it under ``key`` (its block's
+    :func:`~prefixcache.offload.record.state_key`) in the tiers ``tiers``, with ``retention`` as :class:`BlockSave`."""
+
+    slot: int
+    key: BlockHash
+    tiers: tuple[int, ...]
+    retention: Retention | None = None
+
+
 @dataclass(slots=True)
 class OffloadPlan:
-    """One step's transfers, in the order the worker does them around the forward pass."""
+    """One step's transfers, in the order the worker does them around the forward pass (blocks, then states)."""
 
     save_before: list[BlockSave] = field(default_factory=list)
     loads: list[BlockLoad] = field(default_factory=list)
     save_after: list[BlockSave] = field(default_factory=list)
+    state_save_before: list[StateSave] = field(default_factory=list)
+    state_loads: list[StateLoad] = field(default_factory=list)
+    state_save_after: list[StateSave] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.save_before or self.loads or self.save_after)
+        return bool(
+            self.save_before
+            or self.loads
+            or self.save_after
+            or self.state_save_before
+            or self.state_loads
+            or self.state_save_after
+        )
 
 
 # What the writer's queue holds: tiers, blocks, the retention of those a directive marked.
@@ -182,7 +222,8 @@ class OffloadConnector(BlockPoolListener, TierEventListener):
     """Scheduler side of the offload tiers for one cache manager; see the module docstring.
 
     ``groups`` are the cache's KV cache groups; ``tier_listeners`` hear the tiers' events (KV events);
-    ``clock`` is the device pool's, which the expiry of an evicted block is on.
+    ``clock`` is the device pool's, which the expiry of an evicted block is on; blocks below ``min_priority`` never
+    go to a tier (an expired block counts at the default priority).
     """
 
     def __init__(
@@ -194,6 +235,7 @@ class OffloadConnector(BlockPoolListener, TierEventListener):
         groups: Sequence[KVCacheGroupSpec] = (FULL_ATTENTION,),
         tier_listeners: Sequence[TierEventListener] = (),
         clock: Callable[[], float] = time.monotonic,
+        min_priority: int = 0,
     ) -> None:
         if mode not in OFFLOAD_MODES:
             raise ValueError(f"offload mode must be one of {', '.join(OFFLOAD_MODES)}, got {mode!r}")
@@ -220,10 +262,12 @@ class OffloadConnector(BlockPoolListener, TierEventListener):
         self._saving_group = next((g for g, spec in enumerate(groups) if spec.sliding_window is None), 0)
         self.writer = writer or TierWriter(self.stores)
         self._staged: dict[str, _Staged] = {}
+        self._staged_states: dict[str, tuple[BlockHash, int, bytes]] = {}  # request id -> (key, tier, payload)
         self._plan = OffloadPlan()
         self._to_save: list[BlockHash] = []
         self._to_save_retention: dict[BlockHash, Retention] = {}
         self.clock = clock
+        self.min_priority = min_priority
         self._loaded_this_step: set[BlockHash] = set()
         self._event_lock = threading.Lock()
         self._events: list[tuple[str, str, list[BlockHash], int]] = []
@@ -285,6 +329,56 @@ class OffloadConnector(BlockPoolListener, TierEventListener):
     def request_finished(self, request: Request) -> None:
         """Drop whatever was read for a request that leaves without being admitted."""
         self._staged.pop(request.request_id, None)
+        self._staged_states.pop(request.request_id, None)
+
+    # ---- the manager's state connector: checkpoints of recurrent layers --------------------------------
+
+    def holds_state(self, block_hash: BlockHash) -> bool:
+        """Whether some tier holds the checkpoint at the end of ``block_hash``'s block (its index only)."""
+        key = state_key(block_hash)
+        return any(store.held_prefix([key]) for store in self.stores)
+
+    def stage_state(self, request: Request, block_hash: BlockHash) -> bool:
+        """Read and verify the checkpoint at the end of ``block_hash``'s block from the first tier that holds it,
+        staged for ``request`` until it is admitted (:meth:`state_admitted`) or finished."""
+        key = state_key(block_hash)
+        staged = self._staged_states.get(request.request_id)
+        if staged is not None and staged[0] == key:
+            return True
+        for tier, store in enumerate(self.stores):
+            payloads = store.load_prefix([key])
+            if payloads:
+                self._staged_states[request.request_id] = (key, tier, payloads[0])
+                return True
+        return False
+
+    def state_admitted(self, request: Request, slot: int) -> None:
+        """The request was admitted with its staged checkpoint: load it into its working state slot ``slot``, and
+        promote it into the write-through tiers above the one it came from."""
+        staged = self._staged_states.pop(request.request_id, None)
+        if staged is None:
+            raise ValueError(f"request {request.request_id!r}: no tier checkpoint was looked up")
+        key, tier, payload = staged
+        self._plan.state_loads.append(StateLoad(slot, key, payload, tier))
+        self.stores[tier].count_served(1, 0)
+        self.writer.submit([t for t in self._write_through_tiers if t < tier], [(key, payload)])
+
+    def checkpoints_saved(self, saved: Sequence[tuple[BlockHash, int, Block | None]]) -> None:
+        """This step's forward pass saves these checkpoints (block hash, state slot, the pool's block of that hash):
+        the write-through tiers get them after it, with their block's retention."""
+        tiers = self._write_through_tiers
+        for block_hash, slot, block in saved:
+            if tiers and self._offloads(block):
+                retention = None if block is None else self._retention_left(block)
+                self._plan.state_save_after.append(StateSave(slot, state_key(block_hash), tiers, retention))
+
+    def checkpoint_evicted(self, block_hash: BlockHash, slot: int, block: Block | None) -> None:
+        """The device evicts the checkpoint in ``slot``: the write-back tiers get it before the forward pass
+        overwrites the slot, with what its block (None: gone) has left of its retention."""
+        tiers = self._write_back_tiers
+        if tiers and self._offloads(block):
+            retention = None if block is None else self._retention_left(block)
+            self._plan.state_save_before.append(StateSave(slot, state_key(block_hash), tiers, retention))
 
     def take_plan(self, cached_block_ids: Callable[[BlockHash], BlockTargets | None]) -> OffloadPlan:
         """This step's transfers for the worker; delivers the tiers' events to the listeners.
@@ -338,31 +432,56 @@ class OffloadConnector(BlockPoolListener, TierEventListener):
     # ---- device pool listener: what to save --------------------------------------------------------
 
     def blocks_stored(self, stored: StoredBlocks) -> None:
-        if self._write_through_tiers and stored.group == self._saving_group:
-            self._to_save.extend(stored.block_hashes)
-            if stored.retention is not None:
-                for block_hash, (priority, ttl_s) in zip(stored.block_hashes, stored.retention, strict=True):
-                    if ttl_s is not None and priority != DEFAULT_PRIORITY:
-                        self._to_save_retention[block_hash] = (priority, ttl_s)
+        if not self._write_through_tiers or stored.group != self._saving_group:
+            return
+        if stored.retention is None:
+            if self._offloads_priority(DEFAULT_PRIORITY):
+                self._to_save.extend(stored.block_hashes)
+            return
+        for block_hash, (priority, ttl_s) in zip(stored.block_hashes, stored.retention, strict=True):
+            if not self._offloads_priority(priority):
+                continue
+            self._to_save.append(block_hash)
+            if ttl_s is not None and priority != DEFAULT_PRIORITY:
+                self._to_save_retention[block_hash] = (priority, ttl_s)
 
     def block_reused(self, block: Block, last_copy: bool) -> None:
         tiers = self._write_back_tiers  # one group only (checked at construction)
-        if tiers and last_copy:
-            retention = None
-            if block.priority not in (DEFAULT_PRIORITY, EXPIRED):
-                left = block.expires_at - self.clock()
-                retention = (block.priority, left) if left > 0 else None
+        if tiers and last_copy and self._offloads(block):
+            retention = self._retention_left(block)
             self._plan.save_before.append(BlockSave((block.block_id,), block.block_hash, tiers, retention))
+
+    def _offloads(self, block: Block | None) -> bool:
+        """Whether a block (None: gone, at the default priority) goes to the tiers: at ``min_priority`` or above."""
+        return self._offloads_priority(DEFAULT_PRIORITY if block is None else block.priority)
+
+    def _offloads_priority(self, priority: int) -> bool:
+        """Whether a block of ``priority`` goes to the tiers (an expired one counts at the default priority)."""
+        return (DEFAULT_PRIORITY if priority == EXPIRED else priority) >= self.min_priority
+
+    def _retention_left(self, block: Block) -> Retention | None:
+        """A demoted block's (priority, seconds left) when a directive marked it: its TTL runs from its last use
+        (all of it while in use); None at the default priority or once it ran out."""
+        if block.priority in (DEFAULT_PRIORITY, EXPIRED):
+            return None
+        left = block.ttl_s if block.ref_cnt else block.expires_at - self.clock()
+        return (block.priority, left) if left > 0 else None
 
     # ---- tier events ---------------------------------------------------------------------------
 
+    # Checkpoints are not announced: vLLM's events name a tier's blocks only, no state of theirs.
+
     def tier_blocks_stored(self, medium: str, block_hashes: list[BlockHash], block_size: int) -> None:
-        with self._event_lock:
-            self._events.append(("stored", medium, block_hashes, block_size))
+        self._buffer_event("stored", medium, block_hashes, block_size)
 
     def tier_blocks_removed(self, medium: str, block_hashes: list[BlockHash]) -> None:
-        with self._event_lock:
-            self._events.append(("removed", medium, block_hashes, 0))
+        self._buffer_event("removed", medium, block_hashes, 0)
+
+    def _buffer_event(self, kind: str, medium: str, keys: list[BlockHash], block_size: int) -> None:
+        block_hashes = [key for key in keys if not is_state_key(key)]
+        if block_hashes:
+            with self._event_lock:
+                self._events.append((kind, medium, block_hashes, block_size))
 
     def _deliver_events(self) -> None:
         with self._event_lock:

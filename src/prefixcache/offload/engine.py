@@ -41,13 +41,16 @@ def build_offload(
     groups: Sequence[KVCacheGroupSpec],
     enable_caching: bool,
     tier_listeners: Sequence[TierEventListener] = (),
+    state_bytes: int = 0,
 ) -> OffloadTiers | None:
     """The tiers ``config`` asks for, None without tiers (or with prefix caching off).
 
     ``weights_digest`` (``LoadedModel.weights_digest``) identifies the model's weights in the tiers' namespace.
-    With more than one KV cache group the host tier is filled write-through (see
-    :mod:`prefixcache.offload.connector`). The tiers are closed (queued writes finished, connections dropped)
-    when ``owner`` is garbage-collected or the interpreter exits, or earlier by ``connector.close()``.
+    With more than one attention KV cache group the host tier is filled write-through (see
+    :mod:`prefixcache.offload.connector`); a model with recurrent layers (its recurrent-state group last in
+    ``groups``) stores its state checkpoints too, ``state_bytes`` each. The tiers are closed (queued writes
+    finished, connections dropped) when ``owner`` is garbage-collected or the interpreter exits, or earlier by
+    ``connector.close()``.
     """
     offload = config.offload_config()
     if not offload.enabled:
@@ -59,13 +62,15 @@ def build_offload(
         model_fingerprint=model_fingerprint(model_config, weights_digest),
         dtype=config.dtype,
         block_size=config.block_size,
-        num_layers=model_config.num_layers,
+        num_layers=len(model_config.attention_layers),
         num_kv_heads=model_config.num_kv_heads,
         head_dim=model_config.head_dim,
         hash_algo=config.hash_algo,
         root_hash=root_hash,
         record_key=offload.record_key,
+        state_bytes=state_bytes,
     )
+    groups = [group for group in groups if not group.recurrent_state]  # checkpoints are no blocks
     mode = offload.mode
     if mode == WRITE_BACK and len(groups) > 1:
         logger.warning(
@@ -85,12 +90,15 @@ def build_offload(
         capacity = _at_least_one_block(offload.redis_bytes, layout, "redis")
         stores.append(RedisStore(layout, offload.redis_url, capacity, password=offload.redis_password))
     writer = TierWriter(stores)
-    connector = OffloadConnector(stores, config.block_size, mode, writer, groups, tier_listeners)
+    connector = OffloadConnector(
+        stores, config.block_size, mode, writer, groups, tier_listeners, min_priority=offload.min_priority
+    )
     weakref.finalize(owner, connector.close)
     logger.info(
-        "KV offload: %s, host tier %s; blocks of %.2f MiB, namespace %s; %s",
+        "KV offload: %s, host tier %s%s; blocks of %.2f MiB, namespace %s; %s",
         ", ".join(f"{s.medium} {s.capacity_bytes / 2**30:.2f} GiB" for s in stores),
         mode.replace("_", "-"),
+        f", blocks below priority {offload.min_priority} dropped" if offload.min_priority else "",
         layout.block_bytes / 2**20,
         layout.namespace.hex(),
         "records checksummed, not authenticated (no --kv-offload-secret-file)"

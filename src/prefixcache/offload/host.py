@@ -24,6 +24,7 @@ class HostMemoryStore(KVStore):
     def __init__(self, layout: KVLayout, capacity_bytes: int, wall_clock: Callable[[], float] = time.time) -> None:
         super().__init__(layout, capacity_bytes, wall_clock)
         self._blocks: dict[BlockHash, bytes] = {}
+        self._used_bytes = 0  # blocks and state checkpoints differ in size
         self._order = RetentionOrder(self.wall_clock)
 
     def __contains__(self, block_hash: BlockHash) -> bool:
@@ -49,7 +50,12 @@ class HostMemoryStore(KVStore):
 
     def _discard(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
         with self._lock:
-            removed = [h for h in hashes if self._blocks.pop(h, None) is not None and self._order.remove(h)]
+            removed = []
+            for block_hash in hashes:
+                payload = self._blocks.pop(block_hash, None)
+                if payload is not None and self._order.remove(block_hash):
+                    self._used_bytes -= len(payload)
+                    removed.append(block_hash)
             self._count()
         return removed
 
@@ -58,20 +64,25 @@ class HostMemoryStore(KVStore):
     ) -> tuple[list[BlockHash], list[BlockHash]]:
         stored: list[BlockHash] = []
         evicted: list[BlockHash] = []
-        max_blocks = self.capacity_bytes // self.layout.block_bytes
-        if max_blocks == 0:
-            return stored, evicted
         with self._lock:
             blocks, order = self._blocks, self._order
             for block_hash, payload in items:
                 if block_hash in blocks and not order.expired(block_hash):
                     order.touch(block_hash)
                     continue
-                if block_hash not in blocks and len(blocks) == max_blocks:  # (an expired one is replaced in place)
+                if len(payload) > self.capacity_bytes:
+                    continue
+                expired = blocks.pop(block_hash, None)  # its time ran out: replaced in place
+                if expired is not None:
+                    order.remove(block_hash)
+                    self._used_bytes -= len(expired)
+                used = self._used_bytes
+                while used + len(payload) > self.capacity_bytes:
                     victim = order.pop()
-                    del blocks[victim]
+                    used -= len(blocks.pop(victim))
                     evicted.append(victim)
                 blocks[block_hash] = payload
+                self._used_bytes = used + len(payload)
                 order.add(block_hash, retention.get(block_hash))
                 stored.append(block_hash)
             self._count()
@@ -79,4 +90,4 @@ class HostMemoryStore(KVStore):
 
     def _count(self) -> None:
         self.stats.num_blocks = len(self._blocks)
-        self.stats.used_bytes = len(self._blocks) * self.layout.block_bytes
+        self.stats.used_bytes = self._used_bytes

@@ -19,6 +19,14 @@ version byte and ``priority u8 | expires_at f64`` (Unix seconds) right after the
 covers: a tier reads its priority back after a restart, refuses the record once it expired, and nobody without the
 secret can extend it. A record without retention is byte for byte what it was before the flag existed; an engine
 from before it reads a flagged record as a foreign version, a miss.
+
+A model with recurrent layers also stores its **state checkpoints**: the state of every recurrent layer (each conv
+window, then each matrix state, in layer order, as ``DecoderForCausalLM.allocate_state_cache`` lays a slot out)
+after the block that ends at a block hash, under that hash's :func:`state_key`, in a record with the flag ``0x40``
+on its version byte and a payload of :attr:`KVLayout.state_bytes`. A checkpoint lives and goes apart from its
+block's record (the device pool also keeps, evicts and hits them apart), so a tier that holds a block need not
+hold its checkpoint, nor the other way round. The layout of such a model has ``state_bytes`` in its namespace;
+a checkpoint record of another model, or a block record under a checkpoint's key, reads as foreign.
 """
 
 from __future__ import annotations
@@ -38,6 +46,10 @@ MAGIC = b"PCKV"
 CHECKSUM_VERSION = 1
 MAC_VERSION = 2
 RETENTION_FLAG = 0x80
+STATE_FLAG = 0x40
+# What a checkpoint's key adds to its block hash: a key no block hash of the layout's algorithm has (those are
+# digests of one fixed length, shorter than a key that ends with this).
+STATE_KEY_TAG = b"\x00state"
 NAMESPACE_BYTES = 16
 MIN_SECRET_BYTES = 16
 _HEAD = struct.Struct("<4sB16sB")
@@ -94,6 +106,7 @@ class KVLayout:
     hash_algo: str
     root_hash: bytes
     record_key: RecordKey | None = field(default=None, repr=False)
+    state_bytes: int = 0
     namespace: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +114,8 @@ class KVLayout:
             raise ValueError(f"dtype must be one of {', '.join(KV_DTYPES)}, got {self.dtype!r}")
         if min(self.block_size, self.num_layers, self.num_kv_heads, self.head_dim) <= 0:
             raise ValueError(f"block size and KV shape must be positive: {self}")
+        if self.state_bytes < 0:
+            raise ValueError(f"state_bytes must be >= 0, got {self.state_bytes}")
         if not self.model_fingerprint:
             raise ValueError("model_fingerprint must not be empty")
         described = json.dumps(self.describe(), sort_keys=True).encode()
@@ -116,6 +131,10 @@ class KVLayout:
         layers, kv, tokens, heads, dim = self.shape
         return layers * kv * tokens * heads * dim * KV_DTYPES[self.dtype]
 
+    def payload_bytes(self, key: BlockHash) -> int:
+        """Bytes of the payload stored under ``key``: a checkpoint's state (:func:`state_key`) or a block's K/V."""
+        return self.state_bytes if is_state_key(key) else self.block_bytes
+
     @property
     def record_version(self) -> int:
         return CHECKSUM_VERSION if self.record_key is None else MAC_VERSION
@@ -123,10 +142,21 @@ class KVLayout:
     def describe(self) -> dict:
         """The layout as JSON-able values (what the namespace digests; stored next to the blocks for people)."""
         described = {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name != "record_key"}
+        if not self.state_bytes:  # an attention-only model's namespace is what it was before checkpoints existed
+            del described["state_bytes"]
         described["root_hash"] = self.root_hash.hex()
         if self.record_key is not None:
             described["record_mac"] = f"hmac-sha256 key {self.record_key.key_id}"
         return described
+
+
+def state_key(block_hash: BlockHash) -> BlockHash:
+    """The key a tier stores the state checkpoint at the end of ``block_hash``'s block under."""
+    return BlockHash(block_hash + STATE_KEY_TAG)
+
+
+def is_state_key(key: BlockHash) -> bool:
+    return key.endswith(STATE_KEY_TAG)
 
 
 def model_fingerprint(model_config: object, weights_digest: str) -> str:
@@ -161,10 +191,10 @@ class RecordRetention:
 def encode_record(
     layout: KVLayout, block_hash: BlockHash, payload: bytes, retention: RecordRetention | None = None
 ) -> bytes:
-    """The stored form of one block: header naming namespace, hash (and retention), checksum or MAC, payload."""
-    if len(payload) != layout.block_bytes:
-        raise ValueError(f"payload has {len(payload)} bytes, the layout needs {layout.block_bytes}")
-    version = layout.record_version
+    """The stored form of one block (or checkpoint, under a :func:`state_key`): header naming namespace, hash (and
+    retention), checksum or MAC, payload."""
+    check_payload(layout, block_hash, payload)
+    version = layout.record_version | (STATE_FLAG if is_state_key(block_hash) else 0)
     kept = b""
     if retention is not None:
         version |= RETENTION_FLAG
@@ -173,6 +203,14 @@ def encode_record(
         _HEAD.pack(MAGIC, version, layout.namespace, len(block_hash)) + block_hash + kept + _LENGTH.pack(len(payload))
     )
     return b"".join((header, _check(layout, header, payload), payload))
+
+
+def check_payload(layout: KVLayout, key: BlockHash, payload: bytes) -> None:
+    """ValueError unless ``payload`` has the size of what ``layout`` stores under ``key`` (misuse)."""
+    if is_state_key(key) and not layout.state_bytes:
+        raise ValueError("this layout has no recurrent state: it stores no checkpoints")
+    if len(payload) != layout.payload_bytes(key):
+        raise ValueError(f"payload has {len(payload)} bytes, the layout needs {layout.payload_bytes(key)}")
 
 
 def record_retention(record: bytes | memoryview) -> RecordRetention | None:
@@ -195,9 +233,13 @@ def decode_record(layout: KVLayout, block_hash: BlockHash, record: bytes | memor
     if len(view) < _HEAD.size:
         return BadRecord(RecordError.TRUNCATED, f"{len(view)} bytes, shorter than a header")
     magic, flagged_version, namespace, hash_length = _HEAD.unpack_from(view)
-    version = flagged_version & ~RETENTION_FLAG
+    version = flagged_version & ~(RETENTION_FLAG | STATE_FLAG)
     if magic != MAGIC or version not in _CHECK_BYTES:
         return BadRecord(RecordError.FOREIGN, "not a prefixcache block record of a known version")
+    if bool(flagged_version & STATE_FLAG) != is_state_key(block_hash) or (
+        is_state_key(block_hash) and not layout.state_bytes
+    ):
+        return BadRecord(RecordError.FOREIGN, "a block's K/V where a state checkpoint belongs, or the other way round")
     if namespace != layout.namespace:
         return BadRecord(RecordError.FOREIGN, "written for another model, dtype, block size, hash chain or secret")
     if version != layout.record_version:
@@ -214,8 +256,9 @@ def decode_record(layout: KVLayout, block_hash: BlockHash, record: bytes | memor
         return BadRecord(RecordError.FOREIGN, "holds another block hash")
     (length,) = _LENGTH.unpack_from(view, offset)
     payload = view[check_end:]
-    if length != layout.block_bytes:
-        return BadRecord(RecordError.CORRUPT, f"payload length {length}, the layout needs {layout.block_bytes}")
+    expected = layout.payload_bytes(block_hash)
+    if length != expected:
+        return BadRecord(RecordError.CORRUPT, f"payload length {length}, the layout needs {expected}")
     if len(payload) != length:
         return BadRecord(RecordError.TRUNCATED, f"{len(payload)} of {length} payload bytes")
     if not hmac.compare_digest(_check(layout, view[:header_end], payload), view[header_end:check_end]):

@@ -2,7 +2,10 @@
 
 A block travels as ``bytes``: its K and V for every layer, C-contiguous ``[layers, 2, block_size, kv_heads,
 head_dim]`` in the KV dtype (see :class:`~prefixcache.offload.record.KVLayout`). Bytes keep the tiers free of
-torch, are what a file or Redis holds anyway, and cost one copy out of and into the device cache.
+torch, are what a file or Redis holds anyway, and cost one copy out of and into the device cache. A state
+checkpoint of a model with recurrent layers travels the same way, under its block's
+:func:`~prefixcache.offload.record.state_key`, with :attr:`~prefixcache.offload.record.KVLayout.state_bytes` of
+payload: a store keeps and evicts it like a block, counting its own size.
 
 Tiers are called from two threads: the scheduler looks blocks up and reads them, a background writer stores
 them. Each store guards its index and statistics with its own lock.
@@ -29,7 +32,7 @@ from prefixcache.core.block_pool import Block
 from prefixcache.core.eviction import EXPIRED, RetainedQueue
 from prefixcache.core.hashing import BlockHash
 from prefixcache.core.retention import DEFAULT_PRIORITY
-from prefixcache.offload.record import BadRecord, KVLayout, RecordRetention
+from prefixcache.offload.record import BadRecord, KVLayout, RecordRetention, check_payload
 
 logger = logging.getLogger(__name__)
 
@@ -207,9 +210,8 @@ class KVStore(ABC):
         """Write ``items``; ``retention`` has the ``(priority, seconds left)`` of those a directive marked."""
         if not items or not self.available:
             return
-        for _, payload in items:
-            if len(payload) != self.layout.block_bytes:
-                raise ValueError(f"payload has {len(payload)} bytes, the layout needs {self.layout.block_bytes}")
+        for key, payload in items:
+            check_payload(self.layout, key, payload)
         start = time.perf_counter()
         kept: dict[BlockHash, RecordRetention] = {}
         if retention:
@@ -220,7 +222,7 @@ class KVStore(ABC):
         with self._lock:
             self.stats.store_seconds += elapsed
             self.stats.blocks_stored += len(stored)
-            self.stats.bytes_stored += len(stored) * self.layout.block_bytes
+            self.stats.bytes_stored += sum(map(self.layout.payload_bytes, stored))
             self.stats.evictions += len(evicted)
         self._emit(stored, evicted)
 
