@@ -183,6 +183,22 @@ def state_hit(
     return 0, []
 
 
+def checkpoint_boundary(
+    has_checkpoint: Callable[[BlockHash], bool], hashes: Sequence[BlockHash], floor: int, ceiling: int
+) -> int:
+    """The deepest boundary ``k`` with ``floor < k <= ceiling`` at which ``has_checkpoint`` finds a state
+    checkpoint (keyed by the hash of block ``k - 1``), else ``floor``.
+
+    How a hit of a model with recurrent layers reaches into its offload tiers: the attention groups hold the
+    device's blocks up to their own hit and the tiers' run of blocks after it (``ceiling``), the device's common
+    hit is ``floor``, and the hit ends at the deepest checkpoint (device or tier) in between. The cache manager
+    admits by it and a router predicts the manager's hit by it."""
+    for k in range(ceiling, floor, -1):
+        if has_checkpoint(hashes[k - 1]):
+            return k
+    return floor
+
+
 def full_hit(lookup: Callable[[BlockHash], T | None], hashes: Sequence[BlockHash], max_blocks: int) -> list[T]:
     """The run of blocks from the first that a full-attention group holds, at most ``max_blocks``."""
     found: list[T] = []

@@ -26,6 +26,7 @@ from prefixcache.core.kv_cache_groups import (
     KVCacheGroupSpec,
     check_groups,
     check_sub_blocks,
+    checkpoint_boundary,
     full_hit,
     longest_common_hit,
 )
@@ -760,14 +761,16 @@ class KVCacheManager:
             num_run = connector.extend_hit(request, hashes, num_held, max_blocks)
         else:
             num_run = sum(connector.held(request, hashes, num_held, max_blocks).values()) // block_size
-        for end in range(num_held + num_run, num_local, -1):
-            checkpoint = self.state.lookup(hashes[end - 1])
-            if checkpoint is not None:
-                break
-            if connector.stage_state(request, hashes[end - 1]) if read else connector.holds_state(hashes[end - 1]):
-                break
-        else:
+
+        def has_checkpoint(block_hash: BlockHash) -> bool:
+            if self.state.lookup(block_hash) is not None:
+                return True
+            return connector.stage_state(request, block_hash) if read else connector.holds_state(block_hash)
+
+        end = checkpoint_boundary(has_checkpoint, hashes, num_local, num_held + num_run)
+        if end == num_local:
             return hit
+        checkpoint = self.state.lookup(hashes[end - 1])
         num_pool = min(end, num_held)
         blocks = hit.blocks if num_pool == num_local else self._attention_blocks(hashes, num_pool) + [[]]
         return PrefixHit(

@@ -13,10 +13,14 @@ router needs. Token ids are published (as vLLM does) unless the config's ``publi
 
 KV cache groups are told apart as vLLM tells them: every event names its group (``group_idx``), and a
 ``BlockStored`` also the group's attention (``kv_cache_spec_kind``: ``full_attention`` or
-``sliding_window``, with ``kv_cache_spec_sliding_window``). A hash stored in every group is one event a
-group. A tier record holds a block for every group, so a tier's events come once a group too. A consumer
-that keeps what each group holds predicts the engine's hit with
-:func:`prefixcache.core.kv_cache_groups.longest_common_hit`.
+``sliding_window``, with ``kv_cache_spec_sliding_window``; ``mamba`` for the recurrent-state group, whose
+"blocks" are the state checkpoints, each under the hash of the block at whose end it was taken). A hash stored in
+every group is one event a group. A tier record holds a block for every attention group, so a tier's block events
+come once an attention group; a tier's checkpoints (records of their own) come as the state group's, with the
+tier's medium: the same shape as the device's checkpoints, so vLLM's decoder reads them. A consumer that keeps
+what each group holds on each medium predicts the engine's hit with
+:func:`prefixcache.core.kv_cache_groups.longest_common_hit` on the device, continued into the tiers by
+:func:`~prefixcache.core.kv_cache_groups.checkpoint_boundary` (see :mod:`prefixcache.router.index`).
 """
 
 from __future__ import annotations
@@ -71,6 +75,9 @@ class KVEventCollector(BlockPoolListener, TierEventListener):
         self.block_hash_encoding = block_hash_encoding
         self.groups = check_groups(groups)
         self.token_ids = token_ids
+        # A tier's blocks serve the attention groups, its checkpoints the recurrent-state group.
+        self._attention_groups = [g for g, spec in enumerate(self.groups) if not spec.recurrent_state]
+        self._state_groups = [g for g, spec in enumerate(self.groups) if spec.recurrent_state]
         self._events: list[KVCacheEvent] = []
 
     def take(self) -> list[KVCacheEvent]:
@@ -106,8 +113,21 @@ class KVEventCollector(BlockPoolListener, TierEventListener):
         self._events.append(AllBlocksCleared())
 
     def tier_blocks_stored(self, medium: str, block_hashes: list[BlockHash], block_size: int) -> None:
+        self._tier_stored(medium, block_hashes, block_size, self._attention_groups)
+
+    def tier_blocks_removed(self, medium: str, block_hashes: list[BlockHash]) -> None:
+        self._tier_removed(medium, block_hashes, self._attention_groups)
+
+    def tier_checkpoints_stored(self, medium: str, block_hashes: list[BlockHash], block_size: int) -> None:
+        self._tier_stored(medium, block_hashes, block_size, self._state_groups)
+
+    def tier_checkpoints_removed(self, medium: str, block_hashes: list[BlockHash]) -> None:
+        self._tier_removed(medium, block_hashes, self._state_groups)
+
+    def _tier_stored(self, medium: str, block_hashes: list[BlockHash], block_size: int, groups: list[int]) -> None:
         hashes = [encode_block_hash(h, self.block_hash_encoding) for h in block_hashes]
-        for group, spec in enumerate(self.groups):
+        for group in groups:
+            spec = self.groups[group]
             self._events.append(
                 BlockStored(
                     block_hashes=hashes,
@@ -123,7 +143,7 @@ class KVEventCollector(BlockPoolListener, TierEventListener):
                 )
             )
 
-    def tier_blocks_removed(self, medium: str, block_hashes: list[BlockHash]) -> None:
+    def _tier_removed(self, medium: str, block_hashes: list[BlockHash], groups: list[int]) -> None:
         hashes = [encode_block_hash(h, self.block_hash_encoding) for h in block_hashes]
-        for group in range(len(self.groups)):
+        for group in groups:
             self._events.append(BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group))

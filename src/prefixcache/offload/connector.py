@@ -63,7 +63,7 @@ from prefixcache.core.kv_cache_groups import FULL_ATTENTION, KVCacheGroupSpec, c
 from prefixcache.core.kv_cache_manager import BlockTargets
 from prefixcache.core.request import Request
 from prefixcache.core.retention import DEFAULT_PRIORITY
-from prefixcache.offload.record import is_state_key, state_key
+from prefixcache.offload.record import is_state_key, state_block_hash, state_key
 from prefixcache.offload.store import KVStore, Retention, TierEventListener, TierStats
 
 logger = logging.getLogger(__name__)
@@ -270,7 +270,8 @@ class OffloadConnector(BlockPoolListener, TierEventListener):
         self.min_priority = min_priority
         self._loaded_this_step: set[BlockHash] = set()
         self._event_lock = threading.Lock()
-        self._events: list[tuple[str, str, list[BlockHash], int]] = []
+        # What the stores said, for the next take_plan: the TierEventListener method to call, and its arguments.
+        self._events: list[tuple[str, tuple]] = []
         self._listeners: list[TierEventListener] = list(tier_listeners)
         for store in self.stores:
             store.add_listener(self)
@@ -469,26 +470,29 @@ class OffloadConnector(BlockPoolListener, TierEventListener):
 
     # ---- tier events ---------------------------------------------------------------------------
 
-    # Checkpoints are not announced: vLLM's events name a tier's blocks only, no state of theirs.
+    # The stores name checkpoints by their record keys; listeners hear them apart, by their blocks' hashes (as the
+    # device pool's events name a checkpoint), so a router sees where every tier's checkpoints are.
 
     def tier_blocks_stored(self, medium: str, block_hashes: list[BlockHash], block_size: int) -> None:
-        self._buffer_event("stored", medium, block_hashes, block_size)
+        self._buffer_events("stored", medium, block_hashes, (block_size,))
 
     def tier_blocks_removed(self, medium: str, block_hashes: list[BlockHash]) -> None:
-        self._buffer_event("removed", medium, block_hashes, 0)
+        self._buffer_events("removed", medium, block_hashes, ())
 
-    def _buffer_event(self, kind: str, medium: str, keys: list[BlockHash], block_size: int) -> None:
+    def _buffer_events(self, change: str, medium: str, keys: list[BlockHash], rest: tuple[int, ...]) -> None:
+        """Keep a store's change for the next ``take_plan``: its blocks as ``tier_blocks_<change>``, its
+        checkpoints as ``tier_checkpoints_<change>`` under their blocks' hashes."""
         block_hashes = [key for key in keys if not is_state_key(key)]
-        if block_hashes:
-            with self._event_lock:
-                self._events.append((kind, medium, block_hashes, block_size))
+        checkpoints = [state_block_hash(key) for key in keys if is_state_key(key)]
+        with self._event_lock:
+            if block_hashes:
+                self._events.append((f"tier_blocks_{change}", (medium, block_hashes, *rest)))
+            if checkpoints:
+                self._events.append((f"tier_checkpoints_{change}", (medium, checkpoints, *rest)))
 
     def _deliver_events(self) -> None:
         with self._event_lock:
             events, self._events = self._events, []
-        for kind, medium, block_hashes, block_size in events:
+        for method, args in events:
             for listener in self._listeners:
-                if kind == "stored":
-                    listener.tier_blocks_stored(medium, block_hashes, block_size)
-                else:
-                    listener.tier_blocks_removed(medium, block_hashes)
+                getattr(listener, method)(*args)

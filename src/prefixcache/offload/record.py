@@ -159,6 +159,11 @@ def is_state_key(key: BlockHash) -> bool:
     return key.endswith(STATE_KEY_TAG)
 
 
+def state_block_hash(key: BlockHash) -> BlockHash:
+    """The block hash a checkpoint's :func:`state_key` was made from (what KV events name a checkpoint by)."""
+    return BlockHash(key[: -len(STATE_KEY_TAG)])
+
+
 def model_fingerprint(model_config: object, weights_digest: str) -> str:
     """Identifies a model for :class:`KVLayout`: its parsed architecture and the digest of all its weight files
     (``LoadedModel.weights_digest``), so a fine-tune that changes one embedding row gets another namespace."""

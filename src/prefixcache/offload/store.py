@@ -149,6 +149,12 @@ class TierEventListener:
     def tier_blocks_removed(self, medium: str, block_hashes: list[BlockHash]) -> None:
         """``block_hashes`` were evicted from (or dropped as unreadable by) the tier."""
 
+    def tier_checkpoints_stored(self, medium: str, block_hashes: list[BlockHash], block_size: int) -> None:
+        """State checkpoints were written to the tier, each at the end of the block of one of ``block_hashes``."""
+
+    def tier_checkpoints_removed(self, medium: str, block_hashes: list[BlockHash]) -> None:
+        """The tier no longer holds the checkpoints at the end of the blocks of ``block_hashes``."""
+
 
 class KVStore(ABC):
     """A bounded store of blocks keyed by block hash, LRU within a priority (see the module docstring).

@@ -12,8 +12,12 @@ group, and a backend's longest cached prefix is predicted by the engine's own ru
   events (:meth:`PrefixIndex.learn_group`, which win), and the hit is
   :func:`~prefixcache.core.kv_cache_groups.longest_common_hit` over what each group holds on ``GPU``, the
   very function the engine admits with, continued by the run of blocks its offload tiers hold from there
-  (as the engine's connector continues it). A group of a kind neither rule describes (mamba) makes the
-  predicted hit 0: the backend is routed by load.
+  (as the engine's connector continues it);
+- a recurrent-state group (vLLM's ``mamba`` kind: Qwen3.5, Granite 4.0-H, LFM2), whose entries are state
+  checkpoints on GPU and in the tiers (each under the hash of the block it ends): the hit is the longest prefix
+  whose blocks every attention group holds (GPU, then the tiers' run) with a checkpoint (GPU or tier) at exactly
+  its end, found by :func:`~prefixcache.core.kv_cache_groups.checkpoint_boundary` as the engine's cache manager
+  finds it. A group of a kind no rule describes makes the predicted hit 0: the backend is routed by load.
 
 Retention: a ``BlockStored`` event names each block's ``[priority, ttl_s]`` when a directive marked it, and the
 index keeps it for the backend's GPU copy (:meth:`PrefixIndex.retention`): the engine evicts a retained block
@@ -38,12 +42,19 @@ from typing import cast
 
 from prefixcache.core.block_pool import BlockPoolListener, StoredBlocks
 from prefixcache.core.hashing import BlockHash
-from prefixcache.core.kv_cache_groups import FULL_ATTENTION, KVCacheGroupSpec, check_groups, longest_common_hit
+from prefixcache.core.kv_cache_groups import (
+    FULL_ATTENTION,
+    KVCacheGroupSpec,
+    check_groups,
+    checkpoint_boundary,
+    longest_common_hit,
+)
 from prefixcache.core.retention import DEFAULT_PRIORITY
 from prefixcache.router.wire import MEDIUM_GPU, external_block_hash
 
 Copy = tuple[str, int]  # (medium, KV cache group)
 _NO_COPIES: dict[str, set[Copy]] = {}
+_NONE: frozenset[Copy] = frozenset()
 
 
 @dataclass(slots=True)
@@ -92,9 +103,12 @@ class PrefixIndex:
         number in every router replica fed by the same events."""
         return self._on_gpu[backend]
 
-    def holds(self, backend: str, block_hash: int) -> bool:
-        """Whether any medium and group of ``backend`` holds ``block_hash`` by events."""
-        return block_hash in self._by_backend.get(backend, ())
+    def holds(self, backend: str, block_hash: int, medium: str | None = None, group: int | None = None) -> bool:
+        """Whether ``backend`` holds ``block_hash`` by events: on ``medium`` (None: any) in ``group`` (None: any)."""
+        if medium is None and group is None:
+            return block_hash in self._by_backend.get(backend, ())
+        copies = self._holders.get(block_hash, _NO_COPIES).get(backend, ())
+        return any(medium in (None, m) and group in (None, g) for m, g in copies)
 
     def set_groups(self, backend: str, block_size: int, groups: Sequence[KVCacheGroupSpec | None]) -> None:
         """What ``backend`` reports of its KV cache groups, in group order (None: a kind the router cannot
@@ -222,29 +236,47 @@ class PrefixIndex:
         return matched
 
     def _grouped_hit(self, backend: str, record: _Groups, block_hashes: Sequence[int]) -> int:
-        """The engine's hit of a backend with KV cache groups: what every group serves on GPU, then its tiers' run."""
+        """The engine's hit of a backend with KV cache groups, as its cache manager finds it: what every group
+        serves on GPU, continued by the run of blocks its tiers hold from there; with a recurrent-state group,
+        from where the attention groups' GPU blocks end, up to the deepest checkpoint (GPU or tier) on the way."""
         if None in record.specs:
             return 0
         holders = self._holders
         in_flight = self._in_flight.get(backend, ())
+        specs = cast(tuple[KVCacheGroupSpec, ...], record.specs)  # no None: checked above
+        state_groups = {g for g, spec in zip(record.indices, specs, strict=True) if spec.recurrent_state}
+
+        def copies(block_hash: int) -> set[Copy] | frozenset[Copy]:
+            return holders.get(block_hash, _NO_COPIES).get(backend, _NONE)
 
         def on_gpu(group: int) -> Callable[[int], bool | None]:
             copy = (MEDIUM_GPU, group)
+            return lambda block_hash: True if copy in copies(block_hash) or block_hash in in_flight else None
 
-            def lookup(block_hash: int) -> bool | None:
-                copies = holders.get(block_hash, _NO_COPIES).get(backend)
-                return True if (copies is not None and copy in copies) or block_hash in in_flight else None
+        def tier_run(start: int) -> int:
+            """The blocks the tiers hold from ``start`` on (a tier record serves every attention group)."""
+            end = start
+            while end < len(block_hashes) and any(
+                medium != MEDIUM_GPU and group not in state_groups for medium, group in copies(block_hashes[end])
+            ):
+                end += 1
+            return end - start
 
-            return lookup
-
-        specs = cast(tuple[KVCacheGroupSpec, ...], record.specs)  # no None: checked above
         lookups = [on_gpu(g) for g in record.indices]
-        k, _ = longest_common_hit(specs, lookups, block_hashes, len(block_hashes), record.block_size)
-        while k < len(block_hashes) and any(
-            medium != MEDIUM_GPU for medium, _ in holders.get(block_hashes[k], _NO_COPIES).get(backend, ())
-        ):
-            k += 1
-        return k
+        num_blocks, block_size = len(block_hashes), record.block_size
+        if not state_groups:
+            k, _ = longest_common_hit(specs, lookups, block_hashes, num_blocks, block_size)
+            return k + tier_run(k)
+        attention = [g for g, spec in enumerate(specs) if not spec.recurrent_state]
+        num_held, _ = longest_common_hit(
+            [specs[g] for g in attention], [lookups[g] for g in attention], block_hashes, num_blocks, block_size
+        )
+        k, _ = longest_common_hit(specs, lookups, block_hashes, num_held, block_size)
+
+        def has_checkpoint(block_hash: int) -> bool:
+            return block_hash in in_flight or any(group in state_groups for _, group in copies(block_hash))
+
+        return checkpoint_boundary(has_checkpoint, block_hashes, k, num_held + tier_run(num_held))
 
     def _forget(self, backend: str, block_hashes: Iterable[int], drop: Callable[[set[Copy]], None]) -> None:
         """Apply ``drop`` to ``backend``'s copies of each hash; a hash left without a copy is no longer held."""
