@@ -18,8 +18,12 @@ from prefixcache.core.miss import hittable_blocks
 from prefixcache.core.state_table import CheckpointPolicy
 from prefixcache.kv_events.collector import KVEventCollector
 from prefixcache.kv_events.events import KVEventBatch, encode_block_hash
+from prefixcache.offload import HostMemoryStore
+from prefixcache.offload.connector import OffloadConnector, TierWriter
+from prefixcache.offload.record import state_key
 from tests.core.conftest import BLOCK_SIZE, admit, make_request, unique_tokens
 from tests.kv_events import vllm_wire
+from tests.offload.conftest import make_layout
 
 HYBRID = (KVCacheGroupSpec(), KVCacheGroupSpec(sliding_window=8))
 
@@ -312,3 +316,37 @@ def test_stored_blocks_carry_their_retention_last_and_vllms_decoder_still_reads_
     assert isinstance(event, vllm_wire.BlockStored) and len(event.block_hashes) == 3
     admit(manager, make_request(unique_tokens(9, 100)))  # no directive: the field is left out
     assert "retention" not in msgspec.msgpack.decode(wire(collector))[1][0]
+
+
+def test_a_tiers_checkpoints_are_the_state_groups_events_with_its_medium_and_vllms_decoder_reads_them():
+    """A host tier on full attention and recurrent state: its blocks are announced for the attention group, its
+    checkpoints (records under their state keys) for the state group under their blocks' hashes, as the device's
+    checkpoints are; vLLM's structs decode them, with and without the group fields."""
+    layout = make_layout(block_size=BLOCK_SIZE, state_bytes=8)
+    collector = KVEventCollector(groups=(KVCacheGroupSpec(), RECURRENT_STATE))
+    stores = [HostMemoryStore(layout, 4 * layout.block_bytes)]
+    connector = OffloadConnector(
+        stores, BLOCK_SIZE, writer=TierWriter(stores, background=False), tier_listeners=[collector]
+    )
+    first, second = bytes([1]) * 32, bytes([2]) * 32
+    connector.writer.submit([0], [(first, bytes(layout.block_bytes)), (second, bytes(layout.block_bytes))])
+    connector.writer.submit([0], [(state_key(second), bytes(8))])
+    connector.take_plan(lambda block_hash: None)  # the step delivers the tier's events
+    stores[0].discard([state_key(second), first])  # one change of a block and a checkpoint
+    connector.take_plan(lambda block_hash: None)
+    payload = wire(collector)
+    events = msgspec.msgpack.decode(payload, type=GroupedBatch).events
+    uint64 = vllm_wire.as_uint64
+    assert [
+        (type(e).__name__, e.medium, e.group_idx, getattr(e, "kv_cache_spec_kind", None), e.block_hashes)
+        for e in events
+    ] == [
+        ("GroupedBlockStored", "CPU", 0, "full_attention", [uint64(first), uint64(second)]),
+        ("GroupedBlockStored", "CPU", 1, "mamba", [uint64(second)]),
+        ("GroupedBlockRemoved", "CPU", 0, None, [uint64(first)]),
+        ("GroupedBlockRemoved", "CPU", 1, None, [uint64(second)]),
+    ]
+    stored = [e for e in events if isinstance(e, GroupedBlockStored)]
+    assert all(e.token_ids == [] and e.parent_block_hash is None and e.block_size == BLOCK_SIZE for e in stored)
+    plain = vllm_wire.decoder.decode(payload).events  # a consumer without the group fields still reads them
+    assert [(type(e).__name__, e.medium) for e in plain] == [(type(e).__name__[7:], e.medium) for e in events]
