@@ -174,19 +174,23 @@ def test_explain_replays_a_hybrid_servers_checkpoints_hit_for_hit(qwen35_dir, tm
             response = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 1, "temperature": 0}, timeout=60)
             assert response.status_code == 200, response.text
             served.append(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
-        state = httpx.get(f"{server.url}/v1/cache/config").json()["recurrent_state"]
+        config = httpx.get(f"{server.url}/v1/cache/config").json()
         log, out = tmp_path / "log.jsonl", tmp_path / "report.json"
         log.write_text("".join(json.dumps(body) + "\n" for body in bodies))
+        main(["explain", str(log), "--base-url", server.url, "--json", str(out)])  # the server's blocks: its capacity
         capacity = str(108 * BLOCK_SIZE)  # the server's blocks in 1200 KiB (tests/engine/test_cache_layout.py)
-        main(["explain", str(log), "--base-url", server.url, "--capacity-tokens", capacity, "--json", str(out)])
+        given = tmp_path / "given.json"
+        main(["explain", str(log), "--base-url", server.url, "--capacity-tokens", capacity, "--json", str(given)])
     finally:
         server.stop()
-    assert state == {"num_state_slots": 64, "num_checkpoint_slots": 41, "sparse_every_blocks": 16,
+    assert config["recurrent_state"] == {"num_state_slots": 64, "num_checkpoint_slots": 41, "sparse_every_blocks": 16,
                      "max_num_batched_tokens": 40}  # fmt: skip
     assert served[:4] == [0, 256, 256, 272] and served[5] > 0
+    assert config["num_blocks"] == 108
     report = json.loads(out.read_text())
     assert [r["capacity_hit"] for r in report["requests"]] == served
     assert report["missed_tokens"]["no_checkpoint"] == 16
+    assert json.loads(given.read_text())["requests"] == report["requests"]
 
 
 @pytest.mark.parametrize(

@@ -66,11 +66,13 @@ def test_the_server_tells_how_it_keys_its_cache(servers, tiny_llama_dir):
         "model": tiny_llama_dir.name,
         "max_model_len": 256,
         "block_size": 4,
+        "num_blocks": 256,
         "hash_algo": "sha256",
         "hash_seed": resolve_hash_seed(),  # the default, or $PREFIXCACHE_HASH_SEED as the servers inherit it
         "enable_prefix_caching": True,
         "tenant_salt": None,
         "kv_cache_groups": [{"group_idx": 0, "kind": "full_attention", "block_size": 4, "sliding_window": None}],
+        "recurrent_state": None,
         "kv_events": None,
     }
     parse_cache_config(response.content)  # the router reads it

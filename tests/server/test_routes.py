@@ -58,6 +58,7 @@ def test_cache_config_says_how_the_cache_is_keyed_by_the_settings():
         "model": "tiny",
         "max_model_len": 256,
         "block_size": 4,
+        "num_blocks": 64,
         "hash_algo": "sha256",
         "hash_seed": "prefixcache",
         "enable_prefix_caching": True,

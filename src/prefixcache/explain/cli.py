@@ -43,7 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--block-size", type=positive_int, help=f"engine block size (default {DEFAULT_BLOCK_SIZE}, or the server's)"
     )
-    parser.add_argument("--capacity-tokens", type=positive_int, help="replay through a cache of this many tokens")
+    parser.add_argument(
+        "--capacity-tokens",
+        type=positive_int,
+        help="replay through a cache of this many tokens (with --base-url on a recurrent model: the server's blocks)",
+    )
     engine = parser.add_argument_group("the replay's cache as serve lays it out (with --model)")
     engine.add_argument(
         "--kv-cache-memory",
@@ -148,7 +152,7 @@ def run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         block_size = args.block_size or server_block_size or DEFAULT_BLOCK_SIZE
         try:
             if args.base_url:
-                cache = {**server, "capacity_tokens": args.capacity_tokens}
+                cache = server if args.capacity_tokens is None else {**server, "capacity_tokens": args.capacity_tokens}
             else:
                 cache = replay_cache(args, block_size, model_config)
             config = ExplainConfig(

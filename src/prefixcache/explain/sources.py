@@ -2,7 +2,7 @@
 
 A prefixcache server answers ``POST /v1/cache/lookup`` (its tokens, each token's text, a chat's checkpoint hints
 and what its cache holds now), ``GET /v1/cache/config`` (its KV cache groups and a recurrent model's checkpoint
-budget, for the replay) and ``POST
+budget and its number of blocks, for the replay) and ``POST
 /v1/chat/completions/render`` (where a chat's ``cache_control`` breakpoints land). Any other server with vLLM's
 ``/tokenize`` (vLLM itself: it takes a completion's ``prompt`` or a chat's ``messages``) gives the tokens it
 would run, and ``/detokenize`` their text; it reports no cache state, no block size, no KV cache groups (the
@@ -90,7 +90,8 @@ def server_cache(client: Any) -> dict[str, Any]:
     """The ``ExplainConfig`` fields of the cache the server reports at /v1/cache/config, for the replay to admit
     as it does: its KV cache groups (one full-attention group for a server that reports none: one from before
     them, or not prefixcache) and, for a model with recurrent layers, its state checkpoints' budget, sparse
-    interval and prefill chunk."""
+    interval and prefill chunk, and its blocks as the replay's capacity (a server from before it reported them:
+    none, ``--capacity-tokens`` gives it)."""
     path = "/v1/cache/config"
     with _reaching(client):
         response = client.get(path)
@@ -114,6 +115,8 @@ def server_cache(client: Any) -> dict[str, Any]:
             "checkpoint_policy": CheckpointPolicy(sparse_every_blocks=state["sparse_every_blocks"]),
             "max_chunk_tokens": state["max_num_batched_tokens"],
         }
+        if answer.get("num_blocks"):
+            cache["capacity_tokens"] = answer["num_blocks"] * answer["block_size"]
     return cache
 
 

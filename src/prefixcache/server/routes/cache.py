@@ -62,7 +62,8 @@ async def cache_config(engine: Engine, settings: Settings) -> dict[str, Any]:
     block size, window), so that a router predicts a hybrid model's hits before any event arrives.
     ``kv_events.endpoint_bound`` false: the publisher connects to ``endpoint``, where a subscriber must bind.
     ``recurrent_state`` (null without recurrent layers): the state checkpoints' budget and where prefill chunks
-    end, what ``explain --base-url`` needs to replay them."""
+    end, what ``explain --base-url`` needs to replay them, with ``num_blocks`` (the pool's blocks, the null block
+    included, as the cache manager counts them) the size of the replay's cache."""
     info = engine.info
     keyed = bool(settings.api_keys) and not settings.share_cache_across_keys
     events = engine.config.kv_events_config
@@ -71,6 +72,7 @@ async def cache_config(engine: Engine, settings: Settings) -> dict[str, Any]:
         "model": settings.served_model_names[0],
         "max_model_len": info.max_model_len,
         "block_size": info.block_size,
+        "num_blocks": info.num_blocks,
         "hash_algo": info.hash_algo,
         "hash_seed": info.hash_seed,
         "enable_prefix_caching": info.enable_prefix_caching,
