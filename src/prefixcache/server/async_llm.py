@@ -56,11 +56,6 @@ class RequestStream:
 
     A request with several prompts or ``n`` > 1 runs as one core request per choice, ``<id>-<index>``.
     ``abort()`` stops the choices still running; it is idempotent and a no-op once all finished.
-
-    Outputs that queued up for one choice while the consumer was busy (a slow client, a loaded machine) come out
-    as one, their new tokens and text joined: a consumer that falls behind writes one chunk for them instead of
-    one per token, and catches up instead of falling further behind. An output that carries an error is never
-    joined, so the tokens before it still reach the client.
     """
 
     def __init__(self, engine: AsyncLLM, request_id: str, core_ids: list[str]) -> None:
@@ -79,21 +74,12 @@ class RequestStream:
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         remaining = len(self.indices)
-        held: tuple[int, RequestOutput] | BaseException | None = None  # taken from the queue, not joinable
         while remaining:
-            item = held if held is not None else await self._queue.get()
-            held = None
+            item = await self._queue.get()
             if isinstance(item, BaseException):
                 raise item
-            index, output = item
-            while not output.finished and not self._queue.empty():
-                later = self._queue.get_nowait()
-                if isinstance(later, BaseException) or later[0] != index or later[1].outputs[0].error is not None:
-                    held = later
-                    break
-                output = _joined(output, later[1])
-            yield index, output
-            remaining -= output.finished
+            yield item
+            remaining -= item[1].finished
 
     def abort(self) -> None:
         """Stop generating and free the blocks of every choice still running (client gone, handler failed)."""
@@ -103,13 +89,6 @@ class RequestStream:
 
     def _put(self, item: tuple[int, RequestOutput] | BaseException) -> None:
         self._queue.put_nowait(item)
-
-
-def _joined(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """Two consecutive outputs of one choice as one: the later state, with the new tokens and text of both."""
-    return replace(
-        later, new_token_ids=earlier.new_token_ids + later.new_token_ids, new_text=earlier.new_text + later.new_text
-    )
 
 
 class AsyncLLM:
