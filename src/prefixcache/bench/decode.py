@@ -229,7 +229,7 @@ def run_streams(
             command, port, work / "llamacpp.log", env={"OMP_NUM_THREADS": threads}
         )
     rng = random.Random(1)
-    offline = {label.replace("prefixcache", "prefixcache offline"): config for label, config in configs.items()}
+    offline = {f"prefixcache offline ({config.quantization})": config for config in configs.values()}
     points = {label: StreamPoint(label, 0.0) for label in [*servers, *offline]}
     llms: dict[str, Any] = {}
     try:
