@@ -48,7 +48,11 @@ def test_offline_points_count_decode_steps_only(tiny_llama_dir, tiny_loaded) -> 
 
 def test_report_gives_each_point_its_bandwidth_limit() -> None:
     offline = [DecodePoint("prefixcache gguf", 4, steps=10, seconds=0.05, bytes_per_step=20_000_000)]
-    streams = [StreamPoint("llama.cpp server", 80.0, [75.0, 80.0])]
+    streams = [
+        StreamPoint("llama.cpp server", 80.0, [75.0, 80.0]),
+        StreamPoint("prefixcache serve (gguf)", 36.0, [36.0, 27.0]),
+        StreamPoint("prefixcache offline (gguf)", 40.0, [40.0, 30.0]),
+    ]
     settings = dict(
         model="m", dtype="bfloat16", device="cpu", threads=2, prompt_len=64, output_len=11, rounds=2, batch_sizes=[4]
     )
@@ -60,6 +64,9 @@ def test_report_gives_each_point_its_bandwidth_limit() -> None:
     assert "| prefixcache gguf | 4 | 5.00 | 800.0 | 20.0 | 2.00 | 0.40 |" in text
     assert "| llama.cpp server | 80.0 | 75.0, 80.0 |" in text and "note: a note" in text
     assert "memory bandwidth (tensor copy on cpu): 10.0 GB/s" in text
+    # the server path's cost: each round's served rate over the offline one of the same round
+    assert "| prefixcache serve (gguf) | 36.0 | 36.0, 27.0 | 0.90, 0.90; median 0.90 |" in text
+    assert "| prefixcache offline (gguf) | 40.0 | 40.0, 30.0 |  |" in text
 
 
 def test_bandwidth_is_measured() -> None:

@@ -11,13 +11,13 @@ import pytest
 
 from prefixcache.core import FULL_ATTENTION, KVCacheGroupSpec
 from prefixcache.core.kv_cache_groups import RECURRENT_STATE
+from prefixcache.core.tenant_salt import SALT_BY_API_KEY, engine_salt, tenant_salt
 from prefixcache.router.app import RouterSettings
 from prefixcache.router.backend_config import CacheConfig, hashing_mismatch, parse_cache_config
 from prefixcache.router.backends import BackendPool, BackendRefusedError, HealthSettings
 from prefixcache.router.cli import BACKEND_API_KEY_ENV, backend_api_key
 from prefixcache.router.index import PrefixIndex
 from prefixcache.router.metrics import RouterMetrics
-from prefixcache.server.tenants import SALT_BY_API_KEY, engine_salt, tenant_salt
 from tests.helpers import wait_until
 from tests.router.fakes import (
     BLOCK_SIZE,

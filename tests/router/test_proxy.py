@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
+from prefixcache.http.flags import DEFAULT_MAX_REQUEST_BYTES
 from prefixcache.model.loader import load_tokenizer
-from prefixcache.server.settings import DEFAULT_MAX_REQUEST_BYTES
 from tests.helpers import wait_until
 from tests.router.fakes import MODEL, PROMPT, complete, metric, served_by
 

@@ -7,13 +7,13 @@ import httpx
 import pytest
 
 from prefixcache.core.hashing import resolve_hash_seed
+from prefixcache.core.tenant_salt import SALT_BY_API_KEY
 from prefixcache.model.loader import load_tokenizer
 from prefixcache.router.app import RouterSettings, build_app
 from prefixcache.router.backend_config import parse_cache_config
 from prefixcache.router.backends import HealthSettings
 from prefixcache.router.prompt import PromptHasher
 from prefixcache.router.proxy import BACKEND_HEADER
-from prefixcache.server.tenants import SALT_BY_API_KEY
 from tests.helpers import wait_until
 from tests.router.fakes import HANG_S, ThreadedServer, metric
 from tests.server.harness import API_KEY, OTHER_API_KEY, ServerProcess, random_prompt

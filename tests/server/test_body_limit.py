@@ -13,7 +13,7 @@ import threading
 import time
 from urllib.parse import urlsplit
 
-from prefixcache.server.settings import DEFAULT_MAX_REQUEST_BYTES
+from prefixcache.http.flags import DEFAULT_MAX_REQUEST_BYTES
 from tests.server.harness import StreamResult, stream_completion
 
 HUGE = 16 * 1024 * 1024

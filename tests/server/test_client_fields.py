@@ -5,7 +5,7 @@ use instead."""
 import httpx
 import pytest
 
-from prefixcache.server.protocol import CompletionRequest
+from prefixcache.http.protocol import CompletionRequest
 from tests.server.harness import random_prompt
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"

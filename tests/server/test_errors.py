@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from prefixcache.server.middleware import RequestContextMiddleware
+from prefixcache.http.middleware import RequestContextMiddleware
 from tests.helpers import wait_until
 from tests.server.harness import API_KEY, random_prompt, start_streams
 
@@ -302,6 +302,6 @@ def test_an_unhandled_exception_is_an_openai_shaped_500_with_the_traceback_logge
     assert_openai_error(response, 500)
     assert response.json()["error"]["type"] == "server_error"
     assert "bug-1" in response.json()["error"]["message"] and response.headers["x-request-id"] == "bug-1"
-    failure = next(r for r in caplog.records if r.name == "prefixcache.server.middleware")
+    failure = next(r for r in caplog.records if r.name == "prefixcache.http.middleware")
     assert failure.exc_info is not None and "a bug" in str(failure.exc_info[1])
     assert any("request_id=bug-1 POST /v1/completions 500" in r.getMessage() for r in caplog.records)

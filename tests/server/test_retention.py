@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from prefixcache.core.retention import RetentionRange
-from prefixcache.server.retention import BREAKPOINT_PRIORITY, PERSISTENT_PRIORITY, CacheControl, breakpoint_ranges
+from prefixcache.http.retention import BREAKPOINT_PRIORITY, PERSISTENT_PRIORITY, CacheControl, breakpoint_ranges
 from tests.server.harness import API_KEY
 from tests.server.test_client_fields import CHAT, COMPLETIONS, post, refused
 

@@ -7,8 +7,8 @@ import httpx
 import openai
 import pytest
 
+from prefixcache.core.tenant_salt import SALT_BY_API_KEY
 from prefixcache.server.cli import API_KEY_ENV, api_keys
-from prefixcache.server.tenants import SALT_BY_API_KEY, bearer_token, engine_salt, tenant_salt
 from tests.server.harness import API_KEY, METRICS_API_KEY, OTHER_API_KEY, SERVER_ARGS, ServerProcess, random_prompt
 
 
@@ -73,25 +73,6 @@ def test_keys_come_from_the_flags_and_the_file_else_the_environment(tmp_path):
     assert api_keys(args(), {}) == ()
 
 
-def test_a_tenant_salt_is_a_hash_never_the_key():
-    salt = tenant_salt("secret-key")
-    assert "secret-key" not in salt
-    assert salt == tenant_salt("secret-key") != tenant_salt("secret-key2")
-
-
-def test_the_engine_salt_puts_the_tenant_in_front_of_the_requests_own():
-    assert engine_salt(None, None) is None
-    assert engine_salt(None, "s") == "s"
-    assert engine_salt("tenant-1", None) == "tenant-1"
-    assert engine_salt("tenant-1", "s") == "tenant-1:s"
-
-
-def test_a_bearer_token_is_read_as_the_server_compares_it():
-    assert bearer_token("Bearer key-1") == "key-1"
-    for header in (None, "", "Bearer ", "bearer key-1", "Basic a2V5", "Bearer two words", "Bearer  key-1"):
-        assert bearer_token(header) is None
-
-
 def test_the_cache_config_says_whether_keys_are_tenants(server, secured_server, sharing_server):
     def salted_by(url: str) -> str | None:
         headers = {"Authorization": f"Bearer {API_KEY}"}
@@ -120,7 +101,7 @@ def test_tenants_keys_do_not_reach_metrics_which_takes_the_metrics_key_alone(sec
 def test_a_metrics_key_alone_guards_metrics_and_leaves_the_api_open():
     import asyncio
 
-    from prefixcache.server.middleware import APIKeyMiddleware
+    from prefixcache.http.middleware import APIKeyMiddleware
 
     async def ok(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})

@@ -7,9 +7,11 @@ over the machine's memory bandwidth. This measures, in one run:
   ``--quantization`` (default ``none`` and ``gguf``), in ms per step and output tokens/s; the step's bytes
   (weights, plus the K/V read at the mean context) over the measured bandwidth give the fastest step possible,
   and the fraction of it reached;
-- **one stream** through ``prefixcache serve`` (each quantization) and through llama.cpp's server on the same
-  GGUF with the same threads, when the ``xllamacpp`` peer is installed (``prefixcache.bench.peers``) and its
-  ``serve.py`` (``../shared/peers/llamacpp``) is there: decode tokens/s a streaming client sees, after the first;
+- **one stream** through ``prefixcache serve`` (each quantization, its core on ``--threads`` threads) and through
+  llama.cpp's server on the same GGUF with the same threads, when the ``xllamacpp`` peer is installed
+  (``prefixcache.bench.peers``) and its ``serve.py`` (``../shared/peers/llamacpp``) is there: decode tokens/s a
+  streaming client sees, after the first; beside them in the same rounds the same stream offline (``LLM`` in this
+  process), so what the server path adds is a ratio of rates measured minutes apart at most, not across phases;
 - **the memory bandwidth**: the best of several copies of a tensor larger than the caches (read + write bytes).
 
 Rounds alternate the engines, and each point keeps its best round: the one least disturbed by whatever else
@@ -193,11 +195,16 @@ async def _stream_rate(url: str, model: str, prompt: list[int], output_len: int)
 
 
 def run_streams(
-    args: argparse.Namespace, vocab_size: int, gguf: Path | None, work: Path
+    args: argparse.Namespace, configs: dict[str, EngineConfig], vocab_size: int, gguf: Path | None, work: Path
 ) -> tuple[list[StreamPoint], str]:
-    """One stream through each prefixcache server (a quantization each) and llama.cpp's; and why llama.cpp is
-    missing from them, if it is."""
+    """One stream through each prefixcache server (a quantization each) and llama.cpp's, and the same stream
+    offline (each of ``configs``) in the same rounds; and why llama.cpp is missing from them, if it is.
+
+    Each server's engine core gets ``OMP_NUM_THREADS=--threads`` (torch's default is one thread per core), so the
+    server, the offline engine and llama.cpp decode on the same number of threads."""
     from prefixcache.bench.live import ExternalProcess, Process, free_port, running
+    from prefixcache.engine import LLM
+    from prefixcache.engine.core import load_engine_model
 
     threads = str(args.threads)
     servers: dict[str, Process] = {}
@@ -205,7 +212,9 @@ def run_streams(
         model = [] if args.model is None else [args.model]
         command = ["serve", *model, "--dtype", args.dtype, "--quantization", quantization]
         command += ["--kv-cache-memory", "256MiB", "--device", args.device]
-        servers[f"prefixcache serve ({quantization})"] = Process(command, work / f"serve-{quantization}.log")
+        servers[f"prefixcache serve ({quantization})"] = Process(
+            command, work / f"serve-{quantization}.log", env={"OMP_NUM_THREADS": threads}
+        )
     missing = ""
     port = free_port()
     command = None if gguf is None else llamacpp_command(gguf, port, args.threads, args.llamacpp_serve)
@@ -220,16 +229,32 @@ def run_streams(
             command, port, work / "llamacpp.log", env={"OMP_NUM_THREADS": threads}
         )
     rng = random.Random(1)
-    points = {label: StreamPoint(label, 0.0) for label in servers}
-    with running(list(servers.values()), SERVER_START_S):
-        for server in servers.values():  # warm-up
-            asyncio.run(_stream_rate(server.url, _served_model(server.url), [5, 6, 7, 8], 4))
-        for _ in range(args.rounds):
-            prompt = rng.choices(range(2, vocab_size), k=args.prompt_len)
-            for label, server in servers.items():
-                rate = asyncio.run(_stream_rate(server.url, _served_model(server.url), prompt, args.output_len))
-                points[label].rounds.append(round(rate, 2))
-                points[label].tokens_per_s = max(points[label].rounds)
+    offline = {f"prefixcache offline ({config.quantization})": config for config in configs.values()}
+    points = {label: StreamPoint(label, 0.0) for label in [*servers, *offline]}
+    llms: dict[str, Any] = {}
+    try:
+        with running(list(servers.values()), SERVER_START_S):
+            for label, config in offline.items():
+                llms[label] = LLM(config=config, loaded=load_engine_model(config))
+                decode_batch(llms[label], [[5, 6, 7, 8]], 4)  # warm-up
+            for server in servers.values():
+                asyncio.run(_stream_rate(server.url, _served_model(server.url), [5, 6, 7, 8], 4))
+            for _ in range(args.rounds):
+                prompt = rng.choices(range(2, vocab_size), k=args.prompt_len)
+                rates = {}
+                for label, server in servers.items():
+                    rates[label] = asyncio.run(
+                        _stream_rate(server.url, _served_model(server.url), prompt, args.output_len)
+                    )
+                for label, llm in llms.items():
+                    steps, seconds = decode_batch(llm, [prompt], args.output_len)  # decode after the first token
+                    rates[label] = steps / seconds
+                for label, rate in rates.items():
+                    points[label].rounds.append(round(rate, 2))
+                    points[label].tokens_per_s = max(points[label].rounds)
+    finally:
+        for llm in llms.values():
+            llm.engine.close()
     return list(points.values()), missing
 
 
@@ -286,12 +311,24 @@ def format_report(report: dict[str, Any]) -> str:
             f"{row['bytes_per_step'] / 1e6:.1f} | {row['limit_ms_per_step']:.2f} | {row['bandwidth_fraction']:.2f} |"
         )
     if report["streams"]:
-        lines += ["", "| one stream | tokens/s | rounds |", "|---|---:|---|"]
+        by_label = {stream["server"]: stream for stream in report["streams"]}
+        lines += ["", "| one stream | tokens/s | rounds | served / offline, per round |", "|---|---:|---|---|"]
         for stream in report["streams"]:
             rounds = ", ".join(f"{r:.1f}" for r in stream["rounds"])
-            lines.append(f"| {stream['server']} | {stream['tokens_per_s']:.1f} | {rounds} |")
+            offline = by_label.get(stream["server"].replace("prefixcache serve", "prefixcache offline"))
+            paired = "" if offline is None or offline is stream else served_ratios(stream["rounds"], offline["rounds"])
+            lines.append(f"| {stream['server']} | {stream['tokens_per_s']:.1f} | {rounds} | {paired} |")
     lines += [f"note: {note}" for note in report["notes"]]
     return "\n".join(lines)
+
+
+def served_ratios(served: Sequence[float], offline: Sequence[float]) -> str:
+    """Each round's served rate over the offline rate of the same round (the two ran one after the other, so
+    the load was nearly the same), and their median: what the server path costs a stream."""
+    ratios = sorted(s / o for s, o in zip(served, offline, strict=True))
+    middle = len(ratios) // 2
+    median = ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
+    return f"{', '.join(f'{r:.2f}' for r in ratios)}; median {median:.2f}"
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -325,7 +362,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             gguf = None
         vocab_size = read_config(resolve_model(args.model)[0]).vocab_size
         with tempfile.TemporaryDirectory(prefix="bench-decode-") as work:
-            streams, missing = run_streams(args, vocab_size, gguf, Path(work))
+            streams, missing = run_streams(args, configs, vocab_size, gguf, Path(work))
         if missing:
             notes.append(missing)
     settings = {

@@ -51,9 +51,9 @@ def free_port() -> int:
 
 
 class Process:
-    """A ``prefixcache`` subcommand (``args`` start with its name) on a free loopback port."""
+    """A ``prefixcache`` subcommand (``args`` start with its name) on a free loopback port; ``env`` on top of ours."""
 
-    def __init__(self, args: Sequence[str], log_path: Path) -> None:
+    def __init__(self, args: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.log_path = log_path
         self.url = ""
         with log_path.open("wb") as log:
@@ -61,7 +61,7 @@ class Process:
                 [sys.executable, "-m", "prefixcache.cli", *args, "--host", "127.0.0.1", "--port", "0"],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
             )
 
     def __enter__(self) -> Self:

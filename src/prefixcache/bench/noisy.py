@@ -40,7 +40,7 @@ from prefixcache.bench.offload_live import _fraction as fraction
 from prefixcache.bench.serve import Messages, Target, reset_prefix_cache, run_point, send_request, summarize
 from prefixcache.config import DTYPES, EngineConfig
 from prefixcache.engine.args import config_default
-from prefixcache.server.retention import BREAKPOINT_PRIORITY
+from prefixcache.http.retention import BREAKPOINT_PRIORITY
 
 RUNS = {"alone": "A alone", "lru": "A + flood, plain LRU", "cache_control": "A + flood, cache_control 1h"}
 HIT_RATE_GOAL = 0.95  # A's hit rate with cache_control over A's alone, at least

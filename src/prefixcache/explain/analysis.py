@@ -63,8 +63,8 @@ from prefixcache.core.miss import MISS_REASONS, hittable_tokens
 from prefixcache.core.retention import RetentionRange
 from prefixcache.core.state_table import DEFAULT_CHECKPOINT_POLICY, CheckpointPolicy
 from prefixcache.explain.log import Decode, Prompt
+from prefixcache.http.retention import BREAKPOINT_PRIORITY, TTL_SECONDS
 from prefixcache.replay import HeldCache
-from prefixcache.server.retention import BREAKPOINT_PRIORITY, TTL_SECONDS
 
 # Two prompts "agree again" when SYNC_TOKENS tokens match; a varying field is at most MAX_SPAN_TOKENS long.
 SYNC_TOKENS = 8

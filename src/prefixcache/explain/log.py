@@ -5,7 +5,7 @@ into tokens by the model's chat template, as the server does), or an offline pro
 ``{"prompt_token_ids": [...]}``). ``cache_salt`` and ``lora_name`` name the cache namespace a request reads;
 ``add_special_tokens`` says whether a text gets the tokenizer's special tokens (the server's default: a completion's
 text does, a chat adds none beyond its template). Retention directives are read as the server reads them
-(``server/retention.py``): ``cache_control`` breakpoints on messages, content parts and ``tools`` (placed by the
+(``http/retention.py``): ``cache_control`` breakpoints on messages, content parts and ``tools`` (placed by the
 chat template, which also renders the tools), ``retention`` token ranges and ``prompt_cache_retention``. A
 ``timestamp`` (seconds, any origin, or an ISO 8601 string) times the replay's TTLs. Every other field is ignored. A
 line that cannot be read is reported with its number and skipped, whatever it holds: JSON nested deeper than the
@@ -29,8 +29,8 @@ from pydantic import TypeAdapter, ValidationError
 from prefixcache.core.retention import RetentionRange, check_retention
 from prefixcache.engine.chat_breakpoints import Breakpoint
 from prefixcache.engine.input_processor import check_vocabulary, hinted_chat_prompt, tokenize_prompt
-from prefixcache.server.protocol import ChatMessage, ChatTool, Text, adds_special_tokens
-from prefixcache.server.retention import (
+from prefixcache.http.protocol import ChatMessage, ChatTool, Text, adds_special_tokens
+from prefixcache.http.retention import (
     PromptCacheRetention,
     TokenRangeRetention,
     breakpoint_ranges,

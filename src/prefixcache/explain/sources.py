@@ -34,8 +34,8 @@ from prefixcache.explain.log import (
     tokenize_body,
     tokenize_log,
 )
-from prefixcache.server.protocol import adds_special_tokens
-from prefixcache.server.retention import TokenRangeRetention
+from prefixcache.http.protocol import adds_special_tokens
+from prefixcache.http.retention import TokenRangeRetention
 
 if TYPE_CHECKING:
     from prefixcache.model.config import ModelConfig

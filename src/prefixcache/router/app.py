@@ -12,6 +12,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from prefixcache.http.auth import valid_api_key
+from prefixcache.http.flags import DEFAULT_MAX_REQUEST_BYTES
+from prefixcache.http.middleware import BodyLimitMiddleware, RequestContextMiddleware
 from prefixcache.router.backends import BackendPool, HealthSettings
 from prefixcache.router.index import PrefixIndex
 from prefixcache.router.metrics import RouterMetrics
@@ -20,9 +23,6 @@ from prefixcache.router.proxy import Proxy
 from prefixcache.router.routing import Router
 from prefixcache.router.subscriber import EventSource
 from prefixcache.router.wire import DEFAULT_CONTENT_BLOCK_SIZE
-from prefixcache.server.middleware import BodyLimitMiddleware, RequestContextMiddleware
-from prefixcache.server.settings import DEFAULT_MAX_REQUEST_BYTES
-from prefixcache.server.tenants import valid_api_key
 
 
 @dataclass(frozen=True, slots=True)

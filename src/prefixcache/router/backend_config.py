@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from prefixcache.core.kv_cache_groups import KVCacheGroupSpec, spec_of_kind
-from prefixcache.server.tenants import SALT_BY_API_KEY
+from prefixcache.core.tenant_salt import SALT_BY_API_KEY
 
 CACHE_CONFIG_PATH = "/v1/cache/config"
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]", "::")

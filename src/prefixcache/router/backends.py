@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import httpx
 import zmq.asyncio
 
+from prefixcache.http.auth import BEARER
 from prefixcache.router.backend_config import (
     CACHE_CONFIG_PATH,
     CacheConfig,
@@ -44,7 +45,6 @@ from prefixcache.router.index import PrefixIndex
 from prefixcache.router.metrics import RouterMetrics
 from prefixcache.router.subscriber import EventSource, EventSubscriber
 from prefixcache.router.wire import DEFAULT_CONTENT_BLOCK_SIZE
-from prefixcache.server.tenants import BEARER
 
 logger = logging.getLogger(__name__)
 

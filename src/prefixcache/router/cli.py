@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from prefixcache.argtypes import port
+from prefixcache.http.flags import add_max_request_bytes
 from prefixcache.router.policy import DEFAULT_AFFINITY_BALANCE, DEFAULT_PREFIX_WEIGHT, POLICIES
 from prefixcache.router.wire import DEFAULT_CONTENT_BLOCK_SIZE
-from prefixcache.server.cli import add_max_request_bytes
 
 if TYPE_CHECKING:
     from prefixcache.router.subscriber import EventSource

@@ -26,10 +26,10 @@ from prefixcache.core import Request, hittable_blocks
 from prefixcache.core.hashing import root_hash
 from prefixcache.engine.chat_breakpoints import chat_text, chat_text_token_ids
 from prefixcache.engine.input_processor import prompt_too_long, tokenize_prompt
+from prefixcache.http.protocol import ChatMessage, ChatTool, adds_special_tokens
 from prefixcache.router.backend_config import CacheConfig
 from prefixcache.router.blocks import CONTENT_HASH_ALGO, CONTENT_ROOT
 from prefixcache.router.wire import external_block_hash
-from prefixcache.server.protocol import ChatMessage, ChatTool, adds_special_tokens
 
 # What the server generates when a completion request gives no max_tokens (OpenAI's default); also the
 # router's guess for a chat request without a limit.

@@ -22,13 +22,13 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from prefixcache.http.disconnect import unless_disconnected
+from prefixcache.http.middleware import REQUEST_ID_HEADER, record_of
+from prefixcache.http.protocol import error_body, error_response
 from prefixcache.router.backends import Backend, BackendPool
 from prefixcache.router.metrics import RouterMetrics
 from prefixcache.router.policy import Candidate
 from prefixcache.router.routing import Lease, Router
-from prefixcache.server.middleware import REQUEST_ID_HEADER, record_of
-from prefixcache.server.protocol import error_body, error_response
-from prefixcache.server.streaming import unless_disconnected
 
 logger = logging.getLogger(__name__)
 

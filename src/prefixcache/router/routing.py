@@ -25,6 +25,8 @@ from typing import Any
 
 import xxhash
 
+from prefixcache.core.tenant_salt import engine_salt, tenant_salt
+from prefixcache.http.auth import bearer_token
 from prefixcache.router.backends import CONTENT, ENGINE, LOAD, Backend, BackendPool
 from prefixcache.router.index import PrefixIndex
 from prefixcache.router.policy import Candidate, RoutingPolicy
@@ -36,7 +38,6 @@ from prefixcache.router.prompt import (
     prompt_cache_key,
     requested_output_tokens,
 )
-from prefixcache.server.tenants import bearer_token, engine_salt, tenant_salt
 
 AFFINITY_BLOCKS = 4
 

@@ -19,10 +19,10 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from prefixcache.server.anthropic import AnthropicErrorMiddleware
+from prefixcache.http.anthropic import AnthropicErrorMiddleware
+from prefixcache.http.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
 from prefixcache.server.async_llm import AsyncLLM
 from prefixcache.server.errors import install_error_handlers
-from prefixcache.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
 from prefixcache.server.routes import cache, generation, info, messages, tokens
 from prefixcache.server.settings import ServerSettings
 from prefixcache.server.startup import startup_lines

@@ -10,31 +10,15 @@ import logging
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import fields
 from pathlib import Path
-from typing import Any
 
-from prefixcache.argtypes import memory_size, non_negative_float, port
+from prefixcache.argtypes import non_negative_float, port
 from prefixcache.engine.args import add_engine_args, engine_kwargs
+from prefixcache.http.flags import add_max_request_bytes
 from prefixcache.server.settings import LOG_STATS_INTERVAL_S, ServerSettings
 
 API_KEY_ENV = "PREFIXCACHE_API_KEY"
 METRICS_API_KEY_ENV = "PREFIXCACHE_METRICS_API_KEY"
-
-
-def _default(name: str) -> Any:
-    """The default of a ``ServerSettings`` field: the flags' defaults are the settings', never a second copy."""
-    return next(f.default for f in fields(ServerSettings) if f.name == name)
-
-
-def add_max_request_bytes(parser: argparse._ActionsContainer) -> None:
-    """``--max-request-bytes``, which the server and the router both enforce (``BodyLimitMiddleware``)."""
-    parser.add_argument(
-        "--max-request-bytes",
-        type=memory_size,
-        default=_default("max_request_bytes"),
-        help="refuse request bodies larger than this with 413, e.g. 8MiB (default 8MiB)",
-    )
 
 
 def register(commands: argparse._SubParsersAction) -> None:

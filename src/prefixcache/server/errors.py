@@ -10,8 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from prefixcache.http.protocol import UNSUPPORTED_FIELD_HINTS, error_body, error_response
 from prefixcache.server.async_llm import EngineDeadError
-from prefixcache.server.protocol import UNSUPPORTED_FIELD_HINTS, error_body, error_response
 
 
 class APIError(Exception):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefixcache.server.tenants import valid_api_key
+from prefixcache.http.auth import valid_api_key
+from prefixcache.http.flags import DEFAULT_MAX_REQUEST_BYTES
 
-DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # a 128k-token prompt is under 1 MiB, as text or as JSON token ids
 LOG_STATS_INTERVAL_S = 10.0
 
 

@@ -3,25 +3,21 @@ outputs at once; either way the request is aborted when the client goes away, so
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
-from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from prefixcache.engine import RequestOutput
+from prefixcache.http.middleware import RequestRecord
+from prefixcache.http.protocol import error_body, usage
 from prefixcache.server.async_llm import EngineDeadError, RequestStream
-from prefixcache.server.middleware import RequestRecord
-from prefixcache.server.protocol import error_body, usage
 from prefixcache.server.responses import ChoiceShaper
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 class RequestStreamingResponse(StreamingResponse):
@@ -104,24 +100,3 @@ async def final_outputs(stream: RequestStream) -> dict[int, RequestOutput]:
         if output.finished:
             finals[index] = output
     return finals
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """Await ``work``, but cancel it and return None if the client disconnects first.
-
-    A non-streaming handler is otherwise never told that its client left, and would keep generating.
-    """
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    return task.result() if task.done() and not task.cancelled() else None

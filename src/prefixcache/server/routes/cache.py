@@ -9,12 +9,12 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from prefixcache.core.tenant_salt import SALT_BY_API_KEY, engine_salt
 from prefixcache.engine.input_processor import PromptInput
+from prefixcache.http.middleware import tenant_of
+from prefixcache.http.protocol import ChatLookupRequest, lookup_request
 from prefixcache.server.errors import APIError
-from prefixcache.server.middleware import tenant_of
-from prefixcache.server.protocol import ChatLookupRequest, lookup_request
 from prefixcache.server.routes.state import Engine, Settings, chat_prompt, model_name
-from prefixcache.server.tenants import SALT_BY_API_KEY, engine_salt
 
 router = APIRouter()
 reset_router = APIRouter()  # mounted only with --enable-reset-prefix-cache

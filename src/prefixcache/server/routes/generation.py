@@ -10,23 +10,23 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from prefixcache.core.retention import RetentionRange
+from prefixcache.core.tenant_salt import engine_salt
 from prefixcache.engine.input_processor import DEFAULT_PROMPT_OPTIONS, PromptOptions
 from prefixcache.engine.sampling_params import InvalidParameter, SamplingParams
+from prefixcache.http.disconnect import unless_disconnected
+from prefixcache.http.middleware import record_of, tenant_of
+from prefixcache.http.protocol import ChatCompletionRequest, CompletionRequest, usage
+from prefixcache.http.retention import range_json, request_ranges
 from prefixcache.server.async_llm import AsyncLLM, RequestStream
 from prefixcache.server.errors import APIError
-from prefixcache.server.middleware import record_of, tenant_of
-from prefixcache.server.protocol import ChatCompletionRequest, CompletionRequest, usage
 from prefixcache.server.responses import CHAT, COMPLETION, ChoiceShaper, Endpoint
-from prefixcache.server.retention import range_json, request_ranges
 from prefixcache.server.routes.state import Engine, Settings, chat_prompt, model_name
 from prefixcache.server.streaming import (
     RequestStreamingResponse,
     final_outputs,
     record_outputs,
     sse_events,
-    unless_disconnected,
 )
-from prefixcache.server.tenants import engine_salt
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for legacy completions
 

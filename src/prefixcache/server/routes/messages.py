@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from prefixcache.engine import RequestOutput
 from prefixcache.engine.sampling_params import InvalidParameter
-from prefixcache.server.anthropic import (
+from prefixcache.http.anthropic import (
     CountTokensRequest,
     MessagesRequest,
     error_body,
@@ -21,12 +21,13 @@ from prefixcache.server.anthropic import (
     message_usage,
     stop_reason,
 )
+from prefixcache.http.disconnect import unless_disconnected
+from prefixcache.http.middleware import RequestRecord, record_of
 from prefixcache.server.async_llm import EngineDeadError, RequestStream
 from prefixcache.server.errors import APIError
-from prefixcache.server.middleware import RequestRecord, record_of
 from prefixcache.server.routes.generation import queue_request
 from prefixcache.server.routes.state import Engine, Settings, chat_prompt, model_name
-from prefixcache.server.streaming import RequestStreamingResponse, final_outputs, record_outputs, unless_disconnected
+from prefixcache.server.streaming import RequestStreamingResponse, final_outputs, record_outputs
 
 logger = logging.getLogger(__name__)
 

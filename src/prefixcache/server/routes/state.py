@@ -10,9 +10,9 @@ from jinja2 import TemplateError
 
 from prefixcache.core.retention import RetentionRange
 from prefixcache.engine.chat_breakpoints import Breakpoint, ChatTemplateError
+from prefixcache.http.retention import CacheControl, breakpoint_ranges
 from prefixcache.server.async_llm import AsyncLLM
 from prefixcache.server.errors import APIError
-from prefixcache.server.retention import CacheControl, breakpoint_ranges
 from prefixcache.server.settings import ServerSettings
 
 

@@ -6,8 +6,8 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from prefixcache.http.protocol import DetokenizeRequest, TokenizeRequest
 from prefixcache.server.errors import APIError
-from prefixcache.server.protocol import DetokenizeRequest, TokenizeRequest
 from prefixcache.server.routes.state import Engine, Settings, apply_chat_template, model_name
 
 router = APIRouter()

@@ -1,30 +1,16 @@
 """API keys as tenants: how a request's key and its own ``cache_salt`` become the engine's cache salt.
 
-Pure functions, without the web stack: the server salts requests with them, and the router uses the same
-ones to predict the block hashes a keyed server will publish.
+Pure functions beside the hashing they feed (the salt is an extra key of every block hash): the server salts
+requests with them, and the router uses the same ones to predict the block hashes a keyed server will publish.
 """
 
 from __future__ import annotations
 
 import hashlib
 
-BEARER = "Bearer "
 # ``tenant_salt`` in /v1/cache/config when every API key is a tenant; null when requests are salted by
 # their ``cache_salt`` alone (no keys, or ``--share-cache-across-keys``).
 SALT_BY_API_KEY = "api_key"
-
-
-def valid_api_key(key: str) -> bool:
-    """What ``Authorization: Bearer KEY`` can carry unambiguously: non-empty printable ASCII without spaces."""
-    return bool(key) and key.isascii() and key.isprintable() and " " not in key
-
-
-def bearer_token(authorization: str | None) -> str | None:
-    """The key of an ``Authorization`` header as the server reads it (``Bearer KEY`` exactly), else None."""
-    if authorization is None or not authorization.startswith(BEARER):
-        return None
-    key = authorization[len(BEARER) :]
-    return key if valid_api_key(key) else None
 
 
 def tenant_salt(api_key: str) -> str:

@@ -3,7 +3,7 @@ its usage, the streamed events, and Anthropic's error shape.
 
 Text only: content is a string or text blocks, ``system`` a string or text blocks, ``tools`` go to the chat
 template (a call the model writes comes back as its text). ``cache_control`` on a tool, a system block or a
-message's block is a retention breakpoint (``server/retention.py``). Usage follows Anthropic's accounting:
+message's block is a retention breakpoint (``http/retention.py``). Usage follows Anthropic's accounting:
 ``cache_creation_input_tokens`` are prompt tokens this request wrote into retained blocks,
 ``cache_read_input_tokens`` the ones it read from them, and ``input_tokens`` the rest of the prompt, so the three
 add up to the prompt.
@@ -20,8 +20,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prefixcache.engine import RequestOutput, SamplingParams
 from prefixcache.engine.chat_breakpoints import Breakpoint
-from prefixcache.server.protocol import Text
-from prefixcache.server.retention import CacheControl, check_breakpoint_count, part_breakpoints
+from prefixcache.http.protocol import Text
+from prefixcache.http.retention import CacheControl, check_breakpoint_count, part_breakpoints
 
 MESSAGES_PATH = "/v1/messages"
 # Anthropic's error type for each status (https://docs.anthropic.com/en/api/errors).

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse
 
 from prefixcache.engine import RequestOutput, SamplingParams
 from prefixcache.engine.chat_breakpoints import Breakpoint
-from prefixcache.server.retention import (
+from prefixcache.http.retention import (
     CacheControl,
     PromptCacheRetention,
     TokenRangeRetention,
@@ -148,7 +148,7 @@ class _GenerationRequest(_Body):
     ) = False
     cache_salt: Text | None = None
     prompt_cache_key: Text | None = None
-    # Retention directives (server/retention.py): token ranges, and OpenAI's prompt_cache_retention.
+    # Retention directives (http/retention.py): token ranges, and OpenAI's prompt_cache_retention.
     retention: list[TokenRangeRetention] | None = None
     prompt_cache_retention: PromptCacheRetention | None = None
 
@@ -276,7 +276,7 @@ def _chat_role(role: str) -> str:
 
 class ChatMessage(_Body):
     """OpenAI's roles (checked after the text itself, so a lone surrogate is named as such). ``cache_control``
-    on the message, or on its content parts, is a retention breakpoint (``server/retention.py``)."""
+    on the message, or on its content parts, is a retention breakpoint (``http/retention.py``)."""
 
     role: Annotated[Text, AfterValidator(_chat_role)]
     content: Text | list[TextPart] | None = None

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from prefixcache.server.protocol import error_response
-from prefixcache.server.tenants import BEARER, tenant_salt
+from prefixcache.core.tenant_salt import tenant_salt
+from prefixcache.http.auth import BEARER
+from prefixcache.http.protocol import error_response
 
 logger = logging.getLogger(__name__)
 request_logger = logging.getLogger("prefixcache.server.requests")
