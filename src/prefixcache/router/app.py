@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 
+from prefixcache.http.anthropic import AnthropicErrorMiddleware
 from prefixcache.http.auth import valid_api_key
 from prefixcache.http.flags import DEFAULT_MAX_REQUEST_BYTES
 from prefixcache.http.middleware import BodyLimitMiddleware, RequestContextMiddleware
@@ -75,7 +76,8 @@ def build_app(settings: RouterSettings, tokenizer: Any) -> FastAPI:
 
     The server's own middleware bounds what one client can make it do: a body over ``max_request_bytes`` is
     refused before it is parsed, every request gets an id (the backend sees it too), and an unexpected
-    failure is an OpenAI-shaped 500, never a bare one. Per-request log lines are uvicorn's access log.
+    failure is an OpenAI-shaped 500, never a bare one (Anthropic-shaped on ``/v1/messages``, as every error
+    there). Per-request log lines are uvicorn's access log.
     """
     index = PrefixIndex()
     metrics = RouterMetrics()
@@ -109,6 +111,7 @@ def build_app(settings: RouterSettings, tokenizer: Any) -> FastAPI:
     app = FastAPI(title="prefixcache router", lifespan=lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)  # innermost first
     app.add_middleware(RequestContextMiddleware, log_requests=False)
+    app.add_middleware(AnthropicErrorMiddleware)  # outermost: every error on /v1/messages in Anthropic's shape
     app.state.index = index
     app.state.metrics = metrics
     app.include_router(routes.router)

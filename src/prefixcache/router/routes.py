@@ -1,5 +1,6 @@
-"""The router's endpoints: OpenAI's completions and chat, proxied to the backend each is routed to, the models
-of the first backend in the rotation, and the router's own health and Prometheus metrics.
+"""The router's endpoints: OpenAI's completions and chat and Anthropic's Messages API, proxied to the backend
+each is routed to; the models and Anthropic's token count, answered by the first backend in the rotation; the
+router's own health and Prometheus metrics.
 
 Each handler reads the router's parts from ``app.state`` (``build_app`` puts them there), so the app module
 only assembles them.
@@ -11,22 +12,35 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from prefixcache.http.anthropic import MESSAGES_PATH
+from prefixcache.router.prompt import CHAT, COMPLETION, MESSAGES
+
 router = APIRouter()
 
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    return await request.app.state.proxy.forward("/v1/completions", request, chat=False)
+    return await request.app.state.proxy.forward("/v1/completions", request, COMPLETION)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    return await request.app.state.proxy.forward("/v1/chat/completions", request, chat=True)
+    return await request.app.state.proxy.forward("/v1/chat/completions", request, CHAT)
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
-    return await request.app.state.proxy.get("/v1/models", request)
+    return await request.app.state.proxy.unrouted("/v1/models", request)
+
+
+@router.post(MESSAGES_PATH)
+async def messages(request: Request) -> Response:
+    return await request.app.state.proxy.forward(MESSAGES_PATH, request, MESSAGES)
+
+
+@router.post(f"{MESSAGES_PATH}/count_tokens")
+async def count_tokens(request: Request) -> Response:
+    return await request.app.state.proxy.unrouted(f"{MESSAGES_PATH}/count_tokens", request)
 
 
 @router.get("/health")
