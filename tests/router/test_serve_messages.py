@@ -71,6 +71,7 @@ def test_messages_are_routed_by_their_prefix_and_the_predicted_read_is_the_repor
     first, holder = raw.parse(), raw.headers[BACKEND_HEADER]
     assert first.type == "message" and first.content[0].type == "text"
     assert (first.usage.cache_creation_input_tokens, first.usage.cache_read_input_tokens) == (retained, 0)
+    assert first.usage.cache_creation.ephemeral_1h_input_tokens == retained  # Anthropic's split by TTL, passed on
     # its blocks (and their retention, which their events carry) in the router's index
     first_blocks = prompt_tokens(first.usage) // BLOCK_SIZE
     wait_until(lambda: index.num_blocks(holder) >= first_blocks, what="the first request's blocks in the index")
