@@ -116,10 +116,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True):
     read from blocks that it or another request marked retained (priority above the default), Anthropic's
     ``cache_creation_input_tokens`` / ``cache_read_input_tokens``, the written ones also by the TTL (seconds) their
     blocks are kept for in ``num_retained_written_tokens_by_ttl`` (Anthropic's ``cache_creation`` split by TTL);
-    ``retention_clamped`` names the bounds its
-    directives ran into, comma-separated, for the response: ``max_retention_ttl_s`` (a TTL was cut to the largest),
-    ``max_tenant_retained_fraction`` (the tenant's quota) and ``max_retained_fraction`` (the share) demoted its
-    tenant's / anyone's least recently marked retained blocks.
+    ``retention_clamped`` names the bounds its directives ran into, comma-separated, for the response:
+    ``max_retention_ttl_s`` (a TTL was cut to the largest), ``max_tenant_retained_fraction`` (the tenant's quota) and
+    ``max_retained_fraction`` (the share) demoted its tenant's / anyone's least recently marked retained blocks.
     """
 
     request_id: str
