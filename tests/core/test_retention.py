@@ -205,6 +205,23 @@ def test_written_tokens_count_prompt_tokens_of_retained_blocks_as_they_fill():
     assert a.num_retained_written_tokens == 10 and mgr.pool.blocks[2].priority == 80
 
 
+def test_written_tokens_are_counted_by_the_ttl_their_blocks_are_kept_for():
+    """What Anthropic's ``cache_creation`` splits by TTL: the prompt tokens of each written block, by its TTL (the
+    last block's prompt tokens only, once it fills)."""
+    mgr, _ = retention_manager()
+    ranges = [RetentionRange(0, 8, priority=80, ttl_s=3600), RetentionRange(8, priority=80, ttl_s=300)]
+    a = make_request(range(10), retention=ranges)
+    admit(mgr, a)
+    assert a.num_retained_written_tokens_by_ttl == {1000: 8}  # 1h, cut to the largest TTL (1000 s)
+    a.append_output_token_ids([1, 2])
+    mgr.allocate_slots(a, 2)
+    assert a.num_retained_written_tokens_by_ttl == {1000: 8, 300: 2}
+    assert a.num_retained_written_tokens == 10
+    mgr.free(a)
+    b = run(mgr, range(12), ranges)  # reads a's first two blocks, writes its own third (a's holds a's output)
+    assert (b.num_retained_read_tokens, b.num_retained_written_tokens_by_ttl) == (8, {300: 4})
+
+
 def test_a_breakpoint_covers_only_the_blocks_wholly_before_it():
     mgr, _ = retention_manager()
     a = run(mgr, range(11), [RetentionRange(2, 10, priority=80)])

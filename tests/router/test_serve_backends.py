@@ -12,14 +12,14 @@ from prefixcache.model.loader import load_tokenizer
 from prefixcache.router.app import RouterSettings, build_app
 from prefixcache.router.backend_config import parse_cache_config
 from prefixcache.router.backends import HealthSettings
-from prefixcache.router.prompt import PromptHasher
+from prefixcache.router.prompt import CHAT, COMPLETION, MESSAGES, PromptHasher
 from prefixcache.router.proxy import BACKEND_HEADER
 from tests.helpers import wait_until
 from tests.router.fakes import HANG_S, ThreadedServer, metric
 from tests.server.harness import API_KEY, OTHER_API_KEY, ServerProcess, random_prompt
 
 SERVE_ARGS = ["--block-size", "4", "--num-blocks", "256", "--max-model-len", "256", "--disable-uvicorn-access-log"]
-MESSAGES = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hi there"}]
+CONVERSATION = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hi there"}]
 
 
 def start_servers(model_dir, logs, extra_args=()) -> list[ServerProcess]:
@@ -78,22 +78,34 @@ def test_the_server_tells_how_it_keys_its_cache(servers, tiny_llama_dir):
     parse_cache_config(response.content)  # the router reads it
 
 
-def test_the_router_tokenizes_like_the_server(servers, tokenizer):
+def test_the_router_tokenizes_like_the_server(servers, tokenizer, tiny_llama_dir):
     config = parse_cache_config(httpx.get(f"{servers[0].url}/v1/cache/config").content)
     hasher = PromptHasher.for_engine(tokenizer, config)
     text = "The quick brown fox jumps over the lazy dog."
-    for path, body, chat in (
-        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1}, True),
-        ("/v1/completions", {"prompt": text, "max_tokens": 1}, False),
+    system = [
+        {"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}},
+        {"type": "text", "text": "!"},
+    ]
+    tool = {"name": "lookup", "description": "Find a word", "input_schema": {"type": "object"}}
+    anthropic = {"model": tiny_llama_dir.name, "system": system, "tools": [tool], "messages": CONVERSATION[1:]}
+    for path, body, shape in (
+        ("/v1/chat/completions", {"messages": CONVERSATION, "max_tokens": 1}, CHAT),
+        ("/v1/completions", {"prompt": text, "max_tokens": 1}, COMPLETION),
+        ("/v1/messages", {**anthropic, "max_tokens": 1}, MESSAGES),
     ):
         usage = httpx.post(f"{servers[0].url}{path}", json=body, timeout=60).json()["usage"]
-        assert len(hasher.token_ids(body, chat)) == usage["prompt_tokens"]
+        prompt_tokens = usage.get("prompt_tokens") or sum(
+            usage[f] for f in ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
+        )
+        assert len(hasher.token_ids(body, shape)) == prompt_tokens
 
 
 def test_requests_pass_through_streamed_and_whole(servers, tokenizer):
     router = start_router(servers, "round_robin", tokenizer)
     try:
-        chat = httpx.post(f"{router.url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 3}, timeout=60)
+        chat = httpx.post(
+            f"{router.url}/v1/chat/completions", json={"messages": CONVERSATION, "max_tokens": 3}, timeout=60
+        )
         assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant"
         body = {"prompt": random_prompt("stream", 12), "max_tokens": 4, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=60) as response:

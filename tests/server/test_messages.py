@@ -98,6 +98,10 @@ def test_cache_control_writes_then_reads_retained_tokens(server, claude, model_n
     assert first.cache_creation_input_tokens > 0
     assert first.cache_creation_input_tokens + first.cache_read_input_tokens == marked // 4 * 4
     assert second.cache_read_input_tokens == marked // 4 * 4 and second.cache_creation_input_tokens == 0
+    # Anthropic's split of what was written by TTL: all of it 1h
+    split = first.cache_creation
+    assert (split.ephemeral_1h_input_tokens, split.ephemeral_5m_input_tokens) == (first.cache_creation_input_tokens, 0)
+    assert (second.cache_creation.ephemeral_1h_input_tokens, second.cache_creation.ephemeral_5m_input_tokens) == (0, 0)
     for usage in (first, second):
         total = usage.input_tokens + usage.cache_creation_input_tokens + usage.cache_read_input_tokens
         assert total == prompt.input_tokens
@@ -120,6 +124,8 @@ def test_top_level_cache_control_marks_the_end_of_the_last_block(server, claude,
     assert first.cache_creation_input_tokens > 0
     assert first.cache_creation_input_tokens + first.cache_read_input_tokens == marked // 4 * 4
     assert (second.cache_read_input_tokens, second.cache_creation_input_tokens) == (marked // 4 * 4, 0)
+    split = first.cache_creation  # the default TTL: all of it 5m
+    assert (split.ephemeral_5m_input_tokens, split.ephemeral_1h_input_tokens) == (first.cache_creation_input_tokens, 0)
 
 
 def test_tools_with_cache_control_reach_the_template(claude, model_name):

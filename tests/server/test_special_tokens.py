@@ -10,7 +10,7 @@ import pytest
 from prefixcache.cli import main
 from prefixcache.model.loader import load_tokenizer
 from prefixcache.router.backend_config import parse_cache_config
-from prefixcache.router.prompt import PromptHasher
+from prefixcache.router.prompt import CHAT, COMPLETION, PromptHasher
 from tests.helpers import CORPUS, wait_until
 from tests.router.fakes import metric
 from tests.router.test_serve_backends import kv_events_args, start_router
@@ -37,6 +37,10 @@ def bos_server(tiny_bos_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def tokenizer(tiny_bos_dir):
     return load_tokenizer(tiny_bos_dir)
+
+
+def shape_of(body: dict) -> str:
+    return CHAT if "messages" in body else COMPLETION
 
 
 def post(server, path: str, body: dict) -> dict:
@@ -85,7 +89,7 @@ def test_the_router_the_lookup_and_explain_hash_what_the_engine_runs(bos_server,
         for body in bodies:
             lookup = post(bos_server, "/v1/cache/lookup", {**body, "return_token_ids": True})
             token_ids = lookup["prompt_token_ids"]
-            assert token_ids == hasher.token_ids(body, "messages" in body)
+            assert token_ids == hasher.token_ids(body, shape_of(body))
             looked_up.append(lookup["cached_tokens"])
             response = httpx.post(
                 f"{router.url}/v1/{'chat/' if 'messages' in body else ''}completions", json=body, timeout=60
@@ -109,5 +113,5 @@ def test_the_router_the_lookup_and_explain_hash_what_the_engine_runs(bos_server,
         out = tmp_path / "report.json"
         main(["explain", str(log), *source, "--block-size", str(config.block_size), "--json", str(out)])
         requests = json.loads(out.read_text())["requests"]
-        assert [r["prompt_tokens"] for r in requests] == [len(hasher.token_ids(b, "messages" in b)) for b in bodies]
+        assert [r["prompt_tokens"] for r in requests] == [len(hasher.token_ids(b, shape_of(b))) for b in bodies]
         assert [r["block_hit"] for r in requests] == reported

@@ -909,11 +909,18 @@ class KVCacheManager:
         retained = [block.priority > DEFAULT_PRIORITY for block in row]
         split = min(max(request.retention_read_end - first, 0), len(retained))
         num_read, num_written = sum(retained[:split]) * block_size, sum(retained[split:]) * block_size
-        if retained[-1] and last * block_size > num_prompt:  # the prompt ends inside the last block
+        overhang = last * block_size - num_prompt  # > 0: the prompt ends inside the last block
+        if retained[-1] and overhang > 0:
             if split == len(retained):
-                num_read -= last * block_size - num_prompt
+                num_read -= overhang
             else:
-                num_written -= last * block_size - num_prompt
+                num_written -= overhang
+        if num_written:  # by the TTL each written block is kept for (Anthropic splits its usage by TTL)
+            by_ttl = request.num_retained_written_tokens_by_ttl
+            for i in range(split, len(row)):
+                if retained[i]:
+                    tokens = block_size - overhang if i == len(row) - 1 and overhang > 0 else block_size
+                    by_ttl[row[i].ttl_s] = by_ttl.get(row[i].ttl_s, 0) + tokens
         request.num_retained_read_tokens += num_read
         request.num_retained_written_tokens += num_written
         self.stats.retained_read_tokens += num_read

@@ -39,8 +39,9 @@ class Request:
     its tokens to keep at a priority, for a TTL) and ``tenant`` the API key's tenant whose quota bounds them.
 
     The manager counts, once per block position, the prompt tokens this request read from (``num_retained_read_
-    tokens``: positions hit at its first admission) or wrote into (``num_retained_written_tokens``) blocks above
-    the default priority, and lists in ``retention_clamped`` the bounds its directives ran into.
+    tokens``: positions hit at its first admission) or wrote into (``num_retained_written_tokens``, and by the
+    TTL the blocks were kept for in ``num_retained_written_tokens_by_ttl``) blocks above the default priority, and
+    lists in ``retention_clamped`` the bounds its directives ran into.
     ``checkpoint_hints`` are prompt positions where a
     later request is likely to part from this one (the chat template's message boundaries): a model with
     recurrent layers checkpoints its state at the block boundary at or before each.
@@ -64,6 +65,7 @@ class Request:
     packed_token_ids: array = field(init=False, repr=False)
     num_retained_read_tokens: int = field(default=0, init=False)
     num_retained_written_tokens: int = field(default=0, init=False)
+    num_retained_written_tokens_by_ttl: dict[float, int] = field(default_factory=dict, init=False)
     retention_clamped: list[str] = field(default_factory=list, init=False)
     retention_accounted_blocks: int = field(default=0, init=False)  # block positions counted read or written
     retention_read_end: int = field(default=0, init=False)  # positions before it were hits at first admission

@@ -359,6 +359,7 @@ def _retention_accounting(request: EngineRequest) -> dict[str, Any]:
     """The retention fields of a request's output: retained tokens read and written, and the bounds hit."""
     return {
         "num_retained_written_tokens": request.num_retained_written_tokens,
+        "num_retained_written_tokens_by_ttl": dict(request.num_retained_written_tokens_by_ttl),  # as of now
         "num_retained_read_tokens": request.num_retained_read_tokens,
         "retention_clamped": ", ".join(request.retention_clamped) or None,
     }

@@ -114,10 +114,11 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True):
     On the output that carries ``num_cached_tokens`` (every one, as it is fixed at first admission):
     ``num_retained_written_tokens`` / ``num_retained_read_tokens`` are the prompt tokens this request wrote into /
     read from blocks that it or another request marked retained (priority above the default), Anthropic's
-    ``cache_creation_input_tokens`` / ``cache_read_input_tokens``; ``retention_clamped`` names the bounds its
-    directives ran into, comma-separated, for the response: ``max_retention_ttl_s`` (a TTL was cut to the largest),
-    ``max_tenant_retained_fraction`` (the tenant's quota) and ``max_retained_fraction`` (the share) demoted its
-    tenant's / anyone's least recently marked retained blocks.
+    ``cache_creation_input_tokens`` / ``cache_read_input_tokens``, the written ones also by the TTL (seconds) their
+    blocks are kept for in ``num_retained_written_tokens_by_ttl`` (Anthropic's ``cache_creation`` split by TTL);
+    ``retention_clamped`` names the bounds its directives ran into, comma-separated, for the response:
+    ``max_retention_ttl_s`` (a TTL was cut to the largest), ``max_tenant_retained_fraction`` (the tenant's quota) and
+    ``max_retained_fraction`` (the share) demoted its tenant's / anyone's least recently marked retained blocks.
     """
 
     request_id: str
@@ -131,6 +132,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, frozen=True):
     num_retained_written_tokens: int = 0
     num_retained_read_tokens: int = 0
     retention_clamped: str | None = None
+    num_retained_written_tokens_by_ttl: dict[float, int] = {}
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, tag=True, frozen=True):

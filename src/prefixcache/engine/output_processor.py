@@ -135,6 +135,7 @@ def _request_output(
         new_token_ids=list(output.new_token_ids),
         new_text=new_text,
         num_retained_written_tokens=output.num_retained_written_tokens,
+        num_retained_written_tokens_by_ttl=output.num_retained_written_tokens_by_ttl,
         num_retained_read_tokens=output.num_retained_read_tokens,
         retention_clamped=output.retention_clamped,
     )

@@ -21,7 +21,8 @@ class RequestOutput:
     """One request's state after a step. ``num_cached_tokens``: prompt tokens served by the prefix cache.
 
     With retention directives: ``num_retained_written_tokens`` / ``num_retained_read_tokens`` are the prompt tokens
-    written into / read from retained blocks, and ``retention_clamped`` says why a directive was clamped."""
+    written into / read from retained blocks (the written ones by the TTL their blocks are kept for in
+    ``num_retained_written_tokens_by_ttl``), and ``retention_clamped`` says why a directive was clamped."""
 
     request_id: str
     prompt: str | None
@@ -35,3 +36,4 @@ class RequestOutput:
     num_retained_written_tokens: int = 0
     num_retained_read_tokens: int = 0
     retention_clamped: str | None = None
+    num_retained_written_tokens_by_ttl: dict[float, int] = field(default_factory=dict)

@@ -6,12 +6,22 @@ tenant salt a keyed server will use (``core/tenant_salt.py``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 BEARER = "Bearer "
 
 
 def valid_api_key(key: str) -> bool:
     """What ``Authorization: Bearer KEY`` can carry unambiguously: non-empty printable ASCII without spaces."""
     return bool(key) and key.isascii() and key.isprintable() and " " not in key
+
+
+def authorization(headers: Mapping[str, str]) -> str:
+    """The ``Authorization`` header, or Anthropic's ``x-api-key`` as the bearer token it stands for (its SDK
+    sends the key there); ``headers`` by lower-case name, as ASGI gives them."""
+    if "authorization" in headers or "x-api-key" not in headers:
+        return headers.get("authorization", "")
+    return f"{BEARER}{headers['x-api-key']}"
 
 
 def bearer_token(authorization: str | None) -> str | None:

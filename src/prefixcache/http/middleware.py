@@ -20,7 +20,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prefixcache.core.tenant_salt import tenant_salt
-from prefixcache.http.auth import BEARER
+from prefixcache.http.auth import BEARER, authorization
 from prefixcache.http.protocol import error_response
 
 logger = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
-            given = _digest(_authorization(Headers(scope=scope)))
+            given = _digest(authorization(Headers(scope=scope)))
             if scope["path"] == "/metrics" and self._metrics is not None:
                 if not secrets.compare_digest(given, self._metrics):
                     await _unauthorized("/metrics needs the metrics key (--metrics-api-key)")(scope, receive, send)
@@ -162,13 +162,6 @@ class APIKeyMiddleware:
                     return
                 scope.setdefault("state", {})["tenant"] = matches[0]
         await self.app(scope, receive, send)
-
-
-def _authorization(headers: Headers) -> str:
-    """The ``Authorization`` header, or Anthropic's ``x-api-key`` as the bearer token it stands for."""
-    if "authorization" in headers or "x-api-key" not in headers:
-        return headers.get("authorization", "")
-    return f"{BEARER}{headers['x-api-key']}"
 
 
 def _unauthorized(message: str) -> ASGIApp:

@@ -1,4 +1,5 @@
-"""The router's FastAPI app: OpenAI's endpoints proxied to the backends, plus its own health and metrics."""
+"""The router's settings and its FastAPI app: the parts built once (index, metrics, backends, policy, proxy),
+the middleware, and the endpoints of ``router/routes.py``."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from fastapi import FastAPI
 
+from prefixcache.http.anthropic import AnthropicErrorMiddleware
 from prefixcache.http.auth import valid_api_key
 from prefixcache.http.flags import DEFAULT_MAX_REQUEST_BYTES
 from prefixcache.http.middleware import BodyLimitMiddleware, RequestContextMiddleware
+from prefixcache.router import routes
 from prefixcache.router.backends import BackendPool, HealthSettings
 from prefixcache.router.index import PrefixIndex
 from prefixcache.router.metrics import RouterMetrics
@@ -75,7 +76,8 @@ def build_app(settings: RouterSettings, tokenizer: Any) -> FastAPI:
 
     The server's own middleware bounds what one client can make it do: a body over ``max_request_bytes`` is
     refused before it is parsed, every request gets an id (the backend sees it too), and an unexpected
-    failure is an OpenAI-shaped 500, never a bare one. Per-request log lines are uvicorn's access log.
+    failure is an OpenAI-shaped 500, never a bare one (Anthropic-shaped on ``/v1/messages``, as every error
+    there). Per-request log lines are uvicorn's access log.
     """
     index = PrefixIndex()
     metrics = RouterMetrics()
@@ -109,34 +111,8 @@ def build_app(settings: RouterSettings, tokenizer: Any) -> FastAPI:
     app = FastAPI(title="prefixcache router", lifespan=lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)  # innermost first
     app.add_middleware(RequestContextMiddleware, log_requests=False)
+    app.add_middleware(AnthropicErrorMiddleware)  # outermost: every error on /v1/messages in Anthropic's shape
     app.state.index = index
     app.state.metrics = metrics
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await app.state.proxy.forward("/v1/completions", request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await app.state.proxy.forward("/v1/chat/completions", request, chat=True)
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await app.state.proxy.get("/v1/models", request)
-
-    @app.get("/health")
-    async def health() -> Response:
-        """200 while at least one backend is in the rotation."""
-        return Response(status_code=200 if app.state.pool.routable() else 503)
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        metrics.index_blocks.set(len(index))
-        for backend in app.state.pool.backends:
-            metrics.backend_blocks.labels(backend.url).set(index.num_blocks(backend.url))
-            metrics.backend_up.labels(backend.url).set(int(backend.routable))
-            metrics.tokens_in_flight.labels(backend.url).set(backend.tokens_in_flight)
-            metrics.requests_in_flight.labels(backend.url).set(backend.requests_in_flight)
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
+    app.include_router(routes.router)
     return app

@@ -1,7 +1,9 @@
 """The router's Prometheus metrics (``prefixcache:router_...``), in a registry of its own.
 
 Prediction accuracy: for every response that reports ``usage.prompt_tokens_details.cached_tokens``,
-the tokens the router predicted the backend would have cached and the tokens it did report.
+the tokens the router predicted the backend would have cached and the tokens it did report; for a
+``/v1/messages`` response, whose usage reports ``cache_read_input_tokens`` (read from retained blocks), the
+retained run of the predicted hit and those.
 """
 
 from __future__ import annotations

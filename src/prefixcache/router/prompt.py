@@ -3,8 +3,10 @@
 Both kinds of backend tokenize alike, as vLLM does and with the server's own functions: a text prompt with
 the tokenizer's special tokens unless the body says ``add_special_tokens: false``, token ids as given, chat
 messages through the model's chat template with the generation prompt (and special tokens on top only with
-``add_special_tokens: true``). The keys differ: for ``prefixcache serve`` backends hashed with the engine's
-algorithm and seed, for content-keyed backends (vLLM) with the router's own content hash
+``add_special_tokens: true``), and an Anthropic Messages body as the server's ``/v1/messages`` renders it
+(``system`` first as a system message, then the messages, ``tools`` to the template, never special tokens on
+top; ``cache_control`` marks retention, not tokens). The keys differ: for ``prefixcache serve`` backends
+hashed with the engine's algorithm and seed, for content-keyed backends (vLLM) with the router's own content hash
 (:mod:`prefixcache.router.blocks`). Both go through ``Request.hash_blocks`` (chained, with the cache salt and
 LoRA keys), then into the integer form the KV events carry.
 
@@ -17,7 +19,7 @@ make the router tokenize megabytes that every backend would refuse.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from jinja2 import TemplateError
 from pydantic import ValidationError
@@ -26,6 +28,7 @@ from prefixcache.core import Request, hittable_blocks
 from prefixcache.core.hashing import root_hash
 from prefixcache.engine.chat_breakpoints import chat_text, chat_text_token_ids
 from prefixcache.engine.input_processor import prompt_too_long, tokenize_prompt
+from prefixcache.http.anthropic import MessagesRequest
 from prefixcache.http.protocol import ChatMessage, ChatTool, adds_special_tokens
 from prefixcache.router.backend_config import CacheConfig
 from prefixcache.router.blocks import CONTENT_HASH_ALGO, CONTENT_ROOT
@@ -34,6 +37,13 @@ from prefixcache.router.wire import external_block_hash
 # What the server generates when a completion request gives no max_tokens (OpenAI's default); also the
 # router's guess for a chat request without a limit.
 DEFAULT_OUTPUT_TOKENS = 16
+
+# The three API shapes a prompt comes in: OpenAI's completions (``prompt``) and chat (``messages``), and
+# Anthropic's Messages API (``system``, ``messages``, ``tools``).
+PromptShape = Literal["completion", "chat", "messages"]
+COMPLETION: PromptShape = "completion"
+CHAT: PromptShape = "chat"
+MESSAGES: PromptShape = "messages"
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,19 +104,18 @@ class PromptHasher:
         """The router's own content keys, for backends indexed by the tokens of their events."""
         return cls(tokenizer, CONTENT_HASH_ALGO, CONTENT_ROOT, block_size)
 
-    def token_ids(self, body: dict[str, Any], chat: bool) -> list[int] | None:
+    def token_ids(self, body: dict[str, Any], shape: PromptShape) -> list[int] | None:
         """The prompt's token ids as the backend makes them, or None when it would refuse the body for another
         reason than its length (it answers that in its own words); raises PromptTooLong."""
-        special_tokens = adds_special_tokens(body, chat)
         try:
-            if chat:
-                messages = body.get("messages")
-                if not isinstance(messages, list):
+            if shape != COMPLETION:
+                conversation = _conversation(body, shape)
+                if conversation is None:
                     return None
-                conversation = [ChatMessage.model_validate(m).template_dict() for m in messages]
-                tools = [ChatTool.model_validate(t).template_dict() for t in body.get("tools") or ()] or None
-                text = chat_text(self.tokenizer, conversation, tools=tools)  # rendered first: what is tokenized
+                messages, tools = conversation
+                text = chat_text(self.tokenizer, messages, tools=tools)  # rendered first: what is tokenized
                 self._check_text(text)
+                special_tokens = shape == CHAT and adds_special_tokens(body, chat=True)
                 token_ids = chat_text_token_ids(self.tokenizer, text, special_tokens)
             else:
                 prompt = body.get("prompt")
@@ -114,7 +123,7 @@ class PromptHasher:
                     return None
                 if isinstance(prompt, str):
                     self._check_text(prompt)
-                token_ids = tokenize_prompt(self.tokenizer, prompt, special_tokens)[1]
+                token_ids = tokenize_prompt(self.tokenizer, prompt, adds_special_tokens(body, chat=False))[1]
         except PromptTooLong:
             raise
         except (ValidationError, TemplateError, ValueError, TypeError):
@@ -136,9 +145,24 @@ class PromptHasher:
         return PromptKey(len(token_ids), [external_block_hash(h) for h in hashes])
 
 
-def requested_output_tokens(body: dict[str, Any], chat: bool) -> int:
+def _conversation(
+    body: dict[str, Any], shape: PromptShape
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None] | None:
+    """A chat body's messages and tools as the chat template takes them (the server's own models read them),
+    or None when the body has no messages; raises pydantic's ValidationError for a body the server refuses."""
+    if shape == MESSAGES:
+        request = MessagesRequest.model_validate(body)
+        return request.conversation()[0], request.template_tools()
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    tools = [ChatTool.model_validate(t).template_dict() for t in body.get("tools") or ()] or None
+    return [ChatMessage.model_validate(m).template_dict() for m in messages], tools
+
+
+def requested_output_tokens(body: dict[str, Any], shape: PromptShape) -> int:
     """The most tokens the request may generate, for the router's load count."""
-    for field in ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",):
+    for field in ("max_completion_tokens", "max_tokens") if shape == CHAT else ("max_tokens",):
         value = body.get(field)
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return value

@@ -5,10 +5,12 @@ chunk, unchanged (``X-Prefixcache-Backend`` names the backend in the headers; th
 ``X-Request-Id``, so one id names the request in both logs). A request is retried once on another backend
 when the backend cannot be reached, drops the connection before the first byte, or answers 5xx; after the
 first byte reached the client nothing can be retried. A backend that breaks off later ends an SSE stream
-with an OpenAI error event and ``[DONE]``, as the server does when its engine dies, or, in the middle of an
-event or of a JSON body, drops the client's connection: the client sees the failure either way. A client
-that leaves before its response starts has its backend request cancelled. Whatever the backend reports in
-``usage`` is compared with the router's prediction.
+with an error event in the API's shape (OpenAI's and ``[DONE]``; Anthropic's ``error`` event on
+``/v1/messages``), as the server does when its engine dies, or, in the middle of an event or of a JSON body,
+drops the client's connection: the client sees the failure either way. A client that leaves before its
+response starts has its backend request cancelled. Whatever the backend reports in ``usage`` is compared with
+the router's prediction: OpenAI's ``cached_tokens`` with the predicted hit, Anthropic's
+``cache_read_input_tokens`` (tokens read from retained blocks) with the predicted retained run of the hit.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from prefixcache.http import anthropic
+from prefixcache.http.auth import authorization
 from prefixcache.http.disconnect import unless_disconnected
 from prefixcache.http.middleware import REQUEST_ID_HEADER, record_of
 from prefixcache.http.protocol import error_body, error_response
 from prefixcache.router.backends import Backend, BackendPool
 from prefixcache.router.metrics import RouterMetrics
 from prefixcache.router.policy import Candidate
+from prefixcache.router.prompt import MESSAGES, PromptShape
 from prefixcache.router.routing import Lease, Router
 
 logger = logging.getLogger(__name__)
@@ -36,6 +41,8 @@ BACKEND_HEADER = "x-prefixcache-backend"
 ATTEMPTS = 2
 _HOP_BY_HOP = frozenset({"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade"})
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
+_OPENAI_STREAM_END = b"data: [DONE]"
+_MESSAGES_STREAM_END = b"event: message_stop"
 
 
 def forwarded_headers(headers: Any) -> dict[str, str]:
@@ -48,12 +55,14 @@ class BackendBrokeOff(Exception):
 
 
 class UsageScanner:
-    """Finds the ``usage`` object in an SSE stream as its bytes pass by (a line may span chunks), and tells
-    whether the stream so far ends between events and whether ``[DONE]`` went by."""
+    """Finds the top-level ``usage`` object in an SSE stream as its bytes pass by (a line may span chunks), and
+    tells whether the stream so far ends between events and whether its last line (``end``: ``[DONE]``, or
+    Anthropic's ``message_stop`` event) went by."""
 
-    def __init__(self) -> None:
+    def __init__(self, end: bytes = _OPENAI_STREAM_END) -> None:
         self.usage: dict[str, Any] | None = None
         self.done = False
+        self._end = end
         self._partial = b""
         self._tail = b""
 
@@ -66,7 +75,7 @@ class UsageScanner:
         lines = (self._partial + chunk).split(b"\n")
         self._partial = lines.pop()
         for line in lines:
-            if line.rstrip(b"\r") == b"data: [DONE]":
+            if line.rstrip(b"\r") == self._end:
                 self.done = True
             elif line.startswith(b"data:") and b'"usage"' in line:
                 try:
@@ -84,20 +93,21 @@ class Proxy:
         self.client = client
         self.metrics = metrics
 
-    async def forward(self, path: str, request: Request, chat: bool) -> Response:
-        """Route and forward a POST; 400 for a prompt too long for the context, 503 when no backend can take
-        it, 502 when both attempts failed; 499 (to nobody) when the client left before its response started."""
+    async def forward(self, path: str, request: Request, shape: PromptShape) -> Response:
+        """Route and forward a POST whose prompt comes in ``shape``; 400 for a prompt too long for the context,
+        503 when no backend can take it, 502 when both attempts failed; 499 (to nobody) when the client left
+        before its response started."""
         raw_body = await request.body()
-        response = await unless_disconnected(request, self._route(path, raw_body, _backend_headers(request), chat))
+        response = await unless_disconnected(request, self._route(path, raw_body, _backend_headers(request), shape))
         return Response(status_code=499) if response is None else response
 
-    async def _route(self, path: str, raw_body: bytes, request_headers: dict[str, str], chat: bool) -> Response:
+    async def _route(self, path: str, raw_body: bytes, request_headers: dict[str, str], shape: PromptShape) -> Response:
         try:
             parsed = json.loads(raw_body)
         except (ValueError, RecursionError):  # the backend will answer the error in its own words
             parsed = None
         body = parsed if isinstance(parsed, dict) else None
-        plan = await self.router.plan(body, chat, request_headers.get("authorization"))
+        plan = await self.router.plan(body, shape, authorization(request_headers) or None)
         if plan.refusal is not None:
             return error_response(400, plan.refusal)
         tried: list[str] = []
@@ -110,7 +120,9 @@ class Proxy:
             tried.append(backend.url)
             self.metrics.requests.labels(backend.url).inc()
             lease = self.router.admit(backend, plan, chosen)
-            response, failure = await self._attempt(backend, chosen, lease, path, raw_body, request_headers, attempt)
+            response, failure = await self._attempt(
+                backend, chosen, lease, path, raw_body, request_headers, attempt, shape
+            )
             if response is not None:
                 return response
             self.metrics.retries.labels(backend.url).inc()
@@ -119,11 +131,15 @@ class Proxy:
         self.metrics.unrouted.inc()
         return JSONResponse(error_body("no backend is available", type="server_error"), status_code=503)
 
-    async def get(self, path: str, request: Request) -> Response:
-        """A GET (e.g. /v1/models) answered by the first backend in the rotation."""
+    async def unrouted(self, path: str, request: Request) -> Response:
+        """A request that uses no cache (``GET /v1/models``, ``POST /v1/messages/count_tokens``) answered by the
+        first backend in the rotation."""
+        body = await request.body()
         for backend in self.pool.routable():
             try:
-                upstream = await self.client.get(f"{backend.url}{path}", headers=_backend_headers(request))
+                upstream = await self.client.request(
+                    request.method, f"{backend.url}{path}", content=body, headers=_backend_headers(request)
+                )
             except httpx.TransportError as exc:
                 await self.pool.take_down(backend, f"{type(exc).__name__}: {exc}")
                 continue
@@ -139,6 +155,7 @@ class Proxy:
         raw_body: bytes,
         headers: dict[str, str],
         attempt: int,
+        shape: PromptShape,
     ) -> tuple[Response | None, str]:
         """The response to return, or (None, why) when this attempt failed and may be retried."""
         request = self.client.build_request("POST", f"{backend.url}{path}", content=raw_body, headers=headers)
@@ -163,7 +180,7 @@ class Proxy:
                 lease.release()
                 if upstream is not None:
                     await upstream.aclose()
-        body = self._relay(first, chunks, upstream, lease, backend, chosen)
+        body = self._relay(first, chunks, upstream, lease, backend, chosen, shape)
         return StreamingResponse(body, upstream.status_code, headers=self._response_headers(upstream, backend)), ""
 
     async def _relay(
@@ -174,10 +191,11 @@ class Proxy:
         lease: Lease,
         backend: Backend,
         chosen: Candidate,
+        shape: PromptShape,
     ) -> AsyncIterator[bytes]:
         """The backend's bytes as they come; the load is released however the response ends."""
         streaming = upstream.headers.get("content-type", "").startswith("text/event-stream")
-        scanner = UsageScanner()
+        scanner = UsageScanner(_MESSAGES_STREAM_END if shape == MESSAGES else _OPENAI_STREAM_END)
         body = bytearray()
         failure: str | None = None
         try:
@@ -198,14 +216,18 @@ class Proxy:
             self.metrics.broken_responses.labels(backend.url).inc()
             if not (streaming and scanner.between_events):
                 raise BackendBrokeOff(f"backend {backend.url} failed mid-response: {failure}")
-            error = error_body(f"the backend failed mid-response: {failure}", type="server_error")
-            yield f"data: {json.dumps(error, separators=(',', ':'))}\n\ndata: [DONE]\n\n".encode()
+            yield _stream_failure(shape, f"the backend failed mid-response: {failure}")
             return
         usage = scanner.usage if streaming else _json_usage(bytes(body))
-        self._observe(backend, chosen, usage)
+        self._observe(backend, chosen, usage, shape)
 
-    def _observe(self, backend: Backend, chosen: Candidate, usage: dict[str, Any] | None) -> None:
+    def _observe(self, backend: Backend, chosen: Candidate, usage: dict[str, Any] | None, shape: PromptShape) -> None:
         if not usage:
+            return
+        if shape == MESSAGES:
+            counts = [usage.get(f) for f in ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")]
+            if all(isinstance(count, int) for count in counts):
+                self.metrics.observe_usage(backend.url, chosen.retained_tokens, sum(counts), counts[2])
             return
         details = usage.get("prompt_tokens_details") or {}
         cached, prompt = details.get("cached_tokens"), usage.get("prompt_tokens")
@@ -232,6 +254,15 @@ async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[by
 
 class _Retry(Exception):
     """A backend answered with a server error while another attempt remains."""
+
+
+def _stream_failure(shape: PromptShape, message: str) -> bytes:
+    """The events that end a stream the backend broke off between events, as the server ends one whose engine
+    died: Anthropic's ``error`` event on ``/v1/messages``, else OpenAI's error chunk and ``[DONE]``."""
+    if shape == MESSAGES:
+        return anthropic.event(anthropic.error_body(500, message)).encode()
+    error = error_body(message, type="server_error")
+    return f"data: {json.dumps(error, separators=(',', ':'))}\n\ndata: [DONE]\n\n".encode()
 
 
 def _json_usage(body: bytes) -> dict[str, Any] | None:

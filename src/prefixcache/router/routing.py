@@ -31,8 +31,10 @@ from prefixcache.router.backends import CONTENT, ENGINE, LOAD, Backend, BackendP
 from prefixcache.router.index import PrefixIndex
 from prefixcache.router.policy import Candidate, RoutingPolicy
 from prefixcache.router.prompt import (
+    COMPLETION,
     PromptHasher,
     PromptKey,
+    PromptShape,
     PromptTooLong,
     cache_salt,
     prompt_cache_key,
@@ -105,11 +107,12 @@ class Router:
     def close(self) -> None:
         self._tokenize.shutdown(wait=False, cancel_futures=True)
 
-    async def plan(self, body: dict[str, Any] | None, chat: bool, authorization: str | None) -> RoutePlan:
-        """``authorization`` is the client's header, which keyed backends salt the prompt by."""
+    async def plan(self, body: dict[str, Any] | None, shape: PromptShape, authorization: str | None) -> RoutePlan:
+        """``authorization`` is the client's key as a bearer header (``http.auth.authorization``), which keyed
+        backends salt the prompt by."""
         if body is None:
             return RoutePlan(None, None, None, 0)
-        output_tokens = requested_output_tokens(body, chat)
+        output_tokens = requested_output_tokens(body, shape)
         if not self.policy.uses_prefix:
             return RoutePlan(None, None, None, output_tokens)
         routable = self.pool.routable()
@@ -132,7 +135,7 @@ class Router:
         # Tokenizing a long prompt or a chat template takes milliseconds: keep the event loop serving.
         loop = asyncio.get_running_loop()
         try:
-            keys = await loop.run_in_executor(self._tokenize, _prompt_keys, body, chat, engine, content)
+            keys = await loop.run_in_executor(self._tokenize, _prompt_keys, body, shape, engine, content)
         except PromptTooLong as exc:
             return RoutePlan(None, None, None, output_tokens, str(exc))
         engine_key, content_key = keys
@@ -185,7 +188,7 @@ class Router:
 
 def _prompt_keys(
     body: dict[str, Any],
-    chat: bool,
+    shape: PromptShape,
     engine: tuple[PromptHasher, str | None] | None,
     content: tuple[PromptHasher, str | None, str | None] | None,
 ) -> tuple[PromptKey | None, PromptKey | None]:
@@ -197,7 +200,7 @@ def _prompt_keys(
     engine_ids, too_long = None, False
     if engine is not None:
         try:
-            engine_ids = engine[0].token_ids(body, chat)
+            engine_ids = engine[0].token_ids(body, shape)
         except PromptTooLong:
             if content is None:
                 raise
@@ -206,8 +209,9 @@ def _prompt_keys(
     if content is None:
         return engine_key, None
     hasher, salt, lora = content
-    shared = engine is not None and not too_long and (chat or not isinstance(body.get("prompt"), str))
-    content_ids = engine_ids if shared else hasher.token_ids(body, chat)
+    text_prompt = shape == COMPLETION and isinstance(body.get("prompt"), str)
+    shared = engine is not None and not too_long and not text_prompt
+    content_ids = engine_ids if shared else hasher.token_ids(body, shape)
     return engine_key, _prompt_key(hasher, content_ids, salt, lora)
 
 
