@@ -399,10 +399,9 @@ def test_command_runs_each_policy_with_the_retention_rule_and_prints_the_gap_clo
 
 def test_the_retention_rule_ttls_run_on_the_replay_clock():
     """Two requests share a 3-block prefix; just before a third comes back to it, two fresh requests (one after the
-    other) need the room, the second two blocks of what is cached. 4 minutes later the prefix is within its 300 s
-    TTL (the floor: the horizon learned from a hit 1 ms after the first reach is next to nothing; timed from its
-    free on the trace's clock) and survives; 20 minutes later its TTL has ended, it goes first and the third request
-    finds only its first block. Plain LRU loses the same two blocks either way."""
+    other) need the room, the second two blocks of what is cached. 5 minutes later the prefix is within its 600 s
+    TTL (timed from its free on the trace's clock) and survives; 20 minutes later its TTL has ended, it goes first
+    and the third request finds only its first block. Plain LRU loses the same two blocks either way."""
 
     def trace(late_ms):
         burst = [
@@ -418,9 +417,9 @@ def test_the_retention_rule_ttls_run_on_the_replay_clock():
 
     queries = 5 * (3 * B + 1)
     kept, lost_two = (3 * B + 3 * B) / queries, (3 * B + B) / queries
-    assert replay(trace(4 * 60_000), 8, "lru", retention_rule="shared") == kept
+    assert replay(trace(5 * 60_000), 8, "lru", retention_rule="shared") == kept
     assert replay(trace(20 * 60_000), 8, "lru", retention_rule="shared") == lost_two
-    assert replay(trace(4 * 60_000), 8, "lru") == lost_two
+    assert replay(trace(5 * 60_000), 8, "lru") == lost_two
 
 
 def test_register_adds_the_trace_subcommand(tmp_path, capsys):

@@ -1,10 +1,8 @@
-"""The ``shared`` retention rule: which blocks it raises (exact ids), the horizon it learns and the TTL it gives,
-when they fall back, what it leaves alone."""
+"""The ``shared`` retention rule: which blocks it raises (exact ids), when they fall back, what it leaves alone."""
 
 import pytest
 
-from prefixcache.core import BlockHash, KVCacheManager, RetentionRange
-from prefixcache.core.block_pool import BlockPool
+from prefixcache.core import KVCacheManager, RetentionRange
 from prefixcache.core.eviction import EXPIRED
 from prefixcache.core.retention import DEFAULT_PRIORITY
 from prefixcache.core.retention_rules import RETENTION_RULES, SharedPrefixRetention, make_retention_rule
@@ -12,8 +10,6 @@ from tests.core.conftest import BLOCK_SIZE, FakeClock, admit, make_request
 
 RAISED = SharedPrefixRetention.PRIORITY
 TTL = SharedPrefixRetention.TTL_S
-STEP = SharedPrefixRetention.HORIZON_STEP
-FACTOR = SharedPrefixRetention.HORIZON_FACTOR
 
 
 def shared_manager(num_blocks=12, **kwargs) -> tuple[KVCacheManager, FakeClock]:
@@ -157,72 +153,19 @@ def test_no_rule_by_default_and_bad_names_are_clear_errors():
         ({"priority": DEFAULT_PRIORITY}, "priority"),
         ({"ttl_s": 0}, "ttl_s"),
         ({"max_ttl_s": 0}, "max_ttl_s"),
-        ({"horizon_factor": -1}, "horizon_factor"),
         ({"history_factor": 0}, "history_factor"),
     ):
         with pytest.raises(ValueError, match=message):
             SharedPrefixRetention(pool, **bad)
 
 
-def rule_over_pool(**kwargs) -> tuple[SharedPrefixRetention, list, FakeClock]:
-    """The rule alone over an 8-block pool, told of a hand-built stream; returns it, 4 blocks in use, the clock."""
-    clock = FakeClock()
-    pool = BlockPool(8, clock=clock)
-    return SharedPrefixRetention(pool, **kwargs), pool.get_new_blocks(4), clock
-
-
-def test_the_horizon_moves_towards_each_second_reach_that_contradicts_it_and_sets_the_ttl():
-    rule, blocks, clock = rule_over_pool()
-    a, b, c, d = (BlockHash(bytes([i])) for i in range(4))
-    assert rule.horizon_s == 0.0 and rule.ttl() == TTL  # nothing learned: the floor
-    rule.reached([(a, [blocks[0]]), (b, [blocks[1]])], None, cached=False)  # first reaches at t: default
-    assert [blk.priority for blk in blocks[:2]] == [DEFAULT_PRIORITY] * 2
-    clock.advance(2000)
-    rule.reached([(a, [blocks[0]])], None, cached=True)  # a survived 2,000 s: the horizon is longer than 0
-    learned = STEP * 2000
-    assert rule.horizon_s == learned
-    assert (blocks[0].priority, blocks[0].ttl_s) == (RAISED, FACTOR * learned)  # 600 s: above the floor
-    rule.reached([(c, [blocks[2]])], None, cached=False)
-    clock.advance(100)
-    rule.reached([(c, [blocks[2]])], None, cached=False)  # c was lost within 100 s: shorter than 200
-    lowered = learned + STEP * (100 - learned)
-    assert rule.horizon_s == lowered
-    assert (blocks[2].priority, blocks[2].ttl_s) == (RAISED, FACTOR * lowered)
-    rule.reached([(d, [blocks[3]])], None, cached=False)
-    clock.advance(50)
-    rule.reached([(d, [blocks[3]])], None, cached=True)  # survived 50 s: agrees with the horizon, no move
-    clock.advance(5000)
-    rule.reached([(b, [blocks[1]])], None, cached=False)  # lost after 7,150 s: agrees too
-    rule.reached([(a, [blocks[0]])], None, cached=False)  # a third reach: a raised block's fate says nothing
-    assert rule.horizon_s == lowered
-    assert [rule.reach_count(h) for h in (a, b, c, d)] == [3, 2, 2, 2]
-
-
 def test_the_ttl_stays_within_the_operators_largest():
-    rule, blocks, clock = rule_over_pool(max_ttl_s=400)
-    hashes = [BlockHash(bytes([i])) for i in range(2)]
-    rule.reached([(hashes[0], [blocks[0]])], None, cached=False)
-    clock.advance(2000)
-    rule.reached([(hashes[0], [blocks[0]])], None, cached=True)  # 3 x 200 s = 600 s, clamped
-    assert blocks[0].ttl_s == 400
-    short, blocks, _ = rule_over_pool(max_ttl_s=60)
-    short.reached([(hashes[1], [blocks[0]])], None, cached=False)
-    short.reached([(hashes[1], [blocks[0]])], None, cached=True)
-    assert (blocks[0].priority, blocks[0].ttl_s) == (RAISED, 60)  # the floor is clamped too
-
-
-def test_a_learned_horizon_sets_when_shared_blocks_fall_back_in_the_pool():
-    mgr, clock = shared_manager()
-    run(mgr, [*range(8), 900])  # blocks 0, 1 (2: the partial last block)
-    clock.advance(2000)
-    run(mgr, [*range(8), 901])  # hits 0 then 1, each cached 2,000 s after its one reach: two steps
-    learned = STEP * 2000
-    learned += STEP * (2000 - learned)
-    assert mgr.retention_rule.horizon_s == learned
-    assert [(b.priority, b.ttl_s) for b in mgr.pool.blocks[:2]] == [(RAISED, FACTOR * learned)] * 2  # 1,140 s
-    run(mgr, [*range(100, 108), 902])  # 4, 5 (3 held the second partial block)
-    clock.advance(FACTOR * learned - 1)
+    mgr, clock = shared_manager(max_retention_ttl_s=60)  # below the rule's 600 s
+    run(mgr, [*range(8), 900])
+    run(mgr, [*range(8), 901])  # 0, 1 raised, for 60 s
+    assert [(b.priority, b.ttl_s) for b in mgr.pool.blocks[:2]] == [(RAISED, 60)] * 2
+    run(mgr, [*range(100, 108), 902])  # 4, 5
+    clock.advance(59)
     assert order(mgr) == [5, 4, 1, 0]
     clock.advance(2)
     assert order(mgr) == [1, 0, 5, 4]
-    mgr.check_invariants()

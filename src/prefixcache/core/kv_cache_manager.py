@@ -536,7 +536,7 @@ class KVCacheManager:
             if num_held and (request.retention or self.pool.retained):
                 self._apply_retention(request, tables, 0, num_held)
             if self.retention_rule is not None:
-                self._tell_rule(request, tables, num_held, cached=True)
+                self._tell_rule(request, tables, num_held)
             num_no_checkpoint = (hit.junction_blocks - num_held) * block_size if hit.junction_blocks else 0
             self._count_admission(
                 request, num_held * block_size + hit.num_external_tokens, num_copied, num_no_checkpoint
@@ -901,12 +901,11 @@ class KVCacheManager:
             self.pool.cache_full_blocks(request, table, hashes, start, num_full, self.block_size, g)
         self._num_cached_blocks[request.request_id] = num_full
         if self.retention_rule is not None:
-            self._tell_rule(request, tables, num_full, cached=False)
+            self._tell_rule(request, tables, num_full)
 
-    def _tell_rule(self, request: Request, tables: list[list[Block]], end: int, cached: bool) -> None:
+    def _tell_rule(self, request: Request, tables: list[list[Block]], end: int) -> None:
         """Tell the retention rule of the block positions up to ``end`` this request reached that it was not told of
-        yet (a request admitted again after a preemption re-reads positions it already reported); ``cached``: they
-        were hits at admission, not blocks it filled."""
+        yet (a request admitted again after a preemption re-reads positions it already reported)."""
         start = request.rule_reached_blocks
         if end <= start:
             return
@@ -915,7 +914,6 @@ class KVCacheManager:
         self.retention_rule.reached(
             ((hashes[k], [table[k] for table in tables if table[k] is not null]) for k in range(start, end)),
             request.tenant,
-            cached,
         )
 
 

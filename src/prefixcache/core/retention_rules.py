@@ -6,19 +6,12 @@ itself only through the pool's priorities and TTLs (:meth:`BlockPool.retain`), s
 share and the expiry it relies on are the pool's, the same as for user directives.
 
 ``shared``: a block that at least ``min_requests`` distinct requests reached is kept at ``priority`` (above the
-default) for a TTL after its last use, then falls back to the default priority. Reaches are counted by block hash
-across evictions, in a record of the ``history_factor`` x pool-size most recently reached hashes, so a prefix
-evicted and computed again still counts as shared. Why this signal: on the Mooncake traces a block reached by one
-request is reached again by 24% (conversation) and 42% (synthetic), by two requests 42% and 84%
-(docs/eviction.md).
-
-The TTL is ``max(ttl_s, horizon_factor x horizon)``, clamped to the operator's largest TTL. The *horizon* is how long
-a block at the default priority survives once freed, learned from the stream: whenever a block the record saw
-reached once is reached again after ``t`` seconds, it was either still cached (the horizon is at least ``t``) or
-computed again (at most ``t``), and the estimate moves a step towards ``t`` when it disagrees. Why a TTL: a prefix
-shared long ago is not protected forever against fresh ones; why tied to the horizon: a TTL's end sends a block
-*first* (before the default blocks), so one shorter than the horizon evicts shared blocks ahead of unshared ones
-younger than them, and one much longer fills a large cache with stale prefixes (docs/eviction.md).
+default) for ``ttl_s`` seconds after its last use (at most the operator's largest TTL), then falls back to the
+default priority. Reaches are counted by
+block hash across evictions, in a record of the ``history_factor`` x pool-size most recently reached hashes, so a
+prefix evicted and computed again still counts as shared. Why this signal: on the Mooncake traces a block reached
+by one request is reached again by 24% (conversation) and 42% (synthetic), by two requests 42% and 84%
+(docs/eviction.md). Why a TTL: a prefix shared long ago is not protected forever against fresh ones.
 """
 
 from __future__ import annotations
@@ -37,10 +30,10 @@ if TYPE_CHECKING:
 class RetentionRule(Protocol):
     """Decides blocks' retention from the requests that reach them; told by the cache manager."""
 
-    def reached(self, positions: Iterable[tuple[BlockHash, list[Block]]], tenant: str | None, cached: bool) -> None:
-        """One request (of ``tenant``) reached these block positions, each the position's hash and its blocks, one a
-        KV cache group, all in use: ``cached``, its hits at admission (found in the cache), else blocks it fills;
-        each position is reported once a request."""
+    def reached(self, positions: Iterable[tuple[BlockHash, list[Block]]], tenant: str | None) -> None:
+        """One request (of ``tenant``) reached these block positions (its hits at admission, then each block it
+        fills), each the position's hash and its blocks, one a KV cache group, all in use; each position is
+        reported once a request."""
 
     def clear(self) -> None:
         """The prefix cache was reset: forget what was shared."""
@@ -48,20 +41,17 @@ class RetentionRule(Protocol):
 
 class SharedPrefixRetention:
     """The ``shared`` rule (see the module's docstring): blocks reached by ``min_requests`` or more requests go up
-    to ``priority`` for ``max(ttl_s, horizon_factor x horizon)`` seconds after their last use (at most
-    ``max_ttl_s``).
+    to ``priority`` for ``ttl_s`` seconds after their last use (``max_ttl_s`` when that is shorter).
 
     Only blocks at the default priority are raised: a user's directive (higher or lower) is left as it is. A mark
     is the reaching request's tenant's (tenants' blocks are salted apart, so only its own requests reach them): it
-    counts in that tenant's quota, and the tenant's own directives replace it. The record of reaches holds
+    counts in that tenant's quota, and the tenant's own directives replace it. The record of reach counts holds
     ``history_factor`` times the pool's blocks, least recently reached dropped first; each reach is O(1).
     """
 
     MIN_REQUESTS = 2
     PRIORITY = 60
-    TTL_S = 300.0
-    HORIZON_FACTOR = 3.0
-    HORIZON_STEP = 0.1
+    TTL_S = 600.0
     HISTORY_FACTOR = 4
 
     def __init__(
@@ -71,7 +61,6 @@ class SharedPrefixRetention:
         min_requests: int = MIN_REQUESTS,
         priority: int = PRIORITY,
         ttl_s: float = TTL_S,
-        horizon_factor: float = HORIZON_FACTOR,
         history_factor: int = HISTORY_FACTOR,
     ) -> None:
         if min_requests < 2:
@@ -80,59 +69,40 @@ class SharedPrefixRetention:
             raise ValueError(f"priority must be in ({DEFAULT_PRIORITY}, {MAX_PRIORITY}], got {priority}")
         if not ttl_s > 0 or not max_ttl_s > 0:
             raise ValueError(f"ttl_s and max_ttl_s must be positive, got {ttl_s} and {max_ttl_s}")
-        if not horizon_factor >= 0:
-            raise ValueError(f"horizon_factor must be >= 0, got {horizon_factor}")
         if history_factor < 1:
             raise ValueError(f"history_factor must be at least 1, got {history_factor}")
         self.pool = pool
-        self.max_ttl_s = max_ttl_s
         self.min_requests = min_requests
         self.priority = priority
-        self.ttl_s = ttl_s
-        self.horizon_factor = horizon_factor
+        self.ttl_s = min(ttl_s, max_ttl_s)
         self.history_size = history_factor * pool.num_usable_blocks
-        self.horizon_s = 0.0  # learned: how long a freed block at the default priority stays cached
-        # hash -> [requests that reached it, when the last one did]
-        self._reaches: OrderedDict[BlockHash, list[float]] = OrderedDict()
+        self._reaches: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> requests that reached it
 
-    def reached(self, positions: Iterable[tuple[BlockHash, list[Block]]], tenant: str | None, cached: bool) -> None:
+    def reached(self, positions: Iterable[tuple[BlockHash, list[Block]]], tenant: str | None) -> None:
         reaches = self._reaches
-        now = self.pool.clock()
-        horizon, step = self.horizon_s, self.HORIZON_STEP
+        min_requests = self.min_requests
         shared: list[Block] = []
         for block_hash, blocks in positions:
-            reach = reaches.pop(block_hash, None)
-            if reach is None:
-                reach = [1, now]
-            else:
-                if reach[0] == 1:  # left at the default priority since its one reach: did it survive?
-                    elapsed = now - reach[1]
-                    if (cached and elapsed > horizon) or (not cached and elapsed < horizon):
-                        horizon += step * (elapsed - horizon)  # survived longer, or lost sooner, than estimated
-                reach[0] += 1
-                reach[1] = now
-            reaches[block_hash] = reach
-            if reach[0] >= self.min_requests:
+            count = reaches.get(block_hash)
+            if count is None:  # a first reach: nothing to raise yet
+                reaches[block_hash] = 1
+                continue
+            reaches.move_to_end(block_hash)
+            reaches[block_hash] = count = count + 1
+            if count >= min_requests:
                 shared.extend(block for block in blocks if block.priority == DEFAULT_PRIORITY)
-        self.horizon_s = horizon
         while len(reaches) > self.history_size:
             reaches.popitem(last=False)
         if shared:
             shared.reverse()  # marked tail first, as blocks are freed: within the retained share the head goes last
-            self.pool.retain(shared, self.priority, self.ttl(), tenant)
-
-    def ttl(self) -> float:
-        """The TTL a block raised now gets: the floor, or a multiple of the learned horizon, within the largest."""
-        return min(max(self.ttl_s, self.horizon_factor * self.horizon_s), self.max_ttl_s)
+            self.pool.retain(shared, self.priority, self.ttl_s, tenant)
 
     def reach_count(self, block_hash: BlockHash) -> int:
         """How many requests reached ``block_hash`` as far as the record remembers (0: never, or forgotten)."""
-        reach = self._reaches.get(block_hash)
-        return 0 if reach is None else int(reach[0])
+        return self._reaches.get(block_hash, 0)
 
     def clear(self) -> None:
         self._reaches.clear()
-        self.horizon_s = 0.0
 
 
 RETENTION_RULES: dict[str, Callable[[BlockPool, float], RetentionRule]] = {"shared": SharedPrefixRetention}
