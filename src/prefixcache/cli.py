@@ -18,7 +18,15 @@ def _bench_manager(args: argparse.Namespace) -> None:
     from prefixcache.bench.manager import ManagerTraceConfig, run
 
     config = ManagerTraceConfig(num_requests=args.num_requests, num_blocks=args.num_blocks, seed=args.seed)
-    run(args.hash_algo, args.repeats, args.json, config, compare_vllm=args.compare_vllm, retention=args.retention)
+    run(
+        args.hash_algo,
+        args.repeats,
+        args.json,
+        config,
+        compare_vllm=args.compare_vllm,
+        retention=args.retention,
+        retention_rule=args.retention_rule,
+    )
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -88,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     from prefixcache.bench import trace as bench_trace
     from prefixcache.config import DTYPES
     from prefixcache.core import HASH_ALGOS
+    from prefixcache.core.retention_rules import RETENTION_RULES
     from prefixcache.engine.args import add_engine_args, config_default
     from prefixcache.explain.cli import register as register_explain
     from prefixcache.router.cli import register as register_router
@@ -116,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     manager.add_argument("--compare-vllm", action="store_true", help="also replay the trace through vLLM's manager")
     manager.add_argument(
         "--retention", action="store_true", help="also replay with every shared prefix marked retained (directives)"
+    )
+    manager.add_argument(
+        "--retention-rule", choices=sorted(RETENTION_RULES), help="also replay with this retention rule (no directives)"
     )
     manager.set_defaults(func=_bench_manager)
     offline.register(bench)

@@ -67,3 +67,11 @@ def test_the_retention_replay_is_a_row_beside_the_plain_one():
     assert set(retained) == set(plain)
     # Every shared prefix marked retained survives the unique tails' evictions: at least the plain hit rate.
     assert retained["hit_rate"] >= plain["hit_rate"]
+
+
+def test_the_retention_rule_replay_is_a_row_beside_the_plain_one():
+    report = run(["sha256"], 1, None, CONFIG, retention_rule="shared")
+    plain, ruled = report["results"]["sha256"], report["results"]["sha256+rule:shared"]
+    assert set(ruled) == set(plain)
+    # The trace's shared prefixes are what the rule keeps: at least the plain hit rate.
+    assert ruled["hit_rate"] >= plain["hit_rate"]

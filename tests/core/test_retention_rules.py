@@ -152,7 +152,20 @@ def test_no_rule_by_default_and_bad_names_are_clear_errors():
         ({"min_requests": 1}, "min_requests"),
         ({"priority": DEFAULT_PRIORITY}, "priority"),
         ({"ttl_s": 0}, "ttl_s"),
+        ({"max_ttl_s": 0}, "max_ttl_s"),
         ({"history_factor": 0}, "history_factor"),
     ):
         with pytest.raises(ValueError, match=message):
             SharedPrefixRetention(pool, **bad)
+
+
+def test_the_ttl_stays_within_the_operators_largest():
+    mgr, clock = shared_manager(max_retention_ttl_s=60)  # below the rule's 600 s
+    run(mgr, [*range(8), 900])
+    run(mgr, [*range(8), 901])  # 0, 1 raised, for 60 s
+    assert [(b.priority, b.ttl_s) for b in mgr.pool.blocks[:2]] == [(RAISED, 60)] * 2
+    run(mgr, [*range(100, 108), 902])  # 4, 5
+    clock.advance(59)
+    assert order(mgr) == [5, 4, 1, 0]
+    clock.advance(2)
+    assert order(mgr) == [1, 0, 5, 4]

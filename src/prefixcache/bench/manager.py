@@ -6,7 +6,8 @@ measures hashing, lookup, allocation and free per request, the part that must va
 
 ``--retention`` also replays it with directives: every request marks its shared prefix retained (priority
 ``RETAINED_PRIORITY`` for ``RETAINED_TTL_S``), the cost of honouring them (vLLM has no such directive, so its
-row stays the plain replay).
+row stays the plain replay). ``--retention-rule NAME`` also replays it with that retention rule
+(``prefixcache.core.retention_rules``) and no directives: the cost of the engine deciding what to keep.
 
 ``--compare-vllm`` replays the same trace through vLLM's own v1 KVCacheManager in the same run, via
 ``benchmarks/peers/vllm_manager_replay.py`` under vLLM's CPU build (a separate venv: vLLM is never a
@@ -40,6 +41,7 @@ VLLM_TIMEOUT_S = 900
 RETAINED_PRIORITY = 80
 RETAINED_TTL_S = 300.0
 RETENTION_SUFFIX = "+retention"
+RULE_SUFFIX = "+rule:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,11 +92,17 @@ class PhaseTimes:
 
 
 def replay(
-    prompts: list[list[int]], config: ManagerTraceConfig, hash_algo: str, prefix_lengths: list[int] | None = None
+    prompts: list[list[int]],
+    config: ManagerTraceConfig,
+    hash_algo: str,
+    prefix_lengths: list[int] | None = None,
+    retention_rule: str | None = None,
 ) -> PhaseTimes:
     """Replay the trace once; per-request phase times in microseconds. With ``prefix_lengths`` every request
-    marks its shared prefix retained."""
-    manager = KVCacheManager(num_blocks=config.num_blocks, block_size=config.block_size, hash_algo=hash_algo)
+    marks its shared prefix retained; ``retention_rule`` runs that rule in the manager."""
+    manager = KVCacheManager(
+        num_blocks=config.num_blocks, block_size=config.block_size, hash_algo=hash_algo, retention_rule=retention_rule
+    )
     requests = [
         Request(
             request_id=str(i),
@@ -147,21 +155,28 @@ def run(
     config: ManagerTraceConfig,
     compare_vllm: bool = False,
     retention: bool = False,
+    retention_rule: str | None = None,
 ) -> dict:
     """Best of ``repeats`` replays per algorithm (the machine is shared and noisy), printed as a table; with
-    ``retention`` each algorithm also replays with directives (alternating with the plain replays, so both see
-    the same load)."""
+    ``retention`` each algorithm also replays with directives, with ``retention_rule`` with that rule (each
+    alternating with the plain replays, so all see the same load)."""
     trace = make_trace_with_prefixes(config)
     prompts = [prompt for prompt, _ in trace]
     prefix_lengths = [length for _, length in trace] if retention else None
     results: dict[str, dict] = {}
     for algo in hash_algos:
-        plain, retained = [], []
+        plain, retained, ruled = [], [], []
         for _ in range(repeats):
             plain.append(replay(prompts, config, algo))
             if prefix_lengths is not None:
                 retained.append(replay(prompts, config, algo, prefix_lengths))
-        for key, runs in ((algo, plain), (algo + RETENTION_SUFFIX, retained)):
+            if retention_rule is not None:
+                ruled.append(replay(prompts, config, algo, retention_rule=retention_rule))
+        for key, runs in (
+            (algo, plain),
+            (algo + RETENTION_SUFFIX, retained),
+            (f"{algo}{RULE_SUFFIX}{retention_rule}", ruled),
+        ):
             if runs:
                 best = min(runs, key=lambda r: r.total_us)
                 results[key] = asdict(best) | {"total_us_runs": [round(r.total_us, 1) for r in runs]}

@@ -299,7 +299,9 @@ class KVCacheManager:
         )
         self.null_block = self.pool.null_block
         self.retention_rule: RetentionRule | None = (
-            make_retention_rule(retention_rule, self.pool) if enable_caching and retention_rule is not None else None
+            make_retention_rule(retention_rule, self.pool, max_retention_ttl_s)
+            if enable_caching and retention_rule is not None
+            else None
         )
         self.watermark_blocks = int(watermark * self.pool.num_usable_blocks)
         self._block_tables = [make_table(spec, self.pool, block_size) for spec in self._attention]

@@ -6,7 +6,8 @@ itself only through the pool's priorities and TTLs (:meth:`BlockPool.retain`), s
 share and the expiry it relies on are the pool's, the same as for user directives.
 
 ``shared``: a block that at least ``min_requests`` distinct requests reached is kept at ``priority`` (above the
-default) for ``ttl_s`` seconds after its last use, then falls back to the default priority. Reaches are counted by
+default) for ``ttl_s`` seconds after its last use (at most the operator's largest TTL), then falls back to the
+default priority. Reaches are counted by
 block hash across evictions, in a record of the ``history_factor`` x pool-size most recently reached hashes, so a
 prefix evicted and computed again still counts as shared. Why this signal: on the Mooncake traces a block reached
 by one request is reached again by 24% (conversation) and 42% (synthetic), by two requests 42% and 84%
@@ -19,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
-from prefixcache.core.retention import DEFAULT_PRIORITY, MAX_PRIORITY
+from prefixcache.core.retention import DEFAULT_MAX_RETENTION_TTL_S, DEFAULT_PRIORITY, MAX_PRIORITY
 
 if TYPE_CHECKING:
     from prefixcache.core.block_pool import Block, BlockPool
@@ -40,7 +41,7 @@ class RetentionRule(Protocol):
 
 class SharedPrefixRetention:
     """The ``shared`` rule (see the module's docstring): blocks reached by ``min_requests`` or more requests go up
-    to ``priority`` for ``ttl_s`` seconds after their last use.
+    to ``priority`` for ``ttl_s`` seconds after their last use (``max_ttl_s`` when that is shorter).
 
     Only blocks at the default priority are raised: a user's directive (higher or lower) is left as it is. A mark
     is the reaching request's tenant's (tenants' blocks are salted apart, so only its own requests reach them): it
@@ -56,6 +57,7 @@ class SharedPrefixRetention:
     def __init__(
         self,
         pool: BlockPool,
+        max_ttl_s: float = DEFAULT_MAX_RETENTION_TTL_S,
         min_requests: int = MIN_REQUESTS,
         priority: int = PRIORITY,
         ttl_s: float = TTL_S,
@@ -65,24 +67,29 @@ class SharedPrefixRetention:
             raise ValueError(f"min_requests must be at least 2 (shared by more than one request), got {min_requests}")
         if not DEFAULT_PRIORITY < priority <= MAX_PRIORITY:
             raise ValueError(f"priority must be in ({DEFAULT_PRIORITY}, {MAX_PRIORITY}], got {priority}")
-        if not ttl_s > 0:
-            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        if not ttl_s > 0 or not max_ttl_s > 0:
+            raise ValueError(f"ttl_s and max_ttl_s must be positive, got {ttl_s} and {max_ttl_s}")
         if history_factor < 1:
             raise ValueError(f"history_factor must be at least 1, got {history_factor}")
         self.pool = pool
         self.min_requests = min_requests
         self.priority = priority
-        self.ttl_s = ttl_s
+        self.ttl_s = min(ttl_s, max_ttl_s)
         self.history_size = history_factor * pool.num_usable_blocks
         self._reaches: OrderedDict[BlockHash, int] = OrderedDict()  # hash -> requests that reached it
 
     def reached(self, positions: Iterable[tuple[BlockHash, list[Block]]], tenant: str | None) -> None:
         reaches = self._reaches
+        min_requests = self.min_requests
         shared: list[Block] = []
         for block_hash, blocks in positions:
-            count = reaches.pop(block_hash, 0) + 1
-            reaches[block_hash] = count
-            if count >= self.min_requests:
+            count = reaches.get(block_hash)
+            if count is None:  # a first reach: nothing to raise yet
+                reaches[block_hash] = 1
+                continue
+            reaches.move_to_end(block_hash)
+            reaches[block_hash] = count = count + 1
+            if count >= min_requests:
                 shared.extend(block for block in blocks if block.priority == DEFAULT_PRIORITY)
         while len(reaches) > self.history_size:
             reaches.popitem(last=False)
@@ -98,12 +105,13 @@ class SharedPrefixRetention:
         self._reaches.clear()
 
 
-RETENTION_RULES: dict[str, Callable[[BlockPool], RetentionRule]] = {"shared": SharedPrefixRetention}
+RETENTION_RULES: dict[str, Callable[[BlockPool, float], RetentionRule]] = {"shared": SharedPrefixRetention}
 
 
-def make_retention_rule(name: str, pool: BlockPool) -> RetentionRule:
-    """The registered rule ``name`` over ``pool``."""
+def make_retention_rule(name: str, pool: BlockPool, max_ttl_s: float = DEFAULT_MAX_RETENTION_TTL_S) -> RetentionRule:
+    """The registered rule ``name`` over ``pool``, its TTLs at most ``max_ttl_s`` (the operator's largest)."""
     try:
-        return RETENTION_RULES[name](pool)
+        factory = RETENTION_RULES[name]
     except KeyError:
         raise ValueError(f"unknown retention rule {name!r}; choose one of {', '.join(RETENTION_RULES)}") from None
+    return factory(pool, max_ttl_s)
