@@ -312,25 +312,8 @@ def test_the_router_reading_a_hybrid_engines_events_predicts_every_lookup_exactl
     running = []
     differs = 0
     for step in range(300):
-        if running and rng.random() < 0.4:
-            manager.free(running.pop(rng.randrange(len(running))))
-        elif running and rng.random() < 0.6:
-            request = rng.choice(running)
-            if request.num_computed_tokens == request.num_tokens:
-                request.append_output_token_ids([rng.randrange(50)])
-            manager.allocate_slots(request, min(rng.randrange(1, 9), request.num_tokens - request.num_computed_tokens))
-        else:
-            request = Request(f"r{step}", rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randint(1, 5))])
-            hit = manager.find_prefix(request)
-            chunk = min(rng.randrange(1, 16), request.num_tokens - hit.num_tokens)
-            if manager.allocate_slots(request, chunk, hit) is not None:
-                running.append(request)
-        payload = msgspec.msgpack.encode(KVEventBatch(ts=float(step), events=collector.take()))
-        for event in wire.decode_batch(payload).events:
-            if isinstance(event, wire.BlockStored):
-                blocks.store(event)
-            elif isinstance(event, wire.BlockRemoved):
-                blocks.remove(event)
+        random_manager_step(manager, rng, prefixes, running, step)
+        feed_events(collector, blocks, step)
         for prefix in prefixes:
             for extra in (1, 4):
                 probe = Request("probe", prefix + [7] * extra)
@@ -412,3 +395,34 @@ def test_retention_reaches_the_router_through_the_wire_from_a_real_manager():
     hashes = [external_block_hash(h) for h in manager.block_hashes(request)[:3]]
     assert [index.retention("h", h) for h in hashes] == [90, 90, 35]
     assert index.retained_run("h", hashes) == 2
+
+
+def random_manager_step(manager: KVCacheManager, rng: random.Random, prefixes, running: list, step: int) -> None:
+    """One step of a random mix on a real manager: free a running request, advance one (a chunk of its prompt
+    or a decoded token), or admit a new request on one of ``prefixes`` in a chunk; a request that finds no room
+    is freed (dropping what a connector staged for it)."""
+    if running and rng.random() < 0.4:
+        manager.free(running.pop(rng.randrange(len(running))))
+    elif running and rng.random() < 0.6:
+        request = rng.choice(running)
+        if request.num_computed_tokens == request.num_tokens:
+            request.append_output_token_ids([rng.randrange(50)])
+        manager.allocate_slots(request, min(rng.randrange(1, 9), request.num_tokens - request.num_computed_tokens))
+    else:
+        request = Request(f"r{step}", rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randint(1, 5))])
+        hit = manager.find_prefix(request)
+        chunk = min(rng.randrange(1, 16), request.num_tokens - hit.num_tokens)
+        if manager.allocate_slots(request, chunk, hit) is not None:
+            running.append(request)
+        else:
+            manager.free(request)
+
+
+def feed_events(collector: KVEventCollector, blocks: EngineKeyedBlocks, step: int) -> None:
+    """What the collector holds, through the wire (msgpack) and the router's decoder, into its index."""
+    payload = msgspec.msgpack.encode(KVEventBatch(ts=float(step), events=collector.take()))
+    for event in wire.decode_batch(payload).events:
+        if isinstance(event, wire.BlockStored):
+            blocks.store(event)
+        elif isinstance(event, wire.BlockRemoved):
+            blocks.remove(event)

@@ -4,23 +4,20 @@ blocks and state checkpoints, by medium, from the backend's KV events, and a pre
 
 import random
 
-import msgspec
 import pytest
 
 from prefixcache.core import FULL_ATTENTION, KVCacheManager, Request, hittable_blocks, root_hash
 from prefixcache.core.kv_cache_groups import RECURRENT_STATE
 from prefixcache.core.state_table import CheckpointPolicy
 from prefixcache.kv_events.collector import KVEventCollector
-from prefixcache.kv_events.events import KVEventBatch
 from prefixcache.offload import HostMemoryStore
 from prefixcache.offload.connector import WRITE_BACK, WRITE_THROUGH, OffloadConnector, TierWriter
-from prefixcache.router import wire
 from prefixcache.router.blocks import EngineKeyedBlocks
 from prefixcache.router.index import PrefixIndex
 from prefixcache.router.wire import external_block_hash
 from tests.offload.conftest import make_layout
 from tests.offload.test_connector_states import STATE_BYTES, run_step
-from tests.router.test_index import BLOCK, FULL_KIND, removed_event, store_event
+from tests.router.test_index import BLOCK, FULL_KIND, feed_events, random_manager_step, removed_event, store_event
 
 STATE_KIND = "mamba"
 
@@ -94,29 +91,10 @@ def test_the_router_reading_a_hybrid_engines_tier_events_predicts_every_lookup_e
     running = []
     from_tiers = differs = 0
     for step in range(300):
-        if running and rng.random() < 0.4:
-            manager.free(running.pop(rng.randrange(len(running))))
-        elif running and rng.random() < 0.6:
-            request = rng.choice(running)
-            if request.num_computed_tokens == request.num_tokens:
-                request.append_output_token_ids([rng.randrange(50)])
-            manager.allocate_slots(request, min(rng.randrange(1, 9), request.num_tokens - request.num_computed_tokens))
-        else:
-            request = Request(f"r{step}", rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randint(1, 5))])
-            hit = manager.find_prefix(request)
-            chunk = min(rng.randrange(1, 16), request.num_tokens - hit.num_tokens)
-            if manager.allocate_slots(request, chunk, hit) is not None:
-                running.append(request)
-            else:
-                manager.free(request)  # drops what the connector staged for it
+        random_manager_step(manager, rng, prefixes, running, step)
         run_step(manager, connector)  # the step's plan, its copies out to the tier
         manager.take_transfers()  # the next step delivers what the tier wrote in this one
-        payload = msgspec.msgpack.encode(KVEventBatch(ts=float(step), events=collector.take()))
-        for event in wire.decode_batch(payload).events:
-            if isinstance(event, wire.BlockStored):
-                blocks.store(event)
-            elif isinstance(event, wire.BlockRemoved):
-                blocks.remove(event)
+        feed_events(collector, blocks, step)
         for prefix in prefixes:
             for cut in (0, 3, 6):  # the whole prefix, or one that parts inside it (where no checkpoint may be)
                 probe = Request("probe", prefix[: len(prefix) - cut] + [7])
