@@ -137,6 +137,10 @@ class EngineCore:
         state_cache = None
         if self.manager.state is not None:
             state_cache = model.allocate_state_cache(self.manager.state.num_slots, dtype, device)
+        if not config.enforce_eager:
+            seconds = model.compile_decode(kv_caches, model_groups, config.block_size)
+            if seconds is not None:
+                logger.info("decode step compiled in %.1f s (torch.compile; --enforce-eager turns it off)", seconds)
         worker = None
         if tiers is not None:
             layer_groups = [0] * model_config.num_layers

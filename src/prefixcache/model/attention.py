@@ -17,7 +17,7 @@ so a cache may have freed them and put a null block in their place in the table.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -189,6 +189,72 @@ class AttentionMetadata:
             sliding_window=sliding_window,
         )
 
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        scale: float,
+        sliding_window: int | None,
+        workspace: GatherWorkspace | None,
+    ) -> torch.Tensor:
+        """One layer's attention of this step (:func:`paged_attention`)."""
+        return paged_attention(query, key, value, *kv_cache, self, scale, sliding_window, workspace)
+
+    def decode(self, windows: Iterable[int | None], dtype: torch.dtype) -> DecodeAttention | None:
+        """This step as a :class:`DecodeAttention` for layers of ``windows`` in ``dtype``, when every request
+        decodes one token over all of its keys from position 0; else None."""
+        if self.num_tokens != self.seq_lens.shape[0] or self.sliding_window is not None:
+            return None
+        block_tables = self.block_tables
+        if block_tables.shape[1] == 1:  # a second (masked) column: one graph of a compiled step for every width
+            block_tables = F.pad(block_tables, (0, 1))
+        kv_len = block_tables.shape[1] * self.block_size
+        k_pos = torch.arange(kv_len, device=self.seq_lens.device)
+        seq_lens = self.seq_lens[:, None]
+        masks = {}
+        for window in windows:
+            allowed = k_pos < seq_lens
+            if window is not None:
+                allowed &= k_pos >= seq_lens - window
+            additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            masks[window] = additive.masked_fill_(~allowed, float("-inf"))[:, None, None]
+        return DecodeAttention(self.slot_mapping, block_tables, masks)
+
+
+@dataclass(slots=True)
+class DecodeAttention:
+    """A step of decodes only (one new token a request, keys from position 0): its attention is one K/V write
+    and one SDPA call over each request's blocks, padded to the longest table and masked per window.
+
+    Tensors only (no per-step Python decisions in the layers), so a compiled step's graph depends on nothing but
+    the batch size and the table width.
+    """
+
+    # [B] cache slot of each request's new token.
+    slot_mapping: torch.Tensor
+    # [B, num_blocks] block table of each request, padded with 0 (to 2 blocks at least).
+    block_tables: torch.Tensor
+    # Per sliding window of the layers (None: none) the additive mask [B, 1, 1, num_blocks * block_size].
+    masks: dict[int | None, torch.Tensor]
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        scale: float,
+        sliding_window: int | None,
+        workspace: GatherWorkspace | None,
+    ) -> torch.Tensor:
+        """Write the new K/V, then attend over the gathered blocks; returns ``[B, num_heads * head_dim]``."""
+        k_cache, v_cache = kv_cache
+        write_kv_cache(key, value, k_cache, v_cache, self.slot_mapping)
+        keys, values = _gather_kv(k_cache, v_cache, self.block_tables, workspace, query.dtype)
+        return _decode_sdpa(query, keys, values, self.masks[sliding_window], scale)
+
 
 def _segments(computed: np.ndarray, new: np.ndarray, split_fresh: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Split the new tokens of requests with earlier context into query chunks of at most _QUERY_CHUNK.
@@ -345,6 +411,21 @@ def _gather(
     return out.view(num_reqs, num_blocks * block_size, kv_heads, head_dim)
 
 
+def _gather_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    workspace: GatherWorkspace | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the listed blocks ``[G, kv_heads, num_blocks * block_size, head_dim]`` in ``dtype``."""
+    keys = _gather(k_cache, block_tables, workspace, 0).transpose(1, 2)
+    values = _gather(v_cache, block_tables, workspace, 1).transpose(1, 2)
+    if keys.dtype != dtype:
+        keys, values = keys.to(dtype), values.to(dtype)
+    return keys, values
+
+
 def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -411,24 +492,17 @@ def _group_attention(
     workspace: GatherWorkspace | None,
 ) -> torch.Tensor:
     """Attention of one group; inputs and output are the group's tokens in group order."""
-    num_tokens, num_heads, head_dim = query.shape
+    _, num_heads, head_dim = query.shape
     kv_heads = k_cache.shape[2]
     mask = group.mask(sliding_window, query.dtype)
     if group.fresh and key.dtype == k_cache.dtype:
         # The keys are exactly this step's tokens: skip the gather.
         keys, values = key[None].transpose(1, 2), value[None].transpose(1, 2)
     else:
-        keys = _gather(k_cache, group.block_tables, workspace, 0).transpose(1, 2)
-        values = _gather(v_cache, group.block_tables, workspace, 1).transpose(1, 2)
-        if keys.dtype != query.dtype:
-            keys, values = keys.to(query.dtype), values.to(query.dtype)
+        keys, values = _gather_kv(k_cache, v_cache, group.block_tables, workspace, query.dtype)
 
     if group.max_q == 1:
-        # Decode: fold the query heads that share a KV head into the query-length axis, so GQA needs no
-        # K/V expansion and the [G, 1, 1, S] mask broadcasts over heads.
-        q = query.view(group.num_reqs, kv_heads, num_heads // kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-        return out.reshape(num_tokens, num_heads * head_dim)
+        return _decode_sdpa(query, keys, values, mask, scale)
 
     if group.pad_index is not None:
         padded = query.new_zeros(group.num_reqs * group.max_q, num_heads, head_dim)
@@ -450,6 +524,21 @@ def _group_attention(
     if group.pad_index is not None:
         out = out.index_select(0, group.pad_index)
     return out
+
+
+def _decode_sdpa(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """One query a request ``[B, num_heads, head_dim]`` over ``keys``/``values`` ``[B, kv_heads, S, head_dim]``.
+
+    The query heads that share a KV head are folded into the query-length axis, so GQA needs no K/V expansion
+    and the ``[B, 1, 1, S]`` mask broadcasts over heads.
+    """
+    num_reqs, num_heads, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    q = query.view(num_reqs, kv_heads, num_heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(num_reqs, num_heads * head_dim)
 
 
 def _sdpa_gqa_supported(device: torch.device, mask: torch.Tensor | None) -> bool:

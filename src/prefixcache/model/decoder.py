@@ -12,7 +12,9 @@ into one matmul each; :meth:`DecoderForCausalLM.load_weights` maps HF's separate
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
@@ -21,10 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixcache.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
+from prefixcache.model.attention import AttentionMetadata, DecodeAttention, GatherWorkspace
 from prefixcache.model.config import SUPPORTED_ARCHITECTURES, KVCacheGroup, ModelConfig
 from prefixcache.model.recurrent import RECURRENT_MODULE_NAMES, build_recurrent_layer, state_dtype
 from prefixcache.model.state import StateMetadata
+
+logger = logging.getLogger(__name__)
 
 # The state cache: per recurrent layer (in ``config.state_layers`` order) its tensors, slot-major.
 StateCache = list[tuple[torch.Tensor, ...]]
@@ -125,8 +129,8 @@ class DecoderAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        metadata: AttentionMetadata,
-        workspace: GatherWorkspace,
+        metadata: AttentionMetadata | DecodeAttention,
+        workspace: GatherWorkspace | None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
@@ -149,7 +153,7 @@ class DecoderAttention(nn.Module):
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             elif self.rotary_dim:
                 q, k = _partial_rope(q, cos, sin, self.rotary_dim), _partial_rope(k, cos, sin, self.rotary_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, self.sliding_window, workspace)
+        out = metadata.attend(q, k, v, kv_cache, self.scale, self.sliding_window, workspace)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(num_tokens, -1))
         return self.o_proj(out)
@@ -306,6 +310,7 @@ class DecoderForCausalLM(nn.Module):
         self._inv_freq_cpu = [rope_inv_freq(config.rotary_dim, theta, scaling) for theta, scaling in distinct.values()]
         self._inv_freq: dict[torch.device, list[torch.Tensor]] = {}
         self._workspace = GatherWorkspace()
+        self._decode_step = self._eager_decode_step
         # Per KV cache layout, keyed by its number of groups (mask-only: 1; hybrid: len(kv_cache_groups()), the
         # same layout when the model has one attention spec): each attention layer's group, and each group's
         # windows. kv_caches[i] belongs to attention layer attention_layers[i].
@@ -351,26 +356,97 @@ class DecoderForCausalLM(nn.Module):
                 f"expected one attention metadata per KV cache group ({' or '.join(map(str, self._layouts))} of them), "
                 f"got {len(group_metadata)}"
             )
-        group_of, windows = layout
+        windows = layout[1]
         for group, metadata in enumerate(group_metadata):
             if metadata.sliding_window is not None and windows[group] != {metadata.sliding_window}:
                 raise ValueError(
                     f"KV cache group {group} has layers of windows {sorted(windows[group], key=str)}; its "
                     f"attention metadata gathers a window of {metadata.sliding_window}"
                 )
+        if not config.state_layers:
+            dtype = self.model.norm.weight.dtype
+            decode = [metadata.decode(windows[g], dtype) for g, metadata in enumerate(group_metadata)]
+            if all(d is not None for d in decode):
+                return self._decode_step(input_ids, positions, kv_caches, decode)
+        return self._step(input_ids, positions, kv_caches, group_metadata, self._workspace, state_cache, state_metadata)
+
+    def _step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        group_metadata: Sequence[AttentionMetadata | DecodeAttention],
+        workspace: GatherWorkspace | None,
+        state_cache: StateCache | None = None,
+        state_metadata: StateMetadata | None = None,
+    ) -> torch.Tensor:
+        """The layers of :meth:`forward` on checked inputs; decode steps may run it compiled
+        (:meth:`compile_decode`), with no workspace (the compiled graph plans its own buffers)."""
         x = self.model.embed_tokens(input_ids)
         if self.config.embed_scale is not None:
             # Rounded to the model dtype first, as HF's Gemma does (sqrt(3072) becomes 55.5 in bfloat16).
             x = x * torch.tensor(self.config.embed_scale, dtype=torch.float32).to(x.dtype)
         ropes = self._rope(positions, x.dtype)
+        group_of = self._layouts[len(group_metadata)][0]
         for i, layer in enumerate(self.model.layers):
             if layer.is_attention:
                 cos, sin = ropes[self._layer_rope[i]]
                 kv = self._kv_index[i]
-                x = layer(x, cos, sin, kv_caches[kv], group_metadata[group_of[kv]], self._workspace)
+                x = layer(x, cos, sin, kv_caches[kv], group_metadata[group_of[kv]], workspace)
             else:
                 x = layer(x, state_cache[self._state_index[i]], state_metadata)  # type: ignore[index]
         return self.model.norm(x)
+
+    def _eager_decode_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        decode: Sequence[DecodeAttention],
+    ) -> torch.Tensor:
+        return self._step(input_ids, positions, kv_caches, decode, self._workspace)
+
+    def compile_decode(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], groups: Sequence[KVCacheGroup], block_size: int
+    ) -> float | None:
+        """Run decode steps through ``torch.compile`` (inductor) from now on, compiled here; returns the seconds
+        compiling took, or None when decode steps stay eager.
+
+        The batch size and the block table width are dynamic dimensions and a decode table is at least two
+        blocks wide (:meth:`AttentionMetadata.decode`), so two graphs cover every decode step: one request, and
+        more. Both are compiled now, on a decode of block 0, which is zeroed again after (no request holds a
+        block yet). Compilation that fails (no C++ compiler, an op inductor cannot trace) logs one warning and the
+        steps run eagerly: nothing was written before it failed, and the eager step writes the same K/V. A model
+        with recurrent layers or sliding-window groups (``groups``) never takes the decode path: None.
+        """
+        if self.config.state_layers or any(group.sliding_window is not None for group in groups):
+            return None
+        compiled = torch.compile(self._step, dynamic=True)
+
+        def decode_step(
+            input_ids: torch.Tensor,
+            positions: torch.Tensor,
+            kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+            decode: Sequence[DecodeAttention],
+        ) -> torch.Tensor:
+            try:
+                return compiled(input_ids, positions, kv_caches, decode, None)
+            except Exception as exc:  # compilation is an optimisation: any failure falls back to eager
+                logger.warning("torch.compile of the decode step failed, decoding eagerly: %s", str(exc).split("\n")[0])
+                self._decode_step = self._eager_decode_step
+                return self._eager_decode_step(input_ids, positions, kv_caches, decode)
+
+        self._decode_step = decode_step
+        device = kv_caches[0][0].device
+        start = time.perf_counter()
+        for batch in (1, 2):
+            metadata = AttentionMetadata.build([[0]] * batch, [0] * batch, [1] * batch, block_size, device)
+            ids = torch.zeros(batch, dtype=torch.long, device=device)
+            self(ids, metadata.positions, kv_caches, [metadata] * len(groups))
+        for key_cache, value_cache in kv_caches:
+            key_cache[0].zero_()
+            value_cache[0].zero_()
+        return None if self._decode_step == self._eager_decode_step else time.perf_counter() - start
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """cos and signed sin (see :func:`apply_rope`) ``[T, 1, head_dim]`` of each RoPE table, computed in
