@@ -243,7 +243,7 @@ def test_decode_step_equals_the_grouped_attention(kind: str, models, monkeypatch
     monkeypatch.setattr(model, "_decode_step", lambda *inputs: taken.append(1) or eager(*inputs))
     decoded = decode_logits(model)
     assert len(taken) == 3
-    monkeypatch.setattr(AttentionMetadata, "decode", lambda self, windows, dtype: None)
+    monkeypatch.setattr(AttentionMetadata, "decode_inputs", lambda self: None)
     grouped = decode_logits(model)
     assert len(taken) == 3
     for ours, theirs in zip(decoded, grouped, strict=True):
@@ -262,7 +262,8 @@ def test_compiled_decode_matches_eager(checkpoint_dirs: dict[str, Path]) -> None
     seconds = model.compile_decode(runner.kv_caches, runner.groups, runner.block_size)
     assert seconds is not None and seconds > 0
     assert all(not k[0].any() and not v[0].any() for k, v in runner.kv_caches)  # the warm-up's block, zeroed
-    with torch._dynamo.config.patch(error_on_recompile=True):  # both graphs compiled: none in the steps
+    # both graphs compiled: none in the steps (run in inference mode, as the engine's are)
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.inference_mode():
         compiled = decode_logits(model)
     for ours, theirs in zip(compiled, eager, strict=True):
         for rid in ours:
@@ -288,7 +289,8 @@ def test_failed_compilation_decodes_eagerly(
     assert model.compile_decode(runner.kv_caches, runner.groups, runner.block_size) is None
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]
     assert [r.getMessage() for r in warnings] == [
-        "torch.compile of the decode step failed, decoding eagerly: InvalidCxxCompiler: No working C++ compiler found"
+        f"torch.compile of {what} failed, running it eagerly: InvalidCxxCompiler: No working C++ compiler found"
+        for what in ("the decode step", "the logits")
     ]
     for ours, theirs in zip(decode_logits(model), eager, strict=True):
         for rid in ours:

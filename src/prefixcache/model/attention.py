@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -202,25 +203,28 @@ class AttentionMetadata:
         """One layer's attention of this step (:func:`paged_attention`)."""
         return paged_attention(query, key, value, *kv_cache, self, scale, sliding_window, workspace)
 
-    def decode(self, windows: Iterable[int | None], dtype: torch.dtype) -> DecodeAttention | None:
-        """This step as a :class:`DecodeAttention` for layers of ``windows`` in ``dtype``, when every request
-        decodes one token over all of its keys from position 0; else None."""
+    def decode_inputs(self) -> DecodeInputs | None:
+        """This step's :class:`DecodeInputs` when every request decodes one token over all of its keys from
+        position 0; else None."""
         if self.num_tokens != self.seq_lens.shape[0] or self.sliding_window is not None:
             return None
         block_tables = self.block_tables
         if block_tables.shape[1] == 1:  # a second (masked) column: one graph of a compiled step for every width
             block_tables = F.pad(block_tables, (0, 1))
-        kv_len = block_tables.shape[1] * self.block_size
-        k_pos = torch.arange(kv_len, device=self.seq_lens.device)
-        seq_lens = self.seq_lens[:, None]
-        masks = {}
-        for window in windows:
-            allowed = k_pos < seq_lens
-            if window is not None:
-                allowed &= k_pos >= seq_lens - window
-            additive = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-            masks[window] = additive.masked_fill_(~allowed, float("-inf"))[:, None, None]
-        return DecodeAttention(self.slot_mapping, block_tables, masks)
+        return DecodeInputs(self.slot_mapping, block_tables, self.seq_lens)
+
+
+class DecodeInputs(NamedTuple):
+    """What a step of decodes only needs to know, as tensors: a compiled step's inputs (:class:`DecodeAttention`
+    is built from them inside its graph, so that its masks' width is the tables' width times the block size, not a
+    size of its own)."""
+
+    # [B] cache slot of each request's new token.
+    slot_mapping: torch.Tensor
+    # [B, num_blocks] block table of each request, padded with 0 (to 2 blocks at least).
+    block_tables: torch.Tensor
+    # [B] tokens of each request after this step.
+    seq_lens: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -234,10 +238,26 @@ class DecodeAttention:
 
     # [B] cache slot of each request's new token.
     slot_mapping: torch.Tensor
-    # [B, num_blocks] block table of each request, padded with 0 (to 2 blocks at least).
+    # [B, num_blocks] block table of each request, padded with 0.
     block_tables: torch.Tensor
     # Per sliding window of the layers (None: none) the additive mask [B, 1, 1, num_blocks * block_size].
     masks: dict[int | None, torch.Tensor]
+
+    @classmethod
+    def build(
+        cls, inputs: DecodeInputs, block_size: int, windows: Iterable[int | None], dtype: torch.dtype
+    ) -> DecodeAttention:
+        """The attention of a decode step for layers of ``windows`` (masks in ``dtype``, built once a step)."""
+        kv_len = inputs.block_tables.shape[1] * block_size
+        k_pos = torch.arange(kv_len, device=inputs.seq_lens.device)
+        seq_lens = inputs.seq_lens[:, None]
+        masks = {}
+        for window in windows:
+            allowed = k_pos < seq_lens
+            if window is not None:
+                allowed &= k_pos >= seq_lens - window
+            masks[window] = torch.where(allowed, 0.0, float("-inf")).to(dtype)[:, None, None]
+        return cls(inputs.slot_mapping, inputs.block_tables, masks)
 
     def attend(
         self,

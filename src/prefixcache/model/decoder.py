@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixcache.model.attention import AttentionMetadata, DecodeAttention, GatherWorkspace
+from prefixcache.model.attention import AttentionMetadata, DecodeAttention, DecodeInputs, GatherWorkspace
 from prefixcache.model.config import SUPPORTED_ARCHITECTURES, KVCacheGroup, ModelConfig
 from prefixcache.model.recurrent import RECURRENT_MODULE_NAMES, build_recurrent_layer, state_dtype
 from prefixcache.model.state import StateMetadata
@@ -311,6 +311,7 @@ class DecoderForCausalLM(nn.Module):
         self._inv_freq: dict[torch.device, list[torch.Tensor]] = {}
         self._workspace = GatherWorkspace()
         self._decode_step = self._eager_decode_step
+        self._compute_logits = self._logits
         # Per KV cache layout, keyed by its number of groups (mask-only: 1; hybrid: len(kv_cache_groups()), the
         # same layout when the model has one attention spec): each attention layer's group, and each group's
         # windows. kv_caches[i] belongs to attention layer attention_layers[i].
@@ -364,9 +365,8 @@ class DecoderForCausalLM(nn.Module):
                     f"attention metadata gathers a window of {metadata.sliding_window}"
                 )
         if not config.state_layers:
-            dtype = self.model.norm.weight.dtype
-            decode = [metadata.decode(windows[g], dtype) for g, metadata in enumerate(group_metadata)]
-            if all(d is not None for d in decode):
+            decode = [metadata.decode_inputs() for metadata in group_metadata]
+            if all(inputs is not None for inputs in decode):
                 return self._decode_step(input_ids, positions, kv_caches, decode)
         return self._step(input_ids, positions, kv_caches, group_metadata, self._workspace, state_cache, state_metadata)
 
@@ -397,20 +397,33 @@ class DecoderForCausalLM(nn.Module):
                 x = layer(x, state_cache[self._state_index[i]], state_metadata)  # type: ignore[index]
         return self.model.norm(x)
 
-    def _eager_decode_step(
+    def _decode(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        decode: Sequence[DecodeAttention],
+        decode: Sequence[DecodeInputs],
+        workspace: GatherWorkspace | None,
     ) -> torch.Tensor:
-        return self._step(input_ids, positions, kv_caches, decode, self._workspace)
+        """A step of decodes only, from each group's :meth:`AttentionMetadata.decode_inputs`."""
+        block_size = kv_caches[0][0].shape[1]
+        windows = self._layouts[len(decode)][1]
+        dtype = self.model.norm.weight.dtype
+        attention = [DecodeAttention.build(inputs, block_size, windows[g], dtype) for g, inputs in enumerate(decode)]
+        return self._step(input_ids, positions, kv_caches, attention, workspace)
+
+    def _eager_decode_step(self, *inputs: Any) -> torch.Tensor:
+        return self._decode(*inputs, self._workspace)
+
+    def _graph_decode_step(self, *inputs: Any) -> torch.Tensor:
+        """The decode step as :meth:`compile_decode` compiles it: no workspace (the graph plans its buffers)."""
+        return self._decode(*inputs, None)
 
     def compile_decode(
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], groups: Sequence[KVCacheGroup], block_size: int
     ) -> float | None:
-        """Run decode steps through ``torch.compile`` (inductor) from now on, compiled here; returns the seconds
-        compiling took, or None when decode steps stay eager.
+        """Run decode steps and the logits through ``torch.compile`` (inductor) from now on, compiled here; returns
+        the seconds compiling took, or None when decode steps stay eager.
 
         The batch size and the block table width are dynamic dimensions and a decode table is at least two
         blocks wide (:meth:`AttentionMetadata.decode`), so two graphs cover every decode step: one request, and
@@ -421,49 +434,67 @@ class DecoderForCausalLM(nn.Module):
         """
         if self.config.state_layers or any(group.sliding_window is not None for group in groups):
             return None
-        compiled = torch.compile(self._step, dynamic=True)
-
-        def decode_step(
-            input_ids: torch.Tensor,
-            positions: torch.Tensor,
-            kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-            decode: Sequence[DecodeAttention],
-        ) -> torch.Tensor:
-            try:
-                return compiled(input_ids, positions, kv_caches, decode, None)
-            except Exception as exc:  # compilation is an optimisation: any failure falls back to eager
-                logger.warning("torch.compile of the decode step failed, decoding eagerly: %s", str(exc).split("\n")[0])
-                self._decode_step = self._eager_decode_step
-                return self._eager_decode_step(input_ids, positions, kv_caches, decode)
-
-        self._decode_step = decode_step
+        self._decode_step = self._compiled(
+            "_decode_step", "the decode step", self._graph_decode_step, self._eager_decode_step
+        )
+        self._compute_logits = self._compiled("_compute_logits", "the logits", self._logits, self._logits)
         device = kv_caches[0][0].device
+        self._inv_freqs_on(device)  # before tracing: a graph that added them would be recompiled once they are there
         start = time.perf_counter()
-        for batch in (1, 2):
-            metadata = AttentionMetadata.build([[0]] * batch, [0] * batch, [1] * batch, block_size, device)
-            ids = torch.zeros(batch, dtype=torch.long, device=device)
-            self(ids, metadata.positions, kv_caches, [metadata] * len(groups))
+        dtype = self.model.norm.weight.dtype
+        with torch.inference_mode():  # as the engine's steps run: a tensor's inference mode is part of a graph's key
+            for batch in (1, 2):
+                metadata = AttentionMetadata.build([[0]] * batch, [0] * batch, [1] * batch, block_size, device)
+                ids = torch.zeros(batch, dtype=torch.long, device=device)
+                self(ids, metadata.positions, kv_caches, [metadata] * len(groups))
+                self.compute_logits(torch.zeros(batch, self.config.hidden_size, dtype=dtype, device=device))
         for key_cache, value_cache in kv_caches:
             key_cache[0].zero_()
             value_cache[0].zero_()
         return None if self._decode_step == self._eager_decode_step else time.perf_counter() - start
 
+    def _compiled(
+        self, attribute: str, what: str, function: Callable[..., torch.Tensor], eager: Callable[..., torch.Tensor]
+    ) -> Callable[..., torch.Tensor]:
+        """``function`` compiled with dynamic shapes; when compiling fails, one warning and from then on ``eager``
+        in ``attribute``."""
+        compiled = torch.compile(function, dynamic=True)
+
+        def run(*inputs: Any) -> torch.Tensor:
+            try:
+                return compiled(*inputs)
+            except Exception as exc:  # compilation is an optimisation: any failure falls back to eager
+                logger.warning("torch.compile of %s failed, running it eagerly: %s", what, str(exc).split("\n")[0])
+                setattr(self, attribute, eager)
+                return eager(*inputs)
+
+        return run
+
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """cos and signed sin (see :func:`apply_rope`) ``[T, 1, head_dim]`` of each RoPE table, computed in
         float32 from positions, then cast (HF's order of ops)."""
-        inv_freqs = self._inv_freq.get(positions.device)
-        if inv_freqs is None:
-            inv_freqs = self._inv_freq[positions.device] = [f.to(positions.device) for f in self._inv_freq_cpu]
         out = []
-        for inv_freq in inv_freqs:
+        for inv_freq in self._inv_freqs_on(positions.device):
             freqs = (positions[:, None].float() * inv_freq)[:, None, :]
             sin = freqs.sin().to(dtype)
             out.append((torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1)))
         return out
 
+    def _inv_freqs_on(self, device: torch.device) -> list[torch.Tensor]:
+        """The RoPE tables' inverse frequencies on ``device``, copied there once."""
+        inv_freqs = self._inv_freq.get(device)
+        if inv_freqs is None:
+            inv_freqs = self._inv_freq[device] = [f.to(device) for f in self._inv_freq_cpu]
+        return inv_freqs
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` in float32 for the given hidden states (typically each request's last)."""
+        return self._compute_logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """:meth:`compute_logits`, which :meth:`compile_decode` compiles too (the output projection is a third of
+        a quantized decode step)."""
         # lm_head is a module of its own (or, quantized and tied, the embedding's int8 table).
         logits = F.linear(hidden, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
