@@ -97,3 +97,11 @@ def test_the_retention_rule_flag_reaches_the_config():
     assert EngineConfig(**engine_kwargs(parser.parse_args(["--retention-rule", "shared"]))).retention_rule == "shared"
     with pytest.raises(SystemExit):
         parser.parse_args(["--retention-rule", "sticky"])
+
+
+def test_steps_run_eagerly_unless_no_enforce_eager_says_compile():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert EngineConfig(**engine_kwargs(parser.parse_args([]))).enforce_eager is True
+    assert EngineConfig(**engine_kwargs(parser.parse_args(["--no-enforce-eager"]))).enforce_eager is False
+    assert EngineConfig(**engine_kwargs(parser.parse_args(["--enforce-eager"]))).enforce_eager is True

@@ -80,6 +80,9 @@ class EngineConfig:
     ``dtype_reason`` says why, for the start-up log.
     ``quantization`` ``gguf`` (vLLM's name) runs a GGUF's quantized weights as int4 / int8 weight-only matmuls
     (``model.quantization``); ``none`` dequantizes them to ``dtype``.
+    ``enforce_eager`` (vLLM's name) runs every step eagerly; False compiles the decode step with ``torch.compile``
+    at start-up (``DecoderForCausalLM.compile_decode``): faster steps, but a minute or more of compiling on a
+    CPU, hence eager by default.
     ``kv_events_config`` (a config, a dict of its fields or a JSON object string) publishes KV cache events.
     ``max_state_checkpoint_fraction``: for a model with recurrent layers (Qwen3.5, Granite 4.0-H, LFM2), the
     share of the KV cache memory its state checkpoints may take (one working state a running request comes
@@ -116,6 +119,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"
     quantization: str = "none"
+    enforce_eager: bool = True
     hash_algo: str = "sha256"
     hash_seed: str | None = None
     eviction_policy: str = "lru"

@@ -21,10 +21,13 @@ def test_options_parse_batch_sizes_and_engines() -> None:
     args = build_parser().parse_args(["bench", "decode", "--batch-sizes", "16,1,4", "--quantization", "gguf"])
     assert args.batch_sizes == [1, 4, 16] and args.quantization == ["gguf"]
     assert build_parser().parse_args(["bench", "decode"]).quantization == ["none", "gguf"]
+    assert build_parser().parse_args(["bench", "decode"]).modes == ["eager"]
+    assert build_parser().parse_args(["bench", "decode", "--modes", "compiled,eager"]).modes == ["compiled", "eager"]
 
 
 @pytest.mark.parametrize(
-    ("flag", "value"), [("--batch-sizes", "1,0"), ("--batch-sizes", "x"), ("--quantization", "awq")]
+    ("flag", "value"),
+    [("--batch-sizes", "1,0"), ("--batch-sizes", "x"), ("--quantization", "awq"), ("--modes", "cudagraphs")],
 )
 def test_bad_options_are_refused(flag: str, value: str, capsys) -> None:
     with pytest.raises(SystemExit):

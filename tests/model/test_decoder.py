@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -218,3 +219,88 @@ def test_cache_sizing(models) -> None:
     per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 2
     assert model.kv_bytes_per_block(16, torch.bfloat16) == per_block
     assert model.kv_bytes_per_block(16) == 2 * per_block  # float32 model
+
+
+def decode_logits(model: DecoderForCausalLM, steps: int = 3) -> list[dict[str, torch.Tensor]]:
+    """Prefill three requests (one past the tiny models' windows), then ``steps`` steps of greedy decodes."""
+    runner = PagedRunner(model, block_size=4, num_blocks=200)
+    lengths = {"a": 2, "b": 9, "c": 41}
+    out = runner.step([(rid, random_tokens(n, seed=60 + i)) for i, (rid, n) in enumerate(lengths.items())])
+    steps_out = []
+    for _ in range(steps):
+        out = runner.step([(rid, [int(logits[-1].argmax())]) for rid, logits in out.items()])
+        steps_out.append(out)
+    return steps_out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2_tied", "mistral_window", "gemma3"])
+def test_decode_step_equals_the_grouped_attention(kind: str, models, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step of decodes only takes the decode path (one K/V write, one SDPA over the padded tables with a mask a
+    window) and computes exactly what the grouped paged attention does, bit for bit."""
+    model = models[kind]
+    taken: list[int] = []
+    eager = model._decode_step
+    monkeypatch.setattr(model, "_decode_step", lambda *inputs: taken.append(1) or eager(*inputs))
+    decoded = decode_logits(model)
+    assert len(taken) == 3
+    monkeypatch.setattr(AttentionMetadata, "decode_inputs", lambda self: None)
+    grouped = decode_logits(model)
+    assert len(taken) == 3
+    for ours, theirs in zip(decoded, grouped, strict=True):
+        for rid in ours:
+            assert torch.equal(ours[rid], theirs[rid])
+
+
+def test_compiled_decode_matches_eager(checkpoint_dirs: dict[str, Path]) -> None:
+    """``compile_decode`` compiles both graphs at once (one request, more), and the compiled steps give the eager
+    steps' greedy tokens, with logits within float32 rounding of fusing the elementwise ops."""
+    if shutil.which("g++") is None:
+        pytest.skip("no C++ compiler (g++) for inductor's CPU kernels")
+    model = load_model(checkpoint_dirs["llama"]).model
+    eager = decode_logits(model)
+    runner = PagedRunner(model, block_size=4)
+    seconds = model.compile_decode(runner.kv_caches, runner.groups, runner.block_size)
+    assert seconds is not None and seconds > 0
+    assert all(not k[0].any() and not v[0].any() for k, v in runner.kv_caches)  # the warm-up's block, zeroed
+    # both graphs compiled: none in the steps (run in inference mode, as the engine's are)
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.inference_mode():
+        compiled = decode_logits(model)
+    for ours, theirs in zip(compiled, eager, strict=True):
+        for rid in ours:
+            assert ours[rid].argmax(-1).tolist() == theirs[rid].argmax(-1).tolist()
+            torch.testing.assert_close(ours[rid], theirs[rid], atol=1e-5, rtol=1e-5)
+
+
+def test_failed_compilation_decodes_eagerly(
+    checkpoint_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A compilation that fails (here: no C++ compiler) is one warning, and every step still runs, eagerly."""
+
+    def broken_compile(fn: Any, **options: Any) -> Any:
+        def run(*inputs: Any) -> Any:
+            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nlong trace")
+
+        return run
+
+    model = load_model(checkpoint_dirs["llama"]).model
+    eager = decode_logits(model)
+    runner = PagedRunner(model, block_size=4)
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    assert model.compile_decode(runner.kv_caches, runner.groups, runner.block_size) is None
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert [r.getMessage() for r in warnings] == [
+        f"torch.compile of {what} failed, running it eagerly: InvalidCxxCompiler: No working C++ compiler found"
+        for what in ("the decode step", "the logits")
+    ]
+    for ours, theirs in zip(decode_logits(model), eager, strict=True):
+        for rid in ours:
+            assert torch.equal(ours[rid], theirs[rid])
+
+
+def test_compile_decode_skips_what_never_decodes_on_its_path(checkpoint_dirs: dict[str, Path]) -> None:
+    """Sliding-window groups gather from their window's first block, so their steps stay on the grouped path and
+    there is nothing to compile."""
+    model = load_model(checkpoint_dirs["mistral_window"]).model
+    groups = model.config.kv_cache_groups(hybrid=True)
+    runner = PagedRunner(model, block_size=4, groups=groups)
+    assert model.compile_decode(runner.kv_caches, groups, 4) is None

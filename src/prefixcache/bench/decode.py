@@ -4,7 +4,9 @@ A decode step reads every weight once (and each request's K/V), so on a CPU its 
 over the machine's memory bandwidth. This measures, in one run:
 
 - **offline batches** (``LLM`` in this process): ``--batch-sizes`` requests decoding together, for each
-  ``--quantization`` (default ``none`` and ``gguf``), in ms per step and output tokens/s; the step's bytes
+  ``--quantization`` (default ``none`` and ``gguf``) and each of ``--modes`` (``eager``, the default, and
+  ``compiled``: ``--no-enforce-eager``, with the seconds its start-up spent compiling), in ms per step and
+  output tokens/s; the step's bytes
   (weights, plus the K/V read at the mean context) over the measured bandwidth give the fastest step possible,
   and the fraction of it reached;
 - **one stream** through ``prefixcache serve`` (each quantization, its core on ``--threads`` threads) and through
@@ -27,7 +29,7 @@ import os
 import random
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,12 +82,22 @@ def parse_sizes(text: str) -> list[int]:
     return sorted(dict.fromkeys(sizes))
 
 
-def parse_quantizations(text: str) -> list[str]:
-    names = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [name for name in names if name not in QUANTIZATIONS]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"expected some of {', '.join(QUANTIZATIONS)}, got {text!r}")
-    return list(dict.fromkeys(names))
+def _names_of(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    """A parser of comma-separated names out of ``choices`` (at least one, duplicates dropped)."""
+
+    def parse(text: str) -> list[str]:
+        names = [part.strip() for part in text.split(",") if part.strip()]
+        unknown = [name for name in names if name not in choices]
+        if not names or unknown:
+            raise argparse.ArgumentTypeError(f"expected some of {', '.join(choices)}, got {text!r}")
+        return list(dict.fromkeys(names))
+
+    return parse
+
+
+MODES = ("eager", "compiled")
+parse_quantizations = _names_of(QUANTIZATIONS)
+parse_modes = _names_of(MODES)
 
 
 def measure_bandwidth(num_bytes: int = BANDWIDTH_BYTES, repeats: int = 5, device: str = "cpu") -> float:
@@ -136,15 +148,24 @@ def decode_batch(llm: Any, prompts: Sequence[list[int]], output_len: int) -> tup
 
 
 def run_offline(
-    configs: dict[str, EngineConfig], batch_sizes: Sequence[int], prompt_len: int, output_len: int, rounds: int
+    configs: dict[str, EngineConfig],
+    batch_sizes: Sequence[int],
+    prompt_len: int,
+    output_len: int,
+    rounds: int,
+    compile_s: dict[str, float] | None = None,
 ) -> list[DecodePoint]:
-    """Every engine at every batch size, ``rounds`` times, engines alternating within a round."""
+    """Every engine at every batch size, ``rounds`` times, engines alternating within a round; each compiled
+    engine's compile seconds go to ``compile_s``."""
     from prefixcache.engine import LLM
     from prefixcache.engine.core import load_engine_model
 
     llms = {}
     for label, config in configs.items():
         llms[label] = LLM(config=config, loaded=load_engine_model(config))
+        seconds = llms[label].engine.core.decode_compile_s
+        if compile_s is not None and seconds is not None:
+            compile_s[label] = round(seconds, 1)
     rng = random.Random(0)
     vocab = next(iter(llms.values())).engine.info.vocab_size
     points: dict[tuple[str, int], DecodePoint] = {}
@@ -270,6 +291,7 @@ def build_report(
     bandwidth: float,
     settings: dict[str, Any],
     notes: Sequence[str] = (),
+    compile_s: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """The JSON report: each point with its bandwidth limit and the fraction of it reached."""
     rows = []
@@ -289,6 +311,7 @@ def build_report(
         "load_average": list(os.getloadavg()),
         "bandwidth_gb_s": round(bandwidth / 1e9, 2),
         "offline": rows,
+        "compile_s": dict(compile_s or {}),
         "streams": [asdict(s) for s in streams],
         "notes": list(notes),
     }
@@ -310,6 +333,8 @@ def format_report(report: dict[str, Any]) -> str:
             f"| {row['engine']} | {row['batch']} | {row['ms_per_step']:.2f} | {row['tokens_per_s']:.1f} | "
             f"{row['bytes_per_step'] / 1e6:.1f} | {row['limit_ms_per_step']:.2f} | {row['bandwidth_fraction']:.2f} |"
         )
+    for engine, seconds in report["compile_s"].items():
+        lines.append(f"{engine}: the decode step compiled in {seconds:.1f} s at start-up")
     if report["streams"]:
         by_label = {stream["server"]: stream for stream in report["streams"]}
         lines += ["", "| one stream | tokens/s | rounds | served / offline, per round |", "|---|---:|---|---|"]
@@ -338,18 +363,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(args.threads)
     configs = {
-        f"prefixcache {quantization}": EngineConfig(
+        f"prefixcache {quantization}{' compiled' if mode == 'compiled' else ''}": EngineConfig(
             model=args.model,
             dtype=args.dtype,
             device=args.device,
             quantization=quantization,
+            enforce_eager=mode == "eager",
             kv_cache_memory="256MiB",
             max_num_seqs=max(args.batch_sizes),
         )
         for quantization in args.quantization
+        for mode in args.modes
     }
     dtype = next(iter(configs.values())).dtype
-    offline = run_offline(configs, args.batch_sizes, args.prompt_len, args.output_len, args.rounds)
+    compile_s: dict[str, float] = {}
+    offline = run_offline(configs, args.batch_sizes, args.prompt_len, args.output_len, args.rounds, compile_s)
     bandwidth = measure_bandwidth(device=args.device)
     streams: list[StreamPoint] = []
     notes = []
@@ -374,8 +402,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "output_len": args.output_len,
         "rounds": args.rounds,
         "batch_sizes": args.batch_sizes,
+        "modes": args.modes,
     }
-    report = build_report(offline, streams, bandwidth, settings, notes)
+    report = build_report(offline, streams, bandwidth, settings, notes, compile_s)
     print(format_report(report))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
@@ -392,6 +421,12 @@ def register(bench: argparse._SubParsersAction) -> None:
         type=parse_quantizations,
         default=list(QUANTIZATIONS),
         help=f"comma-separated engines to compare (of {', '.join(QUANTIZATIONS)})",
+    )
+    p.add_argument(
+        "--modes",
+        type=parse_modes,
+        default=["eager"],
+        help="comma-separated: eager (--enforce-eager) and/or compiled (--no-enforce-eager)",
     )
     p.add_argument("--batch-sizes", type=parse_sizes, default=[1, 4, 16], help="comma-separated")
     p.add_argument("--prompt-len", type=positive_int, default=64, help="tokens of each random prompt")

@@ -128,6 +128,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         choices=QUANTIZATIONS,
         help="gguf: run a GGUF's quantized weights as int4/int8 weight-only matmuls; none: dequantize to --dtype",
     )
+    option(
+        "--enforce-eager",
+        field="enforce_eager",
+        action=argparse.BooleanOptionalAction,
+        help="run every step eagerly; --no-enforce-eager compiles the decode step with torch.compile at start-up "
+        "(faster steps, a minute or more of compiling on a CPU)",
+    )
     option("--device", field="device", help="cpu or cuda")
     option("--seed", field="seed", type=int, help="sampling seed of requests that set none")
     option(

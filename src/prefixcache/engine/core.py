@@ -121,6 +121,12 @@ class EngineCore:
         state_cache = None
         if self.manager.state is not None:
             state_cache = model.allocate_state_cache(self.manager.state.num_slots, dtype, device)
+        # Seconds the decode step took to compile at start-up; None: it runs eagerly.
+        self.decode_compile_s = None
+        if not config.enforce_eager:
+            self.decode_compile_s = model.compile_decode(kv_caches, model_groups, config.block_size)
+            if self.decode_compile_s is not None:
+                logger.info("decode step compiled in %.1f s (torch.compile)", self.decode_compile_s)
         worker = None
         if tiers is not None:
             # The KV cache group of each attention layer, in the order of the KV cache tensors.

@@ -17,8 +17,9 @@ so a cache may have freed them and put a null block in their place in the table.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -189,6 +190,91 @@ class AttentionMetadata:
             sliding_window=sliding_window,
         )
 
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        scale: float,
+        sliding_window: int | None,
+        workspace: GatherWorkspace | None,
+    ) -> torch.Tensor:
+        """One layer's attention of this step (:func:`paged_attention`)."""
+        return paged_attention(query, key, value, *kv_cache, self, scale, sliding_window, workspace)
+
+    def decode_inputs(self) -> DecodeInputs | None:
+        """This step's :class:`DecodeInputs` when every request decodes one token over all of its keys from
+        position 0; else None."""
+        if self.num_tokens != self.seq_lens.shape[0] or self.sliding_window is not None:
+            return None
+        block_tables = self.block_tables
+        if block_tables.shape[1] == 1:  # a second (masked) column: one graph of a compiled step for every width
+            block_tables = F.pad(block_tables, (0, 1))
+        return DecodeInputs(self.slot_mapping, block_tables, self.seq_lens)
+
+
+class DecodeInputs(NamedTuple):
+    """What a step of decodes only needs to know, as tensors: a compiled step's inputs (:class:`DecodeAttention`
+    is built from them inside its graph, so that its masks' width is the tables' width times the block size, not a
+    size of its own)."""
+
+    # [B] cache slot of each request's new token.
+    slot_mapping: torch.Tensor
+    # [B, num_blocks] block table of each request, padded with 0 (to 2 blocks at least).
+    block_tables: torch.Tensor
+    # [B] tokens of each request after this step.
+    seq_lens: torch.Tensor
+
+
+@dataclass(slots=True)
+class DecodeAttention:
+    """A step of decodes only (one new token a request, keys from position 0): its attention is one K/V write
+    and one SDPA call over each request's blocks, padded to the longest table and masked per window.
+
+    Tensors only (no per-step Python decisions in the layers), so a compiled step's graph depends on nothing but
+    the batch size and the table width.
+    """
+
+    # [B] cache slot of each request's new token.
+    slot_mapping: torch.Tensor
+    # [B, num_blocks] block table of each request, padded with 0.
+    block_tables: torch.Tensor
+    # Per sliding window of the layers (None: none) the additive mask [B, 1, 1, num_blocks * block_size].
+    masks: dict[int | None, torch.Tensor]
+
+    @classmethod
+    def build(
+        cls, inputs: DecodeInputs, block_size: int, windows: Iterable[int | None], dtype: torch.dtype
+    ) -> DecodeAttention:
+        """The attention of a decode step for layers of ``windows`` (masks in ``dtype``, built once a step)."""
+        kv_len = inputs.block_tables.shape[1] * block_size
+        k_pos = torch.arange(kv_len, device=inputs.seq_lens.device)
+        seq_lens = inputs.seq_lens[:, None]
+        masks = {}
+        for window in windows:
+            allowed = k_pos < seq_lens
+            if window is not None:
+                allowed &= k_pos >= seq_lens - window
+            masks[window] = torch.where(allowed, 0.0, float("-inf")).to(dtype)[:, None, None]
+        return cls(inputs.slot_mapping, inputs.block_tables, masks)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        scale: float,
+        sliding_window: int | None,
+        workspace: GatherWorkspace | None,
+    ) -> torch.Tensor:
+        """Write the new K/V, then attend over the gathered blocks; returns ``[B, num_heads * head_dim]``."""
+        k_cache, v_cache = kv_cache
+        write_kv_cache(key, value, k_cache, v_cache, self.slot_mapping)
+        keys, values = _gather_kv(k_cache, v_cache, self.block_tables, workspace, query.dtype)
+        return _decode_sdpa(query, keys, values, self.masks[sliding_window], scale)
+
 
 def _segments(computed: np.ndarray, new: np.ndarray, split_fresh: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Split the new tokens of requests with earlier context into query chunks of at most _QUERY_CHUNK.
@@ -345,6 +431,21 @@ def _gather(
     return out.view(num_reqs, num_blocks * block_size, kv_heads, head_dim)
 
 
+def _gather_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    workspace: GatherWorkspace | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the listed blocks ``[G, kv_heads, num_blocks * block_size, head_dim]`` in ``dtype``."""
+    keys = _gather(k_cache, block_tables, workspace, 0).transpose(1, 2)
+    values = _gather(v_cache, block_tables, workspace, 1).transpose(1, 2)
+    if keys.dtype != dtype:
+        keys, values = keys.to(dtype), values.to(dtype)
+    return keys, values
+
+
 def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -411,24 +512,17 @@ def _group_attention(
     workspace: GatherWorkspace | None,
 ) -> torch.Tensor:
     """Attention of one group; inputs and output are the group's tokens in group order."""
-    num_tokens, num_heads, head_dim = query.shape
+    _, num_heads, head_dim = query.shape
     kv_heads = k_cache.shape[2]
     mask = group.mask(sliding_window, query.dtype)
     if group.fresh and key.dtype == k_cache.dtype:
         # The keys are exactly this step's tokens: skip the gather.
         keys, values = key[None].transpose(1, 2), value[None].transpose(1, 2)
     else:
-        keys = _gather(k_cache, group.block_tables, workspace, 0).transpose(1, 2)
-        values = _gather(v_cache, group.block_tables, workspace, 1).transpose(1, 2)
-        if keys.dtype != query.dtype:
-            keys, values = keys.to(query.dtype), values.to(query.dtype)
+        keys, values = _gather_kv(k_cache, v_cache, group.block_tables, workspace, query.dtype)
 
     if group.max_q == 1:
-        # Decode: fold the query heads that share a KV head into the query-length axis, so GQA needs no
-        # K/V expansion and the [G, 1, 1, S] mask broadcasts over heads.
-        q = query.view(group.num_reqs, kv_heads, num_heads // kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-        return out.reshape(num_tokens, num_heads * head_dim)
+        return _decode_sdpa(query, keys, values, mask, scale)
 
     if group.pad_index is not None:
         padded = query.new_zeros(group.num_reqs * group.max_q, num_heads, head_dim)
@@ -450,6 +544,21 @@ def _group_attention(
     if group.pad_index is not None:
         out = out.index_select(0, group.pad_index)
     return out
+
+
+def _decode_sdpa(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """One query a request ``[B, num_heads, head_dim]`` over ``keys``/``values`` ``[B, kv_heads, S, head_dim]``.
+
+    The query heads that share a KV head are folded into the query-length axis, so GQA needs no K/V expansion
+    and the ``[B, 1, 1, S]`` mask broadcasts over heads.
+    """
+    num_reqs, num_heads, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    q = query.view(num_reqs, kv_heads, num_heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(num_reqs, num_heads * head_dim)
 
 
 def _sdpa_gqa_supported(device: torch.device, mask: torch.Tensor | None) -> bool:

@@ -12,7 +12,9 @@ into one matmul each; :meth:`DecoderForCausalLM.load_weights` maps HF's separate
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
@@ -21,10 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixcache.model.attention import AttentionMetadata, GatherWorkspace, paged_attention
+from prefixcache.model.attention import AttentionMetadata, DecodeAttention, DecodeInputs, GatherWorkspace
 from prefixcache.model.config import SUPPORTED_ARCHITECTURES, KVCacheGroup, ModelConfig
 from prefixcache.model.recurrent import RECURRENT_MODULE_NAMES, build_recurrent_layer, state_dtype
 from prefixcache.model.state import StateMetadata
+
+logger = logging.getLogger(__name__)
 
 # The state cache: per recurrent layer (in ``config.state_layers`` order) its tensors, slot-major.
 StateCache = list[tuple[torch.Tensor, ...]]
@@ -125,8 +129,8 @@ class DecoderAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-        metadata: AttentionMetadata,
-        workspace: GatherWorkspace,
+        metadata: AttentionMetadata | DecodeAttention,
+        workspace: GatherWorkspace | None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
@@ -149,7 +153,7 @@ class DecoderAttention(nn.Module):
                 q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             elif self.rotary_dim:
                 q, k = _partial_rope(q, cos, sin, self.rotary_dim), _partial_rope(k, cos, sin, self.rotary_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale, self.sliding_window, workspace)
+        out = metadata.attend(q, k, v, kv_cache, self.scale, self.sliding_window, workspace)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(num_tokens, -1))
         return self.o_proj(out)
@@ -306,6 +310,8 @@ class DecoderForCausalLM(nn.Module):
         self._inv_freq_cpu = [rope_inv_freq(config.rotary_dim, theta, scaling) for theta, scaling in distinct.values()]
         self._inv_freq: dict[torch.device, list[torch.Tensor]] = {}
         self._workspace = GatherWorkspace()
+        self._decode_step = self._eager_decode_step
+        self._compute_logits = self._logits
         # Per KV cache layout, keyed by its number of groups (mask-only: 1; hybrid: len(kv_cache_groups()), the
         # same layout when the model has one attention spec): each attention layer's group, and each group's
         # windows. kv_caches[i] belongs to attention layer attention_layers[i].
@@ -351,43 +357,144 @@ class DecoderForCausalLM(nn.Module):
                 f"expected one attention metadata per KV cache group ({' or '.join(map(str, self._layouts))} of them), "
                 f"got {len(group_metadata)}"
             )
-        group_of, windows = layout
+        windows = layout[1]
         for group, metadata in enumerate(group_metadata):
             if metadata.sliding_window is not None and windows[group] != {metadata.sliding_window}:
                 raise ValueError(
                     f"KV cache group {group} has layers of windows {sorted(windows[group], key=str)}; its "
                     f"attention metadata gathers a window of {metadata.sliding_window}"
                 )
+        if not config.state_layers:
+            decode = [metadata.decode_inputs() for metadata in group_metadata]
+            if all(inputs is not None for inputs in decode):
+                return self._decode_step(input_ids, positions, kv_caches, decode)
+        return self._step(input_ids, positions, kv_caches, group_metadata, self._workspace, state_cache, state_metadata)
+
+    def _step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        group_metadata: Sequence[AttentionMetadata | DecodeAttention],
+        workspace: GatherWorkspace | None,
+        state_cache: StateCache | None = None,
+        state_metadata: StateMetadata | None = None,
+    ) -> torch.Tensor:
+        """The layers of :meth:`forward` on checked inputs; decode steps may run it compiled
+        (:meth:`compile_decode`), with no workspace (the compiled graph plans its own buffers)."""
         x = self.model.embed_tokens(input_ids)
         if self.config.embed_scale is not None:
             # Rounded to the model dtype first, as HF's Gemma does (sqrt(3072) becomes 55.5 in bfloat16).
             x = x * torch.tensor(self.config.embed_scale, dtype=torch.float32).to(x.dtype)
         ropes = self._rope(positions, x.dtype)
+        group_of = self._layouts[len(group_metadata)][0]
         for i, layer in enumerate(self.model.layers):
             if layer.is_attention:
                 cos, sin = ropes[self._layer_rope[i]]
                 kv = self._kv_index[i]
-                x = layer(x, cos, sin, kv_caches[kv], group_metadata[group_of[kv]], self._workspace)
+                x = layer(x, cos, sin, kv_caches[kv], group_metadata[group_of[kv]], workspace)
             else:
                 x = layer(x, state_cache[self._state_index[i]], state_metadata)  # type: ignore[index]
         return self.model.norm(x)
 
+    def _decode(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        decode: Sequence[DecodeInputs],
+        workspace: GatherWorkspace | None,
+    ) -> torch.Tensor:
+        """A step of decodes only, from each group's :meth:`AttentionMetadata.decode_inputs`."""
+        block_size = kv_caches[0][0].shape[1]
+        windows = self._layouts[len(decode)][1]
+        dtype = self.model.norm.weight.dtype
+        attention = [DecodeAttention.build(inputs, block_size, windows[g], dtype) for g, inputs in enumerate(decode)]
+        return self._step(input_ids, positions, kv_caches, attention, workspace)
+
+    def _eager_decode_step(self, *inputs: Any) -> torch.Tensor:
+        return self._decode(*inputs, self._workspace)
+
+    def _graph_decode_step(self, *inputs: Any) -> torch.Tensor:
+        """The decode step as :meth:`compile_decode` compiles it: no workspace (the graph plans its buffers)."""
+        return self._decode(*inputs, None)
+
+    def compile_decode(
+        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], groups: Sequence[KVCacheGroup], block_size: int
+    ) -> float | None:
+        """Run decode steps and the logits through ``torch.compile`` (inductor) from now on, compiled here; returns
+        the seconds compiling took, or None when decode steps stay eager.
+
+        The batch size and the block table width are dynamic dimensions and a decode table is at least two
+        blocks wide (:meth:`AttentionMetadata.decode`), so two graphs cover every decode step: one request, and
+        more. Both are compiled now, on a decode of block 0, which is zeroed again after (no request holds a
+        block yet). Compilation that fails (no C++ compiler, an op inductor cannot trace) logs one warning and the
+        steps run eagerly: nothing was written before it failed, and the eager step writes the same K/V. A model
+        with recurrent layers or sliding-window groups (``groups``) never takes the decode path: None.
+        """
+        if self.config.state_layers or any(group.sliding_window is not None for group in groups):
+            return None
+        self._decode_step = self._compiled(
+            "_decode_step", "the decode step", self._graph_decode_step, self._eager_decode_step
+        )
+        self._compute_logits = self._compiled("_compute_logits", "the logits", self._logits, self._logits)
+        device = kv_caches[0][0].device
+        self._inv_freqs_on(device)  # before tracing: a graph that added them would be recompiled once they are there
+        start = time.perf_counter()
+        dtype = self.model.norm.weight.dtype
+        with torch.inference_mode():  # as the engine's steps run: a tensor's inference mode is part of a graph's key
+            for batch in (1, 2):
+                metadata = AttentionMetadata.build([[0]] * batch, [0] * batch, [1] * batch, block_size, device)
+                ids = torch.zeros(batch, dtype=torch.long, device=device)
+                self(ids, metadata.positions, kv_caches, [metadata] * len(groups))
+                self.compute_logits(torch.zeros(batch, self.config.hidden_size, dtype=dtype, device=device))
+        for key_cache, value_cache in kv_caches:
+            key_cache[0].zero_()
+            value_cache[0].zero_()
+        return None if self._decode_step == self._eager_decode_step else time.perf_counter() - start
+
+    def _compiled(
+        self, attribute: str, what: str, function: Callable[..., torch.Tensor], eager: Callable[..., torch.Tensor]
+    ) -> Callable[..., torch.Tensor]:
+        """``function`` compiled with dynamic shapes; when compiling fails, one warning and from then on ``eager``
+        in ``attribute``."""
+        compiled = torch.compile(function, dynamic=True)
+
+        def run(*inputs: Any) -> torch.Tensor:
+            try:
+                return compiled(*inputs)
+            except Exception as exc:  # compilation is an optimisation: any failure falls back to eager
+                logger.warning("torch.compile of %s failed, running it eagerly: %s", what, str(exc).split("\n")[0])
+                setattr(self, attribute, eager)
+                return eager(*inputs)
+
+        return run
+
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """cos and signed sin (see :func:`apply_rope`) ``[T, 1, head_dim]`` of each RoPE table, computed in
         float32 from positions, then cast (HF's order of ops)."""
-        inv_freqs = self._inv_freq.get(positions.device)
-        if inv_freqs is None:
-            inv_freqs = self._inv_freq[positions.device] = [f.to(positions.device) for f in self._inv_freq_cpu]
         out = []
-        for inv_freq in inv_freqs:
+        for inv_freq in self._inv_freqs_on(positions.device):
             freqs = (positions[:, None].float() * inv_freq)[:, None, :]
             sin = freqs.sin().to(dtype)
             out.append((torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1)))
         return out
 
+    def _inv_freqs_on(self, device: torch.device) -> list[torch.Tensor]:
+        """The RoPE tables' inverse frequencies on ``device``, copied there once."""
+        inv_freqs = self._inv_freq.get(device)
+        if inv_freqs is None:
+            inv_freqs = self._inv_freq[device] = [f.to(device) for f in self._inv_freq_cpu]
+        return inv_freqs
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` in float32 for the given hidden states (typically each request's last)."""
+        return self._compute_logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """:meth:`compute_logits`, which :meth:`compile_decode` compiles too (the output projection is a third of
+        a quantized decode step)."""
         # lm_head is a module of its own (or, quantized and tied, the embedding's int8 table).
         logits = F.linear(hidden, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
         cap = self.config.final_logit_softcapping

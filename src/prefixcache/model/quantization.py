@@ -198,6 +198,10 @@ class Int8Linear(_WeightOnlyLinear):
         self._kernel = not probe or _kernel_works("int8", device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] == 1 and self.bias is None:
+            # One row, compiled: inductor fuses the dequantization into one pass over the int8 rows, about twice
+            # as fast as the kernel (which wins from a few rows on); bfloat16 times int8 is exact in float32.
+            return ((x.float()[:, None, :] * self.q.float()).sum(-1) * self.scale.float()).to(x.dtype)
         if self._kernel and x.dtype == COMPUTE_DTYPE and x.dim() == 2 and self.bias is None:
             return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
         shape = x.shape
