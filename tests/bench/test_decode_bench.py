@@ -11,6 +11,7 @@ from prefixcache.bench.decode import (
     format_report,
     measure_bandwidth,
     run_offline,
+    stream_label,
     weight_bytes_read,
 )
 from prefixcache.cli import build_parser
@@ -70,6 +71,24 @@ def test_report_gives_each_point_its_bandwidth_limit() -> None:
     # the server path's cost: each round's served rate over the offline one of the same round
     assert "| prefixcache serve (gguf) | 36.0 | 36.0, 27.0 | 0.90, 0.90; median 0.90 |" in text
     assert "| prefixcache offline (gguf) | 40.0 | 40.0, 30.0 |  |" in text
+
+
+def test_a_compiled_stream_is_labelled_apart_and_pairs_with_its_offline_run() -> None:
+    eager, compiled = (EngineConfig(quantization="gguf", enforce_eager=e) for e in (True, False))
+    assert stream_label("serve", eager) == "prefixcache serve (gguf)"
+    assert stream_label("serve", compiled) == "prefixcache serve (gguf compiled)"
+    streams = [
+        StreamPoint(stream_label("serve", compiled), 45.0, [45.0]),
+        StreamPoint(stream_label("offline", compiled), 50.0, [50.0]),
+        StreamPoint(stream_label("serve", eager), 20.0, [20.0]),
+        StreamPoint(stream_label("offline", eager), 40.0, [40.0]),
+    ]
+    settings = dict(
+        model="m", dtype="bfloat16", device="cpu", threads=1, prompt_len=8, output_len=8, rounds=1, batch_sizes=[1]
+    )
+    text = format_report(build_report([], streams, bandwidth=10e9, settings=settings))
+    assert "| prefixcache serve (gguf compiled) | 45.0 | 45.0 | 0.90; median 0.90 |" in text
+    assert "| prefixcache serve (gguf) | 20.0 | 20.0 | 0.50; median 0.50 |" in text
 
 
 def test_bandwidth_is_measured() -> None:

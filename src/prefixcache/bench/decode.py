@@ -229,12 +229,15 @@ def run_streams(
 
     threads = str(args.threads)
     servers: dict[str, Process] = {}
-    for quantization in args.quantization:
+    for config in configs.values():
         model = [] if args.model is None else [args.model]
-        command = ["serve", *model, "--dtype", args.dtype, "--quantization", quantization]
+        command = ["serve", *model, "--dtype", args.dtype, "--quantization", config.quantization]
         command += ["--kv-cache-memory", "256MiB", "--device", args.device]
-        servers[f"prefixcache serve ({quantization})"] = Process(
-            command, work / f"serve-{quantization}.log", env={"OMP_NUM_THREADS": threads}
+        command += ["--enforce-eager" if config.enforce_eager else "--no-enforce-eager"]
+        servers[stream_label("serve", config)] = Process(
+            command,
+            work / f"serve-{config.quantization}-{'eager' if config.enforce_eager else 'compiled'}.log",
+            env={"OMP_NUM_THREADS": threads},
         )
     missing = ""
     port = free_port()
@@ -250,7 +253,7 @@ def run_streams(
             command, port, work / "llamacpp.log", env={"OMP_NUM_THREADS": threads}
         )
     rng = random.Random(1)
-    offline = {f"prefixcache offline ({config.quantization})": config for config in configs.values()}
+    offline = {stream_label("offline", config): config for config in configs.values()}
     points = {label: StreamPoint(label, 0.0) for label in [*servers, *offline]}
     llms: dict[str, Any] = {}
     try:
@@ -277,6 +280,11 @@ def run_streams(
         for llm in llms.values():
             llm.engine.close()
     return list(points.values()), missing
+
+
+def stream_label(where: str, config: EngineConfig) -> str:
+    """``prefixcache serve (gguf compiled)``: a stream's engine, by which the report pairs served and offline."""
+    return f"prefixcache {where} ({config.quantization}{'' if config.enforce_eager else ' compiled'})"
 
 
 def _served_model(url: str) -> str:
