@@ -6,6 +6,8 @@
 
 import itertools
 
+import pytest
+
 from prefixcache.core import KVCacheManager
 from prefixcache.engine.request import EngineRequest, RequestStatus
 from prefixcache.engine.sampling_params import SamplingParams
@@ -23,9 +25,11 @@ def make_request(tokens, request_id=None, max_tokens=8) -> EngineRequest:
     )
 
 
-def make_scheduler(num_blocks=32, max_num_seqs=8, max_num_batched_tokens=16, **kwargs) -> Scheduler:
+def make_scheduler(
+    num_blocks=32, max_num_seqs=8, max_num_batched_tokens=16, policy="fcfs", policy_options=None, **kwargs
+) -> Scheduler:
     manager = KVCacheManager(num_blocks=num_blocks, block_size=BLOCK_SIZE, **kwargs)
-    return Scheduler(manager, max_num_seqs, max_num_batched_tokens)
+    return Scheduler(manager, max_num_seqs, max_num_batched_tokens, policy, **(policy_options or {}))
 
 
 def step(scheduler: Scheduler) -> list[tuple[str, int, int, list[int]]]:
@@ -75,8 +79,9 @@ def test_a_cached_prefix_is_not_charged_to_the_budget():
     assert second.num_cached_tokens == 12 and third.num_cached_tokens == 0
 
 
-def test_running_out_of_blocks_preempts_the_newest_request_to_the_front_of_the_queue():
-    scheduler = make_scheduler(num_blocks=5, max_num_batched_tokens=64)
+@pytest.mark.parametrize("policy", ["fcfs", "cache-aware"])
+def test_running_out_of_blocks_preempts_the_newest_request_to_the_front_of_the_queue(policy):
+    scheduler = make_scheduler(num_blocks=5, max_num_batched_tokens=64, policy=policy)
     old, new = make_request(range(8), "old"), make_request(range(100, 108), "new")
     scheduler.add_request(old)
     scheduler.add_request(new)
@@ -91,11 +96,98 @@ def test_running_out_of_blocks_preempts_the_newest_request_to_the_front_of_the_q
     assert step(scheduler) == [("new", 8, 1, [2, 3, 4])]
 
 
-def test_a_preempted_step_admits_no_waiting_request():
-    scheduler = make_scheduler(num_blocks=5, max_num_batched_tokens=64)
+@pytest.mark.parametrize("policy", ["fcfs", "cache-aware"])
+def test_a_preempted_step_admits_no_waiting_request(policy):
+    scheduler = make_scheduler(num_blocks=5, max_num_batched_tokens=64, policy=policy)
     for name, start in (("a", 0), ("b", 100)):
         scheduler.add_request(make_request(range(start, start + 8), name))
     step(scheduler)
     scheduler.add_request(make_request(range(300, 302), "late"))
     assert [c[0] for c in step(scheduler)] == ["a"]
     assert [r.request_id for r in scheduler.waiting] == ["b", "late"]
+
+
+def warm(scheduler: Scheduler, tokens=range(12)) -> None:
+    """Run a request over ``tokens`` and finish it: its full blocks stay cached (ids 0.. in order)."""
+    request = make_request(tokens, "warm")
+    scheduler.add_request(request)
+    step(scheduler)
+    scheduler.finish(request, RequestStatus.FINISHED)
+
+
+@pytest.mark.parametrize(("policy", "first"), [("fcfs", ("cold1", 0, 12, [3, 4, 5])), ("cache-aware", None)])
+def test_cache_aware_admits_a_cached_request_ahead_of_the_cold_ones_before_it(policy, first):
+    scheduler = make_scheduler(max_num_seqs=1, policy=policy)
+    warm(scheduler)
+    cold1, cold2 = make_request(range(100, 112), "cold1"), make_request(range(200, 212), "cold2")
+    cached = make_request([*range(12), 50, 51, 52, 53], "cached")
+    for request in (cold1, cold2, cached):
+        scheduler.add_request(request)
+    if first is not None:  # fcfs: the cold ones in arrival order
+        assert step(scheduler) == [first]
+        return
+    # 12 of its 16 tokens cached: 4 to compute against the cold ones' 12.
+    assert step(scheduler) == [("cached", 12, 4, [0, 1, 2, 3])]
+    assert [r.request_id for r in scheduler.waiting] == ["cold1", "cold2"]
+    assert (cold1.num_passed_tokens, cold2.num_passed_tokens) == (4, 4)
+    scheduler.finish(cached, RequestStatus.FINISHED)
+    # Equal costs keep arrival order.
+    assert step(scheduler) == [("cold1", 0, 12, [4, 5, 6])]
+
+
+def test_cache_aware_admits_a_passed_over_request_once_its_aging_bound_is_reached():
+    scheduler = make_scheduler(max_num_seqs=1, policy="cache-aware", policy_options={"max_passed_tokens": 8})
+    warm(scheduler)
+    cold = make_request(range(100, 112), "cold")
+    questions = [make_request([*range(12), 50 + i, 60, 61, 62], f"q{i}") for i in range(3)]
+    for request in (cold, *questions):
+        scheduler.add_request(request)
+    admitted = []
+    for _ in range(3):
+        (chunk,) = step(scheduler)
+        admitted.append(chunk)
+        scheduler.finish(chunk_request(scheduler, chunk[0]), RequestStatus.FINISHED)
+    # Two questions of 4 uncached tokens pass it over: 8 tokens, its bound; then it goes before the third.
+    assert admitted == [("q0", 12, 4, [0, 1, 2, 3]), ("q1", 12, 4, [0, 1, 2, 4]), ("cold", 0, 12, [5, 6, 7])]
+    assert cold.num_passed_tokens == 8 and questions[2].num_passed_tokens == 0
+    assert [r.request_id for r in scheduler.waiting] == ["q2"]
+
+
+def chunk_request(scheduler: Scheduler, request_id: str) -> EngineRequest:
+    return next(r for r in scheduler.running if r.request_id == request_id)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "cache-aware"])
+def test_cache_aware_caps_the_cold_prefill_sharing_a_step_with_a_short_admission(policy):
+    options = {"short_prefill_tokens": 4} if policy == "cache-aware" else None
+    scheduler = make_scheduler(max_num_seqs=2, policy=policy, policy_options=options)
+    warm(scheduler)
+    long = make_request(range(100, 132), "long")
+    scheduler.add_request(long)
+    assert step(scheduler) == [("long", 0, 16, [3, 4, 5, 6])]
+    scheduler.add_request(make_request([*range(12), 50, 51, 52, 53], "q"))
+    if policy == "fcfs":  # the long prefill takes the whole budget: q waits a step
+        assert step(scheduler) == [("long", 16, 16, [3, 4, 5, 6, 7, 8, 9, 10])]
+        return
+    # q's first token waits for 4 of the long prompt's tokens, not 16; the rest goes on next step.
+    assert step(scheduler) == [("long", 16, 4, [3, 4, 5, 6, 7]), ("q", 12, 4, [0, 1, 2, 8])]
+    assert step(scheduler) == [("long", 20, 12, [3, 4, 5, 6, 7, 9, 10, 11]), ("q", 16, 1, [0, 1, 2, 8, 12])]
+
+
+def test_cache_aware_resumes_a_preempted_request_before_a_cheaper_one():
+    scheduler = make_scheduler(num_blocks=9, max_num_seqs=2, max_num_batched_tokens=64, policy="cache-aware")
+    warm(scheduler, range(4))
+    old, new = make_request(range(100, 108), "old", max_tokens=30), make_request(range(200, 208), "new")
+    scheduler.add_request(old)
+    scheduler.add_request(new)
+    for _ in range(9):
+        step(scheduler)
+    assert step(scheduler) == [("old", 16, 1, [1, 2, 5, 7, 0])]  # its fifth block: new had to go
+    assert new.num_preemptions == 1
+    cheap = make_request([*range(4), 9], "cheap")
+    scheduler.add_request(cheap)
+    # new does not fit beside old: cheap, which would, waits behind it rather than pass it over.
+    assert step(scheduler) == [("old", 17, 1, [1, 2, 5, 7, 0])]
+    assert [r.request_id for r in scheduler.waiting] == ["new", "cheap"]
+    scheduler.finish(old, RequestStatus.FINISHED)
+    assert [c[:3] for c in step(scheduler)] == [("new", 16, 1), ("cheap", 0, 5)]

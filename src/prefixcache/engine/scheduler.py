@@ -1,18 +1,38 @@
 """Continuous batching with chunked prefill, prefix-cache-aware admission and preemption by recompute.
 
 Each step spends a token budget: running requests first (decodes and unfinished prefill chunks, in
-arrival order), then waiting requests first come first served. A new request is charged only for
+arrival order), then waiting requests in the policy's order. A new request is charged only for
 its uncached tokens. When blocks run out, the newest running request is preempted: its blocks are
 freed (they stay cached, so it can hit them when it resumes) and it goes back to the front of the
 queue.
+
+Policies (``EngineConfig.scheduling_policy``):
+
+- ``fcfs``: first come first served; the first request that does not fit stops admission.
+- ``cache-aware``: the fewest uncached prompt tokens first (ranked by the device hit each step, ties by
+  arrival). Behind a flood of cold prompts, FCFS makes a request that mostly hits the cache wait for every
+  one of them, though it needs a few tokens of prefill. Two guards:
+
+  - *aging*: a waiting request counts the uncached tokens of the later arrivals admitted ahead of it; once
+    they reach ``max_passed_tokens`` (default: the step's token budget) it is *due*. Due requests, and
+    preempted ones, go first, oldest first, and one that does not fit stops admission as in FCFS: being
+    passed over delays a request by about one full step of prefill at most, however many short ones arrive.
+  - *step sharing*: in a step that admits a *short* request (at most ``short_prefill_tokens`` uncached), the
+    other prefill chunks of the step, running and admitted, share at most ``short_prefill_tokens`` tokens,
+    so its first token waits for a short step rather than a cold 1,024-token chunk; the cold prefill goes on
+    next step.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
+from prefixcache.config import SCHEDULING_POLICIES
 from prefixcache.core import KVCacheManager
 from prefixcache.core.state_table import StateWork
 from prefixcache.core.sub_block import CopyOp
@@ -20,6 +40,10 @@ from prefixcache.engine.request import EngineRequest, RequestStatus
 
 if TYPE_CHECKING:
     from prefixcache.offload.connector import OffloadPlan
+
+# A prefill this short is latency-bound (a cached request's question, a chat turn): with ``cache-aware`` it caps
+# the cold prefill sharing its step. 64 tokens cost a CPU step little more than a decode, a GPU step nothing.
+SHORT_PREFILL_TOKENS = 64
 
 
 @dataclass(slots=True)
@@ -54,12 +78,26 @@ class SchedulerOutput:
 
 class Scheduler:
     """Admits and grows requests through ``manager``, which finds their prefixes (device, sub-block copies,
-    offload tiers) and owns their blocks."""
+    offload tiers) and owns their blocks; ``policy`` orders the waiting requests (see the module's doc)."""
 
-    def __init__(self, manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str = "fcfs",
+        *,
+        short_prefill_tokens: int = SHORT_PREFILL_TOKENS,
+        max_passed_tokens: int | None = None,
+    ) -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
         self.manager = manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.short_prefill_tokens = short_prefill_tokens
+        self.max_passed_tokens = max_num_batched_tokens if max_passed_tokens is None else max_passed_tokens
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.num_preemptions = 0
@@ -81,21 +119,50 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        candidates, short = self._candidates()
+        # The cold prefill tokens this step may still take beside a short admission; None: no cap.
+        cap = self.short_prefill_tokens if short else None
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             start = request.num_computed_tokens
             num_new = min(request.num_tokens - start, budget)
+            if cap is not None and num_new > 1:  # a prefill chunk; decodes are never capped
+                num_new = min(num_new, cap)
+                if num_new == 0:
+                    i += 1
+                    continue
             if not self._allocate_or_preempt(request, num_new, out):
                 break
+            if cap is not None and num_new > 1:
+                cap -= num_new
             out.chunks.append(self._chunk(request, start, num_new))
             budget -= num_new
             i += 1
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, budget, candidates, cap)
         out.copies, out.offload = self.manager.take_transfers()
         return out
+
+    def _candidates(self) -> tuple[list[EngineRequest], bool]:
+        """The waiting requests that may take this step's free seats, in the order to try them, and whether one
+        of them is short (``cache-aware`` only: ranked by their uncached tokens as the device cache holds them
+        now; ``fcfs``: the queue's head, nothing looked up)."""
+        seats = self.max_num_seqs - len(self.running)
+        if seats <= 0 or not self.waiting:
+            return [], False
+        if self.policy == "fcfs":
+            return list(islice(self.waiting, seats)), False
+        manager = self.manager
+        entries = []
+        for position, request in enumerate(self.waiting):
+            uncached = request.num_tokens - manager.device_hit_tokens(request)
+            due = request.num_preemptions > 0 or request.num_passed_tokens >= self.max_passed_tokens
+            entries.append(((0, 0, position) if due else (1, uncached, position), uncached, request))
+        chosen = heapq.nsmallest(seats, entries, key=itemgetter(0))
+        short = any(uncached <= self.short_prefill_tokens for _, uncached, _ in chosen)
+        return [request for _, _, request in chosen], short
 
     def _allocate_or_preempt(self, request: EngineRequest, num_new: int, out: SchedulerOutput) -> bool:
         """Preempt the newest running requests until ``request`` fits; False if it had to go itself."""
@@ -106,16 +173,31 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, candidates: list[EngineRequest], cap: int | None):
+        """Admit ``candidates`` in order until one does not fit; cold ones share ``cap`` tokens (None: no cap).
+        Each admitted request passes over the older ones still waiting: they count its uncached tokens."""
         manager = self.manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        for request in candidates:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             hit = manager.find_prefix(request)
             num_computed = hit.num_tokens
-            num_new = min(request.num_tokens - num_computed, budget)
+            uncached = request.num_tokens - num_computed
+            num_new = min(uncached, budget)
+            capped = cap is not None and uncached > self.short_prefill_tokens
+            if capped:
+                num_new = min(num_new, cap)
+                if num_new == 0:
+                    break
             if manager.allocate_slots(request, num_new, hit) is None:
                 break
-            self.waiting.popleft()
+            if capped:
+                cap -= num_new
+            for older in self.waiting:
+                if older is request:
+                    break
+                older.num_passed_tokens += uncached
+            self.waiting.remove(request)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_computed
             request.status = RequestStatus.RUNNING
