@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 # A prefill this short is latency-bound (a cached request's question, a chat turn): with ``cache-aware`` it caps
 # the cold prefill sharing its step. 64 tokens cost a CPU step little more than a decode, a GPU step nothing.
 SHORT_PREFILL_TOKENS = 64
+# Waiting requests whose rank ``cache-aware`` looks up again each step, stalest first (new ones are looked up when
+# they come): a cached prompt's walk is one lookup a block, so a step's cost is bounded however long the queue.
+REFRESH_PER_STEP = 64
 
 
 @dataclass(slots=True)
@@ -101,9 +104,13 @@ class Scheduler:
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.num_preemptions = 0
+        # cache-aware: each waiting request's uncached tokens as last looked up, and the order to refresh them in.
+        self._uncached: dict[str, int] = {}
+        self._stalest: deque[EngineRequest] = deque()
 
     def add_request(self, request: EngineRequest) -> None:
         self.waiting.append(request)
+        self._look_up(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -114,6 +121,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+            self._uncached.pop(request.request_id, None)
         request.status = status
         self.manager.free(request)
 
@@ -147,22 +155,42 @@ class Scheduler:
 
     def _candidates(self) -> tuple[list[EngineRequest], bool]:
         """The waiting requests that may take this step's free seats, in the order to try them, and whether one
-        of them is short (``cache-aware`` only: ranked by their uncached tokens as the device cache holds them
-        now; ``fcfs``: the queue's head, nothing looked up)."""
+        of them is short (``cache-aware`` only: ranked by their uncached tokens, :meth:`_looked_up`; ``fcfs``: the
+        queue's head, nothing looked up)."""
         seats = self.max_num_seqs - len(self.running)
         if seats <= 0 or not self.waiting:
             return [], False
         if self.policy == "fcfs":
             return list(islice(self.waiting, seats)), False
-        manager = self.manager
+        uncached = self._looked_up()
         entries = []
         for position, request in enumerate(self.waiting):
-            uncached = request.num_tokens - manager.device_hit_tokens(request)
             due = request.num_preemptions > 0 or request.num_passed_tokens >= self.max_passed_tokens
-            entries.append(((0, 0, position) if due else (1, uncached, position), uncached, request))
+            cost = uncached[request.request_id]
+            entries.append(((0, 0, position) if due else (1, cost, position), cost, request))
         chosen = heapq.nsmallest(seats, entries, key=itemgetter(0))
-        short = any(uncached <= self.short_prefill_tokens for _, uncached, _ in chosen)
+        short = any(cost <= self.short_prefill_tokens for _, cost, _ in chosen)
         return [request for _, _, request in chosen], short
+
+    def _looked_up(self) -> dict[str, int]:
+        """Each waiting request's uncached tokens, from the device hit (``KVCacheManager.device_hit_tokens``):
+        looked up when it joins the queue, and the ``REFRESH_PER_STEP`` stalest again each step. With that many
+        waiting or fewer, every one is looked up each step; beyond, an estimate is at most
+        ``len(waiting) / REFRESH_PER_STEP`` steps old, and admission takes the real hit anyway."""
+        uncached, stalest = self._uncached, self._stalest
+        refreshed = 0
+        while stalest and refreshed < min(REFRESH_PER_STEP, len(uncached)):
+            request = stalest.popleft()
+            if request.request_id in uncached and request.status is RequestStatus.WAITING:
+                self._look_up(request)
+                refreshed += 1
+        return uncached
+
+    def _look_up(self, request: EngineRequest) -> None:
+        """``cache-aware``: note a waiting request's uncached tokens now, and put it last to be looked up again."""
+        if self.policy == "cache-aware":
+            self._uncached[request.request_id] = request.num_tokens - self.manager.device_hit_tokens(request)
+            self._stalest.append(request)
 
     def _allocate_or_preempt(self, request: EngineRequest, num_new: int, out: SchedulerOutput) -> bool:
         """Preempt the newest running requests until ``request`` fits; False if it had to go itself."""
@@ -198,6 +226,7 @@ class Scheduler:
                     break
                 older.num_passed_tokens += uncached
             self.waiting.remove(request)
+            self._uncached.pop(request.request_id, None)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_computed
             request.status = RequestStatus.RUNNING
@@ -215,4 +244,5 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        self._look_up(request)
         out.preempted.append(request)
