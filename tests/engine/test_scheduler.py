@@ -9,6 +9,7 @@ import itertools
 import pytest
 
 from prefixcache.core import KVCacheManager
+from prefixcache.engine import scheduler as scheduler_module
 from prefixcache.engine.request import EngineRequest, RequestStatus
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.scheduler import Scheduler
@@ -135,22 +136,27 @@ def test_cache_aware_admits_a_cached_request_ahead_of_the_cold_ones_before_it(po
     assert step(scheduler) == [("cold1", 0, 12, [4, 5, 6])]
 
 
-def test_cache_aware_admits_a_passed_over_request_once_its_aging_bound_is_reached():
-    scheduler = make_scheduler(max_num_seqs=1, policy="cache-aware", policy_options={"max_passed_tokens": 8})
+def test_cache_aware_admits_a_passed_over_request_once_it_waited_its_own_prefill():
+    scheduler = make_scheduler(max_num_seqs=1, policy="cache-aware")
     warm(scheduler)
     cold = make_request(range(100, 112), "cold")
-    questions = [make_request([*range(12), 50 + i, 60, 61, 62], f"q{i}") for i in range(3)]
+    questions = [make_request([*range(12), 50 + i, 60, 61, 62], f"q{i}") for i in range(4)]
     for request in (cold, *questions):
         scheduler.add_request(request)
     admitted = []
-    for _ in range(3):
+    for _ in range(4):
         (chunk,) = step(scheduler)
         admitted.append(chunk)
         scheduler.finish(chunk_request(scheduler, chunk[0]), RequestStatus.FINISHED)
-    # Two questions of 4 uncached tokens pass it over: 8 tokens, its bound; then it goes before the third.
-    assert admitted == [("q0", 12, 4, [0, 1, 2, 3]), ("q1", 12, 4, [0, 1, 2, 4]), ("cold", 0, 12, [5, 6, 7])]
-    assert cold.num_passed_tokens == 8 and questions[2].num_passed_tokens == 0
-    assert [r.request_id for r in scheduler.waiting] == ["q2"]
+    # Three questions of 4 uncached tokens pass it over: 12 tokens, its own; then it goes before the fourth.
+    assert admitted == [
+        ("q0", 12, 4, [0, 1, 2, 3]),
+        ("q1", 12, 4, [0, 1, 2, 4]),
+        ("q2", 12, 4, [0, 1, 2, 5]),
+        ("cold", 0, 12, [6, 7, 8]),
+    ]
+    assert cold.num_passed_tokens == 12 and questions[3].num_passed_tokens == 0
+    assert [r.request_id for r in scheduler.waiting] == ["q3"]
 
 
 def chunk_request(scheduler: Scheduler, request_id: str) -> EngineRequest:
@@ -191,3 +197,18 @@ def test_cache_aware_resumes_a_preempted_request_before_a_cheaper_one():
     assert [r.request_id for r in scheduler.waiting] == ["new", "cheap"]
     scheduler.finish(old, RequestStatus.FINISHED)
     assert [c[:3] for c in step(scheduler)] == [("new", 16, 1), ("cheap", 0, 5)]
+
+
+@pytest.mark.parametrize(("refresh", "first"), [(64, ("q", 12, 4, [0, 1, 2, 3])), (1, ("c1", 0, 12, [3, 4, 5]))])
+def test_cache_aware_looks_waiting_requests_up_again_stalest_first_a_bounded_number_a_step(monkeypatch, refresh, first):
+    monkeypatch.setattr(scheduler_module, "REFRESH_PER_STEP", refresh)
+    scheduler = make_scheduler(max_num_seqs=1, policy="cache-aware")
+    w = make_request(range(12), "w", max_tokens=1)
+    c1, q = make_request(range(100, 112), "c1"), make_request([*range(12), 50, 51, 52, 53], "q")
+    for request in (w, c1, q):
+        scheduler.add_request(request)
+    # When q came its prefix was not cached (16 uncached against c1's 12): w goes first, in arrival order.
+    assert step(scheduler) == [("w", 0, 12, [0, 1, 2])]
+    scheduler.finish(w, RequestStatus.FINISHED)
+    # Looked up again, q needs 4 tokens; looked up one a step, c1 (the stalest) is, q keeps its 16.
+    assert step(scheduler) == [first]

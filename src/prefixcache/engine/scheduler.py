@@ -14,9 +14,10 @@ Policies (``EngineConfig.scheduling_policy``):
   one of them, though it needs a few tokens of prefill. Two guards:
 
   - *aging*: a waiting request counts the uncached tokens of the later arrivals admitted ahead of it; once
-    they reach ``max_passed_tokens`` (default: the step's token budget) it is *due*. Due requests, and
-    preempted ones, go first, oldest first, and one that does not fit stops admission as in FCFS: being
-    passed over delays a request by about one full step of prefill at most, however many short ones arrive.
+    they reach its own uncached tokens it is *due*. Due requests, and preempted ones, go first, oldest first,
+    and one that does not fit stops admission as in FCFS: being passed over costs a request at most about what
+    its own prefill does, so a cold 1,024-token prompt lets many short questions by, and a long cold prompt is
+    passed over by two cold prompts of half its size, not by the whole flood.
   - *step sharing*: in a step that admits a *short* request (at most ``short_prefill_tokens`` uncached), the
     other prefill chunks of the step, running and admitted, share at most ``short_prefill_tokens`` tokens,
     so its first token waits for a short step rather than a cold 1,024-token chunk; the cold prefill goes on
@@ -91,7 +92,6 @@ class Scheduler:
         policy: str = "fcfs",
         *,
         short_prefill_tokens: int = SHORT_PREFILL_TOKENS,
-        max_passed_tokens: int | None = None,
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
@@ -100,7 +100,6 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
         self.short_prefill_tokens = short_prefill_tokens
-        self.max_passed_tokens = max_num_batched_tokens if max_passed_tokens is None else max_passed_tokens
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.num_preemptions = 0
@@ -165,8 +164,8 @@ class Scheduler:
         uncached = self._looked_up()
         entries = []
         for position, request in enumerate(self.waiting):
-            due = request.num_preemptions > 0 or request.num_passed_tokens >= self.max_passed_tokens
             cost = uncached[request.request_id]
+            due = request.num_preemptions > 0 or request.num_passed_tokens >= cost
             entries.append(((0, 0, position) if due else (1, cost, position), cost, request))
         chosen = heapq.nsmallest(seats, entries, key=itemgetter(0))
         short = any(cost <= self.short_prefill_tokens for _, cost, _ in chosen)
