@@ -212,3 +212,24 @@ def test_cache_aware_looks_waiting_requests_up_again_stalest_first_a_bounded_num
     scheduler.finish(w, RequestStatus.FINISHED)
     # Looked up again, q needs 4 tokens; looked up one a step, c1 (the stalest) is, q keeps its 16.
     assert step(scheduler) == [first]
+
+
+def test_cache_aware_gives_a_short_request_the_seat_of_a_cold_one_once():
+    scheduler = make_scheduler(max_num_seqs=1, policy="cache-aware", policy_options={"short_prefill_tokens": 4})
+    warm(scheduler)
+    cold = make_request(range(100, 112), "cold", max_tokens=4)
+    scheduler.add_request(cold)
+    assert step(scheduler) == [("cold", 0, 12, [3, 4, 5])]
+    q0, q1 = (make_request([*range(12), 50 + i, 60, 61, 62], f"q{i}", max_tokens=2) for i in range(2))
+    scheduler.add_request(q0)
+    # q0 needs 4 tokens and the one seat is cold's: cold goes back (due), its blocks cached; q0 runs.
+    assert step(scheduler) == [("q0", 12, 4, [0, 1, 2, 6])]
+    assert cold.status is RequestStatus.WAITING and cold.num_preemptions == 1
+    assert step(scheduler) == [("q0", 16, 1, [0, 1, 2, 6, 7])]
+    scheduler.finish(q0, RequestStatus.FINISHED)
+    # Resumed first, from its own cached prompt blocks: 12 tokens and the one it sampled.
+    assert step(scheduler) == [("cold", 12, 1, [3, 4, 5, 8])]
+    scheduler.add_request(q1)
+    # Preempted once already, it keeps its seat: q1 waits.
+    assert step(scheduler) == [("cold", 13, 1, [3, 4, 5, 8])]
+    assert [r.request_id for r in scheduler.waiting] == ["q1"]

@@ -126,7 +126,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        candidates, short = self._candidates()
+        candidates, short = self._candidates(out)
+        num_seat_preemptions = len(out.preempted)
         # The cold prefill tokens this step may still take beside a short admission; None: no cap.
         cap = self.short_prefill_tokens if short else None
         budget = self.max_num_batched_tokens
@@ -147,17 +148,18 @@ class Scheduler:
             out.chunks.append(self._chunk(request, start, num_new))
             budget -= num_new
             i += 1
-        if not out.preempted:
+        if len(out.preempted) == num_seat_preemptions:  # blocks ran out: admit nobody
             self._admit_waiting(out, budget, candidates, cap)
         out.copies, out.offload = self.manager.take_transfers()
         return out
 
-    def _candidates(self) -> tuple[list[EngineRequest], bool]:
+    def _candidates(self, out: SchedulerOutput) -> tuple[list[EngineRequest], bool]:
         """The waiting requests that may take this step's free seats, in the order to try them, and whether one
-        of them is short (``cache-aware`` only: ranked by their uncached tokens, :meth:`_looked_up`; ``fcfs``: the
-        queue's head, nothing looked up)."""
+        of them is short (``fcfs``: the queue's head, nothing looked up). ``cache-aware`` ranks them by their
+        uncached tokens (:meth:`_looked_up`), and when every seat is taken and the first is short, gives it the
+        seat of a cold running request (:meth:`_seat_for_short`)."""
         seats = self.max_num_seqs - len(self.running)
-        if seats <= 0 or not self.waiting:
+        if not self.waiting or (seats <= 0 and self.policy == "fcfs"):
             return [], False
         if self.policy == "fcfs":
             return list(islice(self.waiting, seats)), False
@@ -167,9 +169,27 @@ class Scheduler:
             cost = uncached[request.request_id]
             due = request.num_preemptions > 0 or request.num_passed_tokens >= cost
             entries.append(((0, 0, position) if due else (1, cost, position), cost, request))
-        chosen = heapq.nsmallest(seats, entries, key=itemgetter(0))
+        chosen = heapq.nsmallest(max(seats, 1), entries, key=itemgetter(0))
+        if seats <= 0:
+            key, cost, _ = chosen[0]
+            if key[0] == 0 or cost > self.short_prefill_tokens or not self._seat_for_short(out):
+                return [], False
         short = any(cost <= self.short_prefill_tokens for _, cost, _ in chosen)
         return [request for _, _, request in chosen], short
+
+    def _seat_for_short(self, out: SchedulerOutput) -> bool:
+        """Preempt the newest running request that was admitted cold (more than ``short_prefill_tokens``
+        uncached), was never preempted and has more than one token to go; True if one went. Its blocks stay
+        cached and it goes back due, first for the next seat: a short request waits for a step, not for a cold
+        request's whole generation, and no request loses its seat twice."""
+        short = self.short_prefill_tokens
+        for victim in reversed(self.running):
+            cold = victim.num_prompt_tokens - (victim.num_cached_tokens or 0) > short
+            if cold and not victim.num_preemptions and victim.num_output_tokens + 1 < victim.sampling_params.max_tokens:
+                self.running.remove(victim)
+                self._preempt(victim, out)
+                return True
+        return False
 
     def _looked_up(self) -> dict[str, int]:
         """Each waiting request's uncached tokens, from the device hit (``KVCacheManager.device_hit_tokens``):
