@@ -11,7 +11,7 @@ Policies (``EngineConfig.scheduling_policy``):
 - ``fcfs``: first come first served; the first request that does not fit stops admission.
 - ``cache-aware``: the fewest uncached prompt tokens first (ranked by the device hit each step, ties by
   arrival). Behind a flood of cold prompts, FCFS makes a request that mostly hits the cache wait for every
-  one of them, though it needs a few tokens of prefill. Two guards:
+  one of them, though it needs a few tokens of prefill. Three rules beside the order:
 
   - *aging*: a waiting request counts the uncached tokens of the later arrivals admitted ahead of it; once
     they reach its own uncached tokens it is *due*. Due requests, and preempted ones, go first, oldest first,
@@ -22,6 +22,9 @@ Policies (``EngineConfig.scheduling_policy``):
     other prefill chunks of the step, running and admitted, share at most ``short_prefill_tokens`` tokens,
     so its first token waits for a short step rather than a cold 1,024-token chunk; the cold prefill goes on
     next step.
+  - *a seat*: when every seat is taken and the first in line is short, the newest running request that was
+    admitted cold, never preempted, with more than one token to go, is preempted for it (its blocks stay
+    cached; it goes back due).
 """
 
 from __future__ import annotations
