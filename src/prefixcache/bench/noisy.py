@@ -10,8 +10,9 @@ two of A's questions. Three runs in one invocation, the prefix cache reset befor
 - ``lru``: A with the flood, A's requests without directives (today's behaviour: least recently used first);
 - ``cache_control``: A with the flood, A's system message marked ``cache_control`` (ttl ``1h``: priority 80).
 
-The three runs are made once per ``--scheduling-policy`` (a server each, one after the other): ``fcfs`` serves
-A's requests after B's earlier ones, ``cache-aware`` the fewest uncached tokens first.
+The three runs are made once per ``--scheduling-policy`` (a server each, all up at once, the runs interleaved
+so that each pair runs under the same load): ``fcfs`` serves A's requests after B's earlier ones,
+``cache-aware`` the fewest uncached tokens first.
 
 Reported for A in each run: the token hit rate (the server's ``cached_tokens`` / prompt tokens) and TTFT, and
 against ``alone`` (of the same policy) the ratios with their goals (hit rate at least 0.95 of it, mean TTFT at
@@ -271,27 +272,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{machine['cores']} cores, load average {'/'.join(f'{x:.2f}' for x in machine['load_average_before'])}"
     )
     print(sizing.describe(args, workload, kv_bytes_per_token))
-    policies: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="prefixcache-noisy-") as workdir:
         bench = Bench(args, Path(workdir), config.vocab_size, kv_bytes_per_token)
         keys = [option for key in KEYS.values() for option in ("--api-key", key)]
         extra = ["--num-gpu-blocks-override", str(sizing.blocks), "--enable-reset-prefix-cache", *keys]
         extra += ["--max-num-seqs", str(args.max_num_seqs)]
-        for policy in dict.fromkeys(args.scheduling_policy):
-            with contextlib.ExitStack() as stack:  # one server at a time: they would share the cores
-                server = bench.launch(stack, f"server-{policy}", [*extra, "--scheduling-policy", policy])
+        with contextlib.ExitStack() as stack:
+            # Every policy's server up at once (an idle one sleeps), the runs interleaved: the paired runs of two
+            # policies are minutes apart, not half an hour, on a machine whose load drifts.
+            servers = {
+                policy: bench.launch(stack, f"server-{policy}", [*extra, "--scheduling-policy", policy])
+                for policy in dict.fromkeys(args.scheduling_policy)
+            }
+            benches = {}
+            for policy, server in servers.items():
                 server.wait_ready(args.startup_timeout)
                 headers = {"Authorization": f"Bearer {KEYS['A']}"}
                 model = httpx.get(f"{server.url}/v1/models", headers=headers, timeout=10)
-                noisy = NoisyBench(bench, server, model.json()["data"][0]["id"], workload)
-                asyncio.run(noisy.warm_up())
-                runs: dict[str, dict[str, Any]] = {}
-                for name in RUNS:
+                benches[policy] = NoisyBench(bench, server, model.json()["data"][0]["id"], workload)
+                asyncio.run(benches[policy].warm_up())
+            runs: dict[str, dict[str, dict[str, Any]]] = {policy: {} for policy in servers}
+            for name in RUNS:
+                for policy, noisy in benches.items():
                     started = time.perf_counter()
-                    runs[name] = asyncio.run(noisy.run(name))
-                    runs[name]["wall_s"] = time.perf_counter() - started
-                    print(f"{policy}, {RUNS[name]}: done in {runs[name]['wall_s']:.0f}s", flush=True)
-            policies[policy] = {"runs": runs, **compare(runs)}
+                    runs[policy][name] = asyncio.run(noisy.run(name))
+                    runs[policy][name]["wall_s"] = time.perf_counter() - started
+                    print(f"{policy}, {RUNS[name]}: done in {runs[policy][name]['wall_s']:.0f}s", flush=True)
+        policies = {policy: {"runs": runs[policy], **compare(runs[policy])} for policy in servers}
     machine["load_average_after"] = os.getloadavg()
     options = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in _NOT_OPTIONS}
     report = {
