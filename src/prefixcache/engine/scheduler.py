@@ -223,7 +223,9 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, candidates: list[EngineRequest], cap: int | None):
+    def _admit_waiting(
+        self, out: SchedulerOutput, budget: int, candidates: list[EngineRequest], cap: int | None
+    ) -> None:
         """Admit ``candidates`` in order until one does not fit; cold ones share ``cap`` tokens (None: no cap).
         Each admitted request passes over the older ones still waiting: they count its uncached tokens."""
         manager = self.manager
