@@ -105,3 +105,15 @@ def test_steps_run_eagerly_unless_no_enforce_eager_says_compile():
     assert EngineConfig(**engine_kwargs(parser.parse_args([]))).enforce_eager is True
     assert EngineConfig(**engine_kwargs(parser.parse_args(["--no-enforce-eager"]))).enforce_eager is False
     assert EngineConfig(**engine_kwargs(parser.parse_args(["--enforce-eager"]))).enforce_eager is True
+
+
+def test_the_scheduling_policy_flag_reaches_the_config_and_an_unknown_one_is_refused():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert EngineConfig(**engine_kwargs(parser.parse_args([]))).scheduling_policy == "fcfs"
+    parsed = parser.parse_args(["--scheduling-policy", "cache-aware"])
+    assert EngineConfig(**engine_kwargs(parsed)).scheduling_policy == "cache-aware"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--scheduling-policy", "lpm"])
+    with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, cache-aware, got 'lpm'"):
+        EngineConfig(scheduling_policy="lpm")

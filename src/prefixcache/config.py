@@ -15,11 +15,22 @@ from prefixcache.kv_events.config import KVEventsConfig
 from prefixcache.offload.config import OffloadConfig
 from prefixcache.units import parse_memory
 
-__all__ = ["DTYPES", "QUANTIZATIONS", "EngineConfig", "cpu_bfloat16_flag", "parse_memory", "resolve_dtype"]
+__all__ = [
+    "DTYPES",
+    "QUANTIZATIONS",
+    "SCHEDULING_POLICIES",
+    "EngineConfig",
+    "cpu_bfloat16_flag",
+    "parse_memory",
+    "resolve_dtype",
+]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Kept here (torch-free) and checked by the loader too: "gguf" keeps a GGUF's quantized weights quantized.
 QUANTIZATIONS = ("none", "gguf")
+# The order in which waiting requests are admitted (engine/scheduler.py): first come first served, or the fewest
+# uncached prompt tokens first, with aging (vLLM's --scheduling-policy names the option; SGLang's lpm is akin).
+SCHEDULING_POLICIES = ("fcfs", "cache-aware")
 # CPU flags that mean native bfloat16 matrix products (torch's oneDNN kernels use them); without one, a bfloat16
 # matmul is emulated and runs several times slower than float32.
 _BFLOAT16_FLAGS = {"x86_64": ("amx_bf16", "avx512_bf16"), "amd64": ("amx_bf16", "avx512_bf16"), "aarch64": ("bf16",)}
@@ -105,6 +116,11 @@ class EngineConfig:
     tenant's retained blocks may hold. Without directives none of them changes anything. ``retention_rule``
     (None: off) names a rule of ``prefixcache.core.retention_rules`` that retains blocks from what requests share
     (``shared``: blocks more than one request reached), within the same bounds.
+
+    ``scheduling_policy`` (vLLM's option) orders the waiting requests: ``fcfs`` (the default) first come first
+    served; ``cache-aware`` the fewest uncached prompt tokens first, so a request that mostly hits the cache does
+    not queue behind cold prefills, with aging so no request is passed over for more than a step's worth of
+    tokens, and a cap on the cold prefill tokens that share a step with a short one (``engine.scheduler``).
     """
 
     model: str | None = None
@@ -137,6 +153,7 @@ class EngineConfig:
     max_retention_ttl_s: float = DEFAULT_MAX_RETENTION_TTL_S
     max_tenant_retained_fraction: float | None = None
     retention_rule: str | None = None
+    scheduling_policy: str = "fcfs"
     dtype_reason: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -174,6 +191,10 @@ class EngineConfig:
         if self.retention_rule is not None and self.retention_rule not in RETENTION_RULES:
             raise ValueError(
                 f"retention_rule must be one of {', '.join(RETENTION_RULES)} or None, got {self.retention_rule!r}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
             )
         self.offload_config()
 

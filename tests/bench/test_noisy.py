@@ -1,5 +1,5 @@
-"""``prefixcache bench noisy-neighbour`` end to end on the tiny model: three runs on one live server, the report's
-shape, and cache_control keeping at least what plain LRU keeps of A's prefix.
+"""``prefixcache bench noisy-neighbour`` end to end on the tiny model: three runs on a live server per scheduling
+policy, the report's shape, and cache_control keeping at least what plain LRU keeps of A's prefix.
 
 Timings are not asserted: the machine is shared and noisy, and the tiny model's prefill is too cheap for a cache
 to show in TTFT.
@@ -44,28 +44,37 @@ def test_three_runs_report_a_and_b_and_cache_control_keeps_at_least_what_lru_kee
     assert config["cache_control_priority"] == 80
     assert report["machine"]["cores"] >= 1 and len(report["machine"]["load_average_before"]) == 3
 
-    runs = report["runs"]
-    assert list(runs) == ["alone", "lru", "cache_control"]
-    for name, row in runs.items():
-        assert set(row["A"]) >= SUMMARY_KEYS and row["A"]["completed"] == 4 and row["A"]["failed"] == 0
-        if name == "alone":
-            assert row["B"] is None
-        else:
-            assert set(row["B"]) >= SUMMARY_KEYS and row["B"]["completed"] == 16
-            assert row["B"]["hit_rate"] == 0.0  # unique prompts, salted apart from A's
-    assert runs["alone"]["A"]["hit_rate"] > 0  # every question after the first reads the system prompt
-    assert runs["cache_control"]["A"]["hit_rate"] >= runs["lru"]["A"]["hit_rate"]
+    assert list(report["policies"]) == ["fcfs", "cache-aware"]
+    for result in report["policies"].values():
+        runs = result["runs"]
+        assert list(runs) == ["alone", "lru", "cache_control"]
+        for name, row in runs.items():
+            assert set(row["A"]) >= SUMMARY_KEYS and row["A"]["completed"] == 4 and row["A"]["failed"] == 0
+            if name == "alone":
+                assert row["B"] is None
+            else:
+                assert set(row["B"]) >= SUMMARY_KEYS and row["B"]["completed"] == 16
+                assert row["B"]["hit_rate"] == 0.0  # unique prompts, salted apart from A's
+        assert runs["alone"]["A"]["hit_rate"] > 0  # every question after the first reads the system prompt
+        assert runs["cache_control"]["A"]["hit_rate"] >= runs["lru"]["A"]["hit_rate"]
 
-    for name in ("lru", "cache_control"):
-        ratios = report["ratios"][name]
-        assert ratios["hit_rate_ratio"] == runs[name]["A"]["hit_rate"] / runs["alone"]["A"]["hit_rate"]
-        assert ratios["ttft_ratio"] == runs[name]["A"]["mean_ttft_ms"] / runs["alone"]["A"]["mean_ttft_ms"]
-    assert report["goals"] == {"hit_rate_ratio_at_least": 0.95, "ttft_ratio_at_most": 1.2}
-    assert report["hit_rate_goal_met"] == (report["ratios"]["cache_control"]["hit_rate_ratio"] >= 0.95)
+        for name in ("lru", "cache_control"):
+            ratios = result["ratios"][name]
+            assert ratios["hit_rate_ratio"] == runs[name]["A"]["hit_rate"] / runs["alone"]["A"]["hit_rate"]
+            assert ratios["ttft_ratio"] == runs[name]["A"]["mean_ttft_ms"] / runs["alone"]["A"]["mean_ttft_ms"]
+        assert result["goals"] == {"hit_rate_ratio_at_least": 0.95, "ttft_ratio_at_most": 1.2}
+        assert result["hit_rate_goal_met"] == (result["ratios"]["cache_control"]["hit_rate_ratio"] >= 0.95)
+    policies = report["policies"]
+    assert report["flood_throughput_ratio"] == {
+        name: policies["cache-aware"]["runs"][name]["B"]["request_throughput"]
+        / policies["fcfs"]["runs"][name]["B"]["request_throughput"]
+        for name in ("lru", "cache_control")
+    }
 
     out = capsys.readouterr().out
     assert "--num-gpu-blocks-override 36" in out and "holds 0.25 of B's flood" in out
-    assert "A + flood, plain LRU" in out and "goals with cache_control" in out
+    assert "A + flood, plain LRU" in out and "cache-aware: goals with cache_control" in out
+    assert "B's throughput with cache-aware over fcfs" in out
 
 
 def test_a_cache_too_small_for_one_request_of_each_is_refused_before_the_server_starts(tiny_llama_dir):
@@ -74,4 +83,6 @@ def test_a_cache_too_small_for_one_request_of_each_is_refused_before_the_server_
         bench(tiny_llama_dir, "--a-requests", "1")
     with pytest.raises(SystemExit):
         bench(tiny_llama_dir, "--cache-fraction", "0")
+    with pytest.raises(SystemExit):
+        bench(tiny_llama_dir, "--scheduling-policy", "lpm")
     assert children() <= before

@@ -369,3 +369,30 @@ def test_external_tokens_need_a_connector():
     request = make_request(unique_tokens(3 * BLOCK_SIZE, 0))
     with pytest.raises(ValueError, match="connector"):
         manager.allocate_slots(request, 0, PrefixHit([[]], num_external_tokens=BLOCK_SIZE))
+
+
+def test_device_hit_tokens_is_the_device_hit_without_asking_the_connector_and_changes_nothing():
+    """What a scheduler ranks waiting requests by: the hit find_prefix finds on the device, capped so the last
+    token is computed, with the tiers' blocks left out (never read or staged) and no state moved."""
+
+    class CountingConnector(FakeConnector):
+        asked = 0
+
+        def extend_hit(self, request, block_hashes, start, end) -> int:
+            self.asked += 1
+            return super().extend_hit(request, block_hashes, start, end)
+
+    connector = CountingConnector()
+    manager = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE, connector=connector)
+    first = make_request(unique_tokens(9, 0))
+    admit(manager, first)
+    manager.free(first)
+    request = make_request(unique_tokens(17, 0))
+    connector.held_hashes.update(manager.block_hashes(request)[2:4])
+    before, asked = manager_state(manager), connector.asked
+    assert manager.device_hit_tokens(request) == 2 * BLOCK_SIZE  # the tiers' two blocks are not counted
+    assert connector.asked == asked and manager_state(manager) == before
+    assert manager.device_hit_tokens(make_request(unique_tokens(8, 0))) == BLOCK_SIZE  # the last token computed
+    assert manager.device_hit_tokens(make_request(unique_tokens(17, 100))) == 0
+    assert manager.device_hit_tokens(make_request(unique_tokens(17, 0), skip_reading_prefix_cache=True)) == 0
+    assert manager.find_prefix(request).num_tokens == 4 * BLOCK_SIZE and connector.asked == asked + 1

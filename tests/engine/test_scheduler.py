@@ -6,7 +6,10 @@
 
 import itertools
 
+import pytest
+
 from prefixcache.core import KVCacheManager
+from prefixcache.engine import scheduler as scheduler_module
 from prefixcache.engine.request import EngineRequest, RequestStatus
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.scheduler import Scheduler
@@ -23,9 +26,11 @@ def make_request(tokens, request_id=None, max_tokens=8) -> EngineRequest:
     )
 
 
-def make_scheduler(num_blocks=32, max_num_seqs=8, max_num_batched_tokens=16, **kwargs) -> Scheduler:
+def make_scheduler(
+    num_blocks=32, max_num_seqs=8, max_num_batched_tokens=16, policy="fcfs", policy_options=None, **kwargs
+) -> Scheduler:
     manager = KVCacheManager(num_blocks=num_blocks, block_size=BLOCK_SIZE, **kwargs)
-    return Scheduler(manager, max_num_seqs, max_num_batched_tokens)
+    return Scheduler(manager, max_num_seqs, max_num_batched_tokens, policy, **(policy_options or {}))
 
 
 def step(scheduler: Scheduler) -> list[tuple[str, int, int, list[int]]]:
@@ -75,8 +80,9 @@ def test_a_cached_prefix_is_not_charged_to_the_budget():
     assert second.num_cached_tokens == 12 and third.num_cached_tokens == 0
 
 
-def test_running_out_of_blocks_preempts_the_newest_request_to_the_front_of_the_queue():
-    scheduler = make_scheduler(num_blocks=5, max_num_batched_tokens=64)
+@pytest.mark.parametrize("policy", ["fcfs", "cache-aware"])
+def test_running_out_of_blocks_preempts_the_newest_request_to_the_front_of_the_queue(policy):
+    scheduler = make_scheduler(num_blocks=5, max_num_batched_tokens=64, policy=policy)
     old, new = make_request(range(8), "old"), make_request(range(100, 108), "new")
     scheduler.add_request(old)
     scheduler.add_request(new)
@@ -91,11 +97,139 @@ def test_running_out_of_blocks_preempts_the_newest_request_to_the_front_of_the_q
     assert step(scheduler) == [("new", 8, 1, [2, 3, 4])]
 
 
-def test_a_preempted_step_admits_no_waiting_request():
-    scheduler = make_scheduler(num_blocks=5, max_num_batched_tokens=64)
+@pytest.mark.parametrize("policy", ["fcfs", "cache-aware"])
+def test_a_preempted_step_admits_no_waiting_request(policy):
+    scheduler = make_scheduler(num_blocks=5, max_num_batched_tokens=64, policy=policy)
     for name, start in (("a", 0), ("b", 100)):
         scheduler.add_request(make_request(range(start, start + 8), name))
     step(scheduler)
     scheduler.add_request(make_request(range(300, 302), "late"))
     assert [c[0] for c in step(scheduler)] == ["a"]
     assert [r.request_id for r in scheduler.waiting] == ["b", "late"]
+
+
+def warm(scheduler: Scheduler, tokens=range(12)) -> None:
+    """Run a request over ``tokens`` and finish it: its full blocks stay cached (ids 0.. in order)."""
+    request = make_request(tokens, "warm")
+    scheduler.add_request(request)
+    step(scheduler)
+    scheduler.finish(request, RequestStatus.FINISHED)
+
+
+@pytest.mark.parametrize(("policy", "first"), [("fcfs", ("cold1", 0, 12, [3, 4, 5])), ("cache-aware", None)])
+def test_cache_aware_admits_a_cached_request_ahead_of_the_cold_ones_before_it(policy, first):
+    scheduler = make_scheduler(max_num_seqs=1, policy=policy)
+    warm(scheduler)
+    cold1, cold2 = make_request(range(100, 112), "cold1"), make_request(range(200, 212), "cold2")
+    cached = make_request([*range(12), 50, 51, 52, 53], "cached")
+    for request in (cold1, cold2, cached):
+        scheduler.add_request(request)
+    if first is not None:  # fcfs: the cold ones in arrival order
+        assert step(scheduler) == [first]
+        return
+    # 12 of its 16 tokens cached: 4 to compute against the cold ones' 12.
+    assert step(scheduler) == [("cached", 12, 4, [0, 1, 2, 3])]
+    assert [r.request_id for r in scheduler.waiting] == ["cold1", "cold2"]
+    assert (cold1.num_passed_tokens, cold2.num_passed_tokens) == (4, 4)
+    scheduler.finish(cached, RequestStatus.FINISHED)
+    # Equal costs keep arrival order.
+    assert step(scheduler) == [("cold1", 0, 12, [4, 5, 6])]
+
+
+def test_cache_aware_admits_a_passed_over_request_once_it_waited_its_own_prefill():
+    scheduler = make_scheduler(max_num_seqs=1, policy="cache-aware")
+    warm(scheduler)
+    cold = make_request(range(100, 112), "cold")
+    questions = [make_request([*range(12), 50 + i, 60, 61, 62], f"q{i}") for i in range(4)]
+    for request in (cold, *questions):
+        scheduler.add_request(request)
+    admitted = []
+    for _ in range(4):
+        (chunk,) = step(scheduler)
+        admitted.append(chunk)
+        scheduler.finish(chunk_request(scheduler, chunk[0]), RequestStatus.FINISHED)
+    # Three questions of 4 uncached tokens pass it over: 12 tokens, its own; then it goes before the fourth.
+    assert admitted == [
+        ("q0", 12, 4, [0, 1, 2, 3]),
+        ("q1", 12, 4, [0, 1, 2, 4]),
+        ("q2", 12, 4, [0, 1, 2, 5]),
+        ("cold", 0, 12, [6, 7, 8]),
+    ]
+    assert cold.num_passed_tokens == 12 and questions[3].num_passed_tokens == 0
+    assert [r.request_id for r in scheduler.waiting] == ["q3"]
+
+
+def chunk_request(scheduler: Scheduler, request_id: str) -> EngineRequest:
+    return next(r for r in scheduler.running if r.request_id == request_id)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "cache-aware"])
+def test_cache_aware_caps_the_cold_prefill_sharing_a_step_with_a_short_admission(policy):
+    options = {"short_prefill_tokens": 4} if policy == "cache-aware" else None
+    scheduler = make_scheduler(max_num_seqs=2, policy=policy, policy_options=options)
+    warm(scheduler)
+    long = make_request(range(100, 132), "long")
+    scheduler.add_request(long)
+    assert step(scheduler) == [("long", 0, 16, [3, 4, 5, 6])]
+    scheduler.add_request(make_request([*range(12), 50, 51, 52, 53], "q"))
+    if policy == "fcfs":  # the long prefill takes the whole budget: q waits a step
+        assert step(scheduler) == [("long", 16, 16, [3, 4, 5, 6, 7, 8, 9, 10])]
+        return
+    # q's first token waits for 4 of the long prompt's tokens, not 16; the rest goes on next step.
+    assert step(scheduler) == [("long", 16, 4, [3, 4, 5, 6, 7]), ("q", 12, 4, [0, 1, 2, 8])]
+    assert step(scheduler) == [("long", 20, 12, [3, 4, 5, 6, 7, 9, 10, 11]), ("q", 16, 1, [0, 1, 2, 8, 12])]
+
+
+def test_cache_aware_resumes_a_preempted_request_before_a_cheaper_one():
+    scheduler = make_scheduler(num_blocks=9, max_num_seqs=2, max_num_batched_tokens=64, policy="cache-aware")
+    warm(scheduler, range(4))
+    old, new = make_request(range(100, 108), "old", max_tokens=30), make_request(range(200, 208), "new")
+    scheduler.add_request(old)
+    scheduler.add_request(new)
+    for _ in range(9):
+        step(scheduler)
+    assert step(scheduler) == [("old", 16, 1, [1, 2, 5, 7, 0])]  # its fifth block: new had to go
+    assert new.num_preemptions == 1
+    cheap = make_request([*range(4), 9], "cheap")
+    scheduler.add_request(cheap)
+    # new does not fit beside old: cheap, which would, waits behind it rather than pass it over.
+    assert step(scheduler) == [("old", 17, 1, [1, 2, 5, 7, 0])]
+    assert [r.request_id for r in scheduler.waiting] == ["new", "cheap"]
+    scheduler.finish(old, RequestStatus.FINISHED)
+    assert [c[:3] for c in step(scheduler)] == [("new", 16, 1), ("cheap", 0, 5)]
+
+
+@pytest.mark.parametrize(("refresh", "first"), [(64, ("q", 12, 4, [0, 1, 2, 3])), (1, ("c1", 0, 12, [3, 4, 5]))])
+def test_cache_aware_looks_waiting_requests_up_again_stalest_first_a_bounded_number_a_step(monkeypatch, refresh, first):
+    monkeypatch.setattr(scheduler_module, "REFRESH_PER_STEP", refresh)
+    scheduler = make_scheduler(max_num_seqs=1, policy="cache-aware")
+    w = make_request(range(12), "w", max_tokens=1)
+    c1, q = make_request(range(100, 112), "c1"), make_request([*range(12), 50, 51, 52, 53], "q")
+    for request in (w, c1, q):
+        scheduler.add_request(request)
+    # When q came its prefix was not cached (16 uncached against c1's 12): w goes first, in arrival order.
+    assert step(scheduler) == [("w", 0, 12, [0, 1, 2])]
+    scheduler.finish(w, RequestStatus.FINISHED)
+    # Looked up again, q needs 4 tokens; looked up one a step, c1 (the stalest) is, q keeps its 16.
+    assert step(scheduler) == [first]
+
+
+def test_cache_aware_gives_a_short_request_the_seat_of_a_cold_one_once():
+    scheduler = make_scheduler(max_num_seqs=1, policy="cache-aware", policy_options={"short_prefill_tokens": 4})
+    warm(scheduler)
+    cold = make_request(range(100, 112), "cold", max_tokens=4)
+    scheduler.add_request(cold)
+    assert step(scheduler) == [("cold", 0, 12, [3, 4, 5])]
+    q0, q1 = (make_request([*range(12), 50 + i, 60, 61, 62], f"q{i}", max_tokens=2) for i in range(2))
+    scheduler.add_request(q0)
+    # q0 needs 4 tokens and the one seat is cold's: cold goes back (due), its blocks cached; q0 runs.
+    assert step(scheduler) == [("q0", 12, 4, [0, 1, 2, 6])]
+    assert cold.status is RequestStatus.WAITING and cold.num_preemptions == 1
+    assert step(scheduler) == [("q0", 16, 1, [0, 1, 2, 6, 7])]
+    scheduler.finish(q0, RequestStatus.FINISHED)
+    # Resumed first, from its own cached prompt blocks: 12 tokens and the one it sampled.
+    assert step(scheduler) == [("cold", 12, 1, [3, 4, 5, 8])]
+    scheduler.add_request(q1)
+    # Preempted once already, it keeps its seat: q1 waits.
+    assert step(scheduler) == [("cold", 13, 1, [3, 4, 5, 8])]
+    assert [r.request_id for r in scheduler.waiting] == ["q1"]

@@ -10,9 +10,15 @@ two of A's questions. Three runs in one invocation, the prefix cache reset befor
 - ``lru``: A with the flood, A's requests without directives (today's behaviour: least recently used first);
 - ``cache_control``: A with the flood, A's system message marked ``cache_control`` (ttl ``1h``: priority 80).
 
+The three runs are made once per ``--scheduling-policy`` (a server each, all up at once, the runs interleaved
+so that each pair runs under the same load): ``fcfs`` serves A's requests after B's earlier ones,
+``cache-aware`` the fewest uncached tokens first.
+
 Reported for A in each run: the token hit rate (the server's ``cached_tokens`` / prompt tokens) and TTFT, and
-against ``alone`` the ratios with their goals (hit rate at least 0.95 of it, mean TTFT at most 1.2 times it). The
-hit rate says what A's prefix lost; TTFT also holds A's wait behind B's prefill, which no cache saves.
+against ``alone`` (of the same policy) the ratios with their goals (hit rate at least 0.95 of it, mean TTFT at
+most 1.2 times it). The hit rate says what A's prefix lost; TTFT also holds A's wait behind B's prefill, which the
+scheduling policy decides. For B: its mean TTFT and its throughput (requests/s over the flood's wall time), and
+with both policies the throughput of ``cache-aware`` over ``fcfs``: what serving A first costs the flood.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from prefixcache.bench.live import Process, served_model
 from prefixcache.bench.offload_live import Bench
 from prefixcache.bench.offload_live import _fraction as fraction
 from prefixcache.bench.serve import Messages, Target, reset_prefix_cache, run_point, send_request, summarize
-from prefixcache.config import DTYPES, EngineConfig
+from prefixcache.config import DTYPES, SCHEDULING_POLICIES, EngineConfig
 from prefixcache.engine.args import config_default
 from prefixcache.http.retention import BREAKPOINT_PRIORITY
 
@@ -230,6 +236,17 @@ def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def flood_cost(policies: dict[str, dict[str, Any]]) -> dict[str, float] | None:
+    """B's throughput under ``cache-aware`` over ``fcfs`` in each flooded run; None without both policies."""
+    if not {"fcfs", "cache-aware"} <= policies.keys():
+        return None
+    ours, fcfs = policies["cache-aware"]["runs"], policies["fcfs"]["runs"]
+    return {
+        name: ours[name]["B"]["request_throughput"] / fcfs[name]["B"]["request_throughput"]
+        for name in ("lru", "cache_control")
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import AutoTokenizer
@@ -255,22 +272,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{machine['cores']} cores, load average {'/'.join(f'{x:.2f}' for x in machine['load_average_before'])}"
     )
     print(sizing.describe(args, workload, kv_bytes_per_token))
-    runs: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="prefixcache-noisy-") as workdir, contextlib.ExitStack() as stack:
+    with tempfile.TemporaryDirectory(prefix="prefixcache-noisy-") as workdir:
         bench = Bench(args, Path(workdir), config.vocab_size, kv_bytes_per_token)
         keys = [option for key in KEYS.values() for option in ("--api-key", key)]
         extra = ["--num-gpu-blocks-override", str(sizing.blocks), "--enable-reset-prefix-cache", *keys]
         extra += ["--max-num-seqs", str(args.max_num_seqs)]
-        server = bench.launch(stack, "server", extra)
-        server.wait_ready(args.startup_timeout)
-        model = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {KEYS['A']}"}, timeout=10)
-        noisy = NoisyBench(bench, server, model.json()["data"][0]["id"], workload)
-        asyncio.run(noisy.warm_up())
-        for name in RUNS:
-            started = time.perf_counter()
-            runs[name] = asyncio.run(noisy.run(name))
-            runs[name]["wall_s"] = time.perf_counter() - started
-            print(f"{RUNS[name]}: done in {runs[name]['wall_s']:.0f}s", flush=True)
+        with contextlib.ExitStack() as stack:
+            # Every policy's server up at once (an idle one sleeps), the runs interleaved: the paired runs of two
+            # policies are minutes apart, not half an hour, on a machine whose load drifts.
+            servers = {
+                policy: bench.launch(stack, f"server-{policy}", [*extra, "--scheduling-policy", policy])
+                for policy in dict.fromkeys(args.scheduling_policy)
+            }
+            benches = {}
+            for policy, server in servers.items():
+                server.wait_ready(args.startup_timeout)
+                headers = {"Authorization": f"Bearer {KEYS['A']}"}
+                model = httpx.get(f"{server.url}/v1/models", headers=headers, timeout=10)
+                benches[policy] = NoisyBench(bench, server, model.json()["data"][0]["id"], workload)
+                asyncio.run(benches[policy].warm_up())
+            runs: dict[str, dict[str, dict[str, Any]]] = {policy: {} for policy in servers}
+            for name in RUNS:
+                for policy, noisy in benches.items():
+                    started = time.perf_counter()
+                    runs[policy][name] = asyncio.run(noisy.run(name))
+                    runs[policy][name]["wall_s"] = time.perf_counter() - started
+                    print(f"{policy}, {RUNS[name]}: done in {runs[policy][name]['wall_s']:.0f}s", flush=True)
+        policies = {policy: {"runs": runs[policy], **compare(runs[policy])} for policy in servers}
     machine["load_average_after"] = os.getloadavg()
     options = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in _NOT_OPTIONS}
     report = {
@@ -285,8 +313,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "cache_control_priority": BREAKPOINT_PRIORITY[TTL],
         },
         "machine": machine,
-        "runs": runs,
-        **compare(runs),
+        "policies": policies,
+        "flood_throughput_ratio": flood_cost(policies),
     }
     print_report(report)
     if args.json is not None:
@@ -296,25 +324,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_report(report: dict[str, Any]) -> None:
     print(
-        f"\n{'run':<30}{'A hit rate':>11}{'A TTFT mean':>13}{'median':>9}{'p90':>9}{'B TTFT mean':>13}"
-        f"{'B hit rate':>11}{'wall':>7}"
+        f"\n{'policy':<13}{'run':<30}{'A hit rate':>11}{'A TTFT mean':>13}{'median':>9}{'p90':>9}{'B TTFT mean':>13}"
+        f"{'B req/s':>9}{'wall':>7}"
     )
-    for row in report["runs"].values():
-        a, b = row["A"], row["B"]
-        flood = f"{b['mean_ttft_ms']:>11.0f}ms{b['hit_rate'] or 0.0:>11.3f}" if b else f"{'-':>13}{'-':>11}"
-        print(
-            f"{row['label']:<30}{a['hit_rate'] or 0.0:>11.3f}{a['mean_ttft_ms']:>11.0f}ms{a['median_ttft_ms']:>7.0f}ms"
-            f"{a['p90_ttft_ms']:>7.0f}ms{flood}{row['wall_s']:>6.0f}s"
-        )
-    for name in ("lru", "cache_control"):
-        ratios = report["ratios"][name]
-        hit = "n/a" if ratios["hit_rate_ratio"] is None else f"{ratios['hit_rate_ratio']:.3f}"
-        print(f"{RUNS[name]}: A's hit rate {hit} of alone, A's mean TTFT {ratios['ttft_ratio']:.2f}x alone")
+    for policy, result in report["policies"].items():
+        for row in result["runs"].values():
+            a, b = row["A"], row["B"]
+            flood = f"{b['mean_ttft_ms']:>11.0f}ms{b['request_throughput']:>9.4f}" if b else f"{'-':>13}{'-':>9}"
+            print(
+                f"{policy:<13}{row['label']:<30}{a['hit_rate'] or 0.0:>11.3f}{a['mean_ttft_ms']:>11.0f}ms"
+                f"{a['median_ttft_ms']:>7.0f}ms{a['p90_ttft_ms']:>7.0f}ms{flood}{row['wall_s']:>6.0f}s"
+            )
     met = {True: "met", False: "NOT met"}
-    print(
-        f"goals with cache_control: hit rate >= {HIT_RATE_GOAL} of alone: {met[report['hit_rate_goal_met']]}; "
-        f"mean TTFT <= {TTFT_GOAL}x alone: {met[report['ttft_goal_met']]}"
-    )
+    for policy, result in report["policies"].items():
+        for name in ("lru", "cache_control"):
+            ratios = result["ratios"][name]
+            hit = "n/a" if ratios["hit_rate_ratio"] is None else f"{ratios['hit_rate_ratio']:.3f}"
+            print(
+                f"{policy}, {RUNS[name]}: A's hit rate {hit} of alone, A's mean TTFT {ratios['ttft_ratio']:.2f}x alone"
+            )
+        print(
+            f"{policy}: goals with cache_control: hit rate >= {HIT_RATE_GOAL} of alone: "
+            f"{met[result['hit_rate_goal_met']]}; mean TTFT <= {TTFT_GOAL}x alone: {met[result['ttft_goal_met']]}"
+        )
+    cost = report["flood_throughput_ratio"]
+    if cost is not None:
+        print(
+            "B's throughput with cache-aware over fcfs: "
+            + ", ".join(f"{RUNS[name]} {ratio:.3f}" for name, ratio in cost.items())
+        )
     load = report["machine"]["load_average_after"]
     print(f"load average after: {'/'.join(f'{x:.2f}' for x in load)}")
 
@@ -345,6 +383,13 @@ def register(bench: argparse._SubParsersAction) -> None:
         default=config_default("max_num_seqs"),
         help="the server's cap on requests running at once: running requests' blocks are not free, so no "
         "priority keeps A's prefix once B's running requests need the whole cache",
+    )
+    p.add_argument(
+        "--scheduling-policy",
+        nargs="+",
+        choices=SCHEDULING_POLICIES,
+        default=list(SCHEDULING_POLICIES),
+        help="the server's --scheduling-policy; the three runs are made once per policy given",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for the server to come up")

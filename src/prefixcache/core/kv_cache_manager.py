@@ -397,14 +397,14 @@ class KVCacheManager:
         read and staged now. Capped so that at least the last token is computed (its logits are needed).
         Takes nothing: no reference, no move in the eviction order, until ``allocate_slots``.
         """
-        if not self.enable_caching or request.skip_reading_prefix_cache:
+        hit = self._device_hit(request)
+        if hit is None:
             return PrefixHit([[] for _ in self.groups])
-        hashes = self.block_hashes(request)
-        max_blocks = hittable_blocks(request.num_tokens, self.block_size)
-        hit = self._local_hit(request, hashes, max_blocks)
-        if self.connector is not None and self.state is not None:
-            return self._state_connector_hit(request, hashes, hit, max_blocks, read=True)
         if self.connector is not None:
+            hashes = self.block_hashes(request)
+            max_blocks = hittable_blocks(request.num_tokens, self.block_size)
+            if self.state is not None:
+                return self._state_connector_hit(request, hashes, hit, max_blocks, read=True)
             num_blocks = hit.num_local_tokens // self.block_size
             num_external = self.connector.extend_hit(request, hashes, num_blocks, max_blocks) * self.block_size
             if num_external > hit.num_copied_tokens:
@@ -414,6 +414,22 @@ class KVCacheManager:
                 hit.num_copied_tokens = 0
                 hit.num_external_tokens = num_external
         return hit
+
+    def device_hit_tokens(self, request: Request) -> int:
+        """Tokens of the request's prefix the device cache would give it now: :meth:`find_prefix`'s hit without
+        the connector (nothing read, staged or taken; the block hashes are computed once per request). Cheap
+        enough for a scheduler to rank every waiting request by each step; asking a tier (a Redis round trip)
+        per waiting request would not be."""
+        hit = self._device_hit(request)
+        return 0 if hit is None else hit.num_tokens
+
+    def _device_hit(self, request: Request) -> PrefixHit | None:
+        """The pool's hit (sub-block copy included), capped so the last token is computed; None when the request
+        may not read the cache."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return None
+        max_blocks = hittable_blocks(request.num_tokens, self.block_size)
+        return self._local_hit(request, self.block_hashes(request), max_blocks)
 
     def lookup(
         self,

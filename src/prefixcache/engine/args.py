@@ -9,7 +9,7 @@ import argparse
 from dataclasses import MISSING, fields
 from typing import Any
 
-from prefixcache.config import DTYPES, QUANTIZATIONS, EngineConfig
+from prefixcache.config import DTYPES, QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig
 from prefixcache.core import HASH_ALGOS
 from prefixcache.core.eviction import EVICTION_POLICIES
 from prefixcache.core.retention_rules import RETENTION_RULES
@@ -110,6 +110,13 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         field="max_state_checkpoint_fraction",
         type=float,
         help="share of --kv-cache-memory for recurrent-state checkpoints (models with recurrent layers)",
+    )
+    option(
+        "--scheduling-policy",
+        field="scheduling_policy",
+        choices=SCHEDULING_POLICIES,
+        help="order of waiting requests: fcfs, or cache-aware (fewest uncached prompt tokens first, with aging, "
+        "and cold prefill capped in a step with a short one)",
     )
     option("--max-num-batched-tokens", field="max_num_batched_tokens", type=int, help="tokens computed per step")
     option("--max-num-seqs", field="max_num_seqs", type=int, help="requests running at once")

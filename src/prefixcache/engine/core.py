@@ -115,7 +115,9 @@ class EngineCore:
                 self.kv_capacity_tokens,
                 self.kv_capacity_tokens,
             )
-        self.scheduler = Scheduler(self.manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.manager, config.max_num_seqs, config.max_num_batched_tokens, config.scheduling_policy
+        )
         device = torch.device(config.device)
         kv_caches = model.allocate_kv_cache(num_blocks, config.block_size, dtype, device, model_groups)
         state_cache = None

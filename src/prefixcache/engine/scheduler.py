@@ -1,18 +1,42 @@
 """Continuous batching with chunked prefill, prefix-cache-aware admission and preemption by recompute.
 
 Each step spends a token budget: running requests first (decodes and unfinished prefill chunks, in
-arrival order), then waiting requests first come first served. A new request is charged only for
+arrival order), then waiting requests in the policy's order. A new request is charged only for
 its uncached tokens. When blocks run out, the newest running request is preempted: its blocks are
 freed (they stay cached, so it can hit them when it resumes) and it goes back to the front of the
 queue.
+
+Policies (``EngineConfig.scheduling_policy``):
+
+- ``fcfs``: first come first served; the first request that does not fit stops admission.
+- ``cache-aware``: the fewest uncached prompt tokens first (ranked by the device hit each step, ties by
+  arrival). Behind a flood of cold prompts, FCFS makes a request that mostly hits the cache wait for every
+  one of them, though it needs a few tokens of prefill. Three rules beside the order:
+
+  - *aging*: a waiting request counts the uncached tokens of the later arrivals admitted ahead of it; once
+    they reach its own uncached tokens it is *due*. Due requests, and preempted ones, go first, oldest first,
+    and one that does not fit stops admission as in FCFS: being passed over costs a request at most about what
+    its own prefill does, so a cold 1,024-token prompt lets many short questions by, and a long cold prompt is
+    passed over by two cold prompts of half its size, not by the whole flood.
+  - *step sharing*: in a step that admits a *short* request (at most ``short_prefill_tokens`` uncached), the
+    other prefill chunks of the step, running and admitted, share at most ``short_prefill_tokens`` tokens,
+    so its first token waits for a short step rather than a cold 1,024-token chunk; the cold prefill goes on
+    next step.
+  - *a seat*: when every seat is taken and the first in line is short, the newest running request that was
+    admitted cold, never preempted, with more than one token to go, is preempted for it (its blocks stay
+    cached; it goes back due).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
+from prefixcache.config import SCHEDULING_POLICIES
 from prefixcache.core import KVCacheManager
 from prefixcache.core.state_table import StateWork
 from prefixcache.core.sub_block import CopyOp
@@ -20,6 +44,13 @@ from prefixcache.engine.request import EngineRequest, RequestStatus
 
 if TYPE_CHECKING:
     from prefixcache.offload.connector import OffloadPlan
+
+# A prefill this short is latency-bound (a cached request's question, a chat turn): with ``cache-aware`` it caps
+# the cold prefill sharing its step. 64 tokens cost a CPU step little more than a decode, a GPU step nothing.
+SHORT_PREFILL_TOKENS = 64
+# Waiting requests whose rank ``cache-aware`` looks up again each step, stalest first (new ones are looked up when
+# they come): a cached prompt's walk is one lookup a block, so a step's cost is bounded however long the queue.
+REFRESH_PER_STEP = 64
 
 
 @dataclass(slots=True)
@@ -54,18 +85,34 @@ class SchedulerOutput:
 
 class Scheduler:
     """Admits and grows requests through ``manager``, which finds their prefixes (device, sub-block copies,
-    offload tiers) and owns their blocks."""
+    offload tiers) and owns their blocks; ``policy`` orders the waiting requests (see the module's doc)."""
 
-    def __init__(self, manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str = "fcfs",
+        *,
+        short_prefill_tokens: int = SHORT_PREFILL_TOKENS,
+    ) -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
         self.manager = manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.short_prefill_tokens = short_prefill_tokens
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.num_preemptions = 0
+        # cache-aware: each waiting request's uncached tokens as last looked up, and the order to refresh them in.
+        self._uncached: dict[str, int] = {}
+        self._stalest: deque[EngineRequest] = deque()
 
     def add_request(self, request: EngineRequest) -> None:
         self.waiting.append(request)
+        self._look_up(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -76,26 +123,96 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+            self._uncached.pop(request.request_id, None)
         request.status = status
         self.manager.free(request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        candidates, short = self._candidates(out)
+        num_seat_preemptions = len(out.preempted)
+        # The cold prefill tokens this step may still take beside a short admission; None: no cap.
+        cap = self.short_prefill_tokens if short else None
         budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             start = request.num_computed_tokens
             num_new = min(request.num_tokens - start, budget)
+            if cap is not None and num_new > 1:  # a prefill chunk; decodes are never capped
+                num_new = min(num_new, cap)
+                if num_new == 0:
+                    i += 1
+                    continue
             if not self._allocate_or_preempt(request, num_new, out):
                 break
+            if cap is not None and num_new > 1:
+                cap -= num_new
             out.chunks.append(self._chunk(request, start, num_new))
             budget -= num_new
             i += 1
-        if not out.preempted:
-            self._admit_waiting(out, budget)
+        if len(out.preempted) == num_seat_preemptions:  # blocks ran out: admit nobody
+            self._admit_waiting(out, budget, candidates, cap)
         out.copies, out.offload = self.manager.take_transfers()
         return out
+
+    def _candidates(self, out: SchedulerOutput) -> tuple[list[EngineRequest], bool]:
+        """The waiting requests that may take this step's free seats, in the order to try them, and whether one
+        of them is short (``fcfs``: the queue's head, nothing looked up). ``cache-aware`` ranks them by their
+        uncached tokens (:meth:`_looked_up`), and when every seat is taken and the first is short, gives it the
+        seat of a cold running request (:meth:`_seat_for_short`)."""
+        seats = self.max_num_seqs - len(self.running)
+        if not self.waiting or (seats <= 0 and self.policy == "fcfs"):
+            return [], False
+        if self.policy == "fcfs":
+            return list(islice(self.waiting, seats)), False
+        uncached = self._looked_up()
+        entries = []
+        for position, request in enumerate(self.waiting):
+            cost = uncached[request.request_id]
+            due = request.num_preemptions > 0 or request.num_passed_tokens >= cost
+            entries.append(((0, 0, position) if due else (1, cost, position), cost, request))
+        chosen = heapq.nsmallest(max(seats, 1), entries, key=itemgetter(0))
+        if seats <= 0:
+            key, cost, _ = chosen[0]
+            if key[0] == 0 or cost > self.short_prefill_tokens or not self._seat_for_short(out):
+                return [], False
+        short = any(cost <= self.short_prefill_tokens for _, cost, _ in chosen)
+        return [request for _, _, request in chosen], short
+
+    def _seat_for_short(self, out: SchedulerOutput) -> bool:
+        """Preempt the newest running request that was admitted cold (more than ``short_prefill_tokens``
+        uncached), was never preempted and has more than one token to go; True if one went. Its blocks stay
+        cached and it goes back due, first for the next seat: a short request waits for a step, not for a cold
+        request's whole generation, and no request loses its seat twice."""
+        short = self.short_prefill_tokens
+        for victim in reversed(self.running):
+            cold = victim.num_prompt_tokens - (victim.num_cached_tokens or 0) > short
+            if cold and not victim.num_preemptions and victim.num_output_tokens + 1 < victim.sampling_params.max_tokens:
+                self.running.remove(victim)
+                self._preempt(victim, out)
+                return True
+        return False
+
+    def _looked_up(self) -> dict[str, int]:
+        """Each waiting request's uncached tokens, from the device hit (``KVCacheManager.device_hit_tokens``):
+        looked up when it joins the queue, and the ``REFRESH_PER_STEP`` stalest again each step. With that many
+        waiting or fewer, every one is looked up each step; beyond, an estimate is at most
+        ``len(waiting) / REFRESH_PER_STEP`` steps old, and admission takes the real hit anyway."""
+        uncached, stalest = self._uncached, self._stalest
+        refreshed = 0
+        while stalest and refreshed < min(REFRESH_PER_STEP, len(uncached)):
+            request = stalest.popleft()
+            if request.request_id in uncached and request.status is RequestStatus.WAITING:
+                self._look_up(request)
+                refreshed += 1
+        return uncached
+
+    def _look_up(self, request: EngineRequest) -> None:
+        """``cache-aware``: note a waiting request's uncached tokens now, and put it last to be looked up again."""
+        if self.policy == "cache-aware":
+            self._uncached[request.request_id] = request.num_tokens - self.manager.device_hit_tokens(request)
+            self._stalest.append(request)
 
     def _allocate_or_preempt(self, request: EngineRequest, num_new: int, out: SchedulerOutput) -> bool:
         """Preempt the newest running requests until ``request`` fits; False if it had to go itself."""
@@ -106,16 +223,34 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(
+        self, out: SchedulerOutput, budget: int, candidates: list[EngineRequest], cap: int | None
+    ) -> None:
+        """Admit ``candidates`` in order until one does not fit; cold ones share ``cap`` tokens (None: no cap).
+        Each admitted request passes over the older ones still waiting: they count its uncached tokens."""
         manager = self.manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        for request in candidates:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             hit = manager.find_prefix(request)
             num_computed = hit.num_tokens
-            num_new = min(request.num_tokens - num_computed, budget)
+            uncached = request.num_tokens - num_computed
+            num_new = min(uncached, budget)
+            capped = cap is not None and uncached > self.short_prefill_tokens
+            if capped:
+                num_new = min(num_new, cap)
+                if num_new == 0:
+                    break
             if manager.allocate_slots(request, num_new, hit) is None:
                 break
-            self.waiting.popleft()
+            if capped:
+                cap -= num_new
+            for older in self.waiting:
+                if older is request:
+                    break
+                older.num_passed_tokens += uncached
+            self.waiting.remove(request)
+            self._uncached.pop(request.request_id, None)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_computed
             request.status = RequestStatus.RUNNING
@@ -133,4 +268,5 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        self._look_up(request)
         out.preempted.append(request)
