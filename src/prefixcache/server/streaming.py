@@ -8,10 +8,12 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from prefixcache.engine import RequestOutput
+from prefixcache.http.disconnect import unless_disconnected
 from prefixcache.http.middleware import RequestRecord
 from prefixcache.http.protocol import error_body, usage
 from prefixcache.server.async_llm import EngineDeadError, RequestStream
@@ -94,9 +96,18 @@ async def sse_events(
     yield "data: [DONE]\n\n"
 
 
-async def final_outputs(stream: RequestStream) -> dict[int, RequestOutput]:
-    finals: dict[int, RequestOutput] = {}
-    async for index, output in stream:
-        if output.finished:
-            finals[index] = output
-    return finals
+async def final_outputs(request: Request, stream: RequestStream) -> dict[int, RequestOutput] | None:
+    """Each choice's finished output of a non-streaming request; None when the client left first. The stream is
+    aborted either way, so a request whose client left frees its seat and blocks at once."""
+
+    async def collect() -> dict[int, RequestOutput]:
+        finals: dict[int, RequestOutput] = {}
+        async for index, output in stream:
+            if output.finished:
+                finals[index] = output
+        return finals
+
+    try:
+        return await unless_disconnected(request, collect())
+    finally:
+        stream.abort()

@@ -13,7 +13,6 @@ from prefixcache.core.retention import RetentionRange
 from prefixcache.core.tenant_salt import engine_salt
 from prefixcache.engine.input_processor import DEFAULT_PROMPT_OPTIONS, PromptOptions
 from prefixcache.engine.sampling_params import InvalidParameter, SamplingParams
-from prefixcache.http.disconnect import unless_disconnected
 from prefixcache.http.middleware import record_of, tenant_of
 from prefixcache.http.protocol import ChatCompletionRequest, CompletionRequest, usage
 from prefixcache.http.retention import range_json, request_ranges
@@ -203,10 +202,7 @@ async def _generate(
             stream, shaper, base, body.include_usage, body.n, record, body.continuous_usage, body.has_directives
         )
         return RequestStreamingResponse(stream, events)
-    try:
-        finals = await unless_disconnected(request, final_outputs(stream))
-    finally:
-        stream.abort()
+    finals = await final_outputs(request, stream)
     if finals is None:
         return Response(status_code=499)
     finals = {index: shaper.visible(output) for index, output in finals.items()}

@@ -21,7 +21,6 @@ from prefixcache.http.anthropic import (
     message_usage,
     stop_reason,
 )
-from prefixcache.http.disconnect import unless_disconnected
 from prefixcache.http.middleware import RequestRecord, record_of
 from prefixcache.server.async_llm import EngineDeadError, RequestStream
 from prefixcache.server.errors import APIError
@@ -48,10 +47,7 @@ async def create_message(body: MessagesRequest, request: Request, engine: Engine
     stream = await queue_request(request, engine, [prompt], params, message_id, None, 1, retention)
     if body.stream:
         return RequestStreamingResponse(stream, _events(stream, message_id, name, record))
-    try:
-        finals = await unless_disconnected(request, final_outputs(stream))
-    finally:
-        stream.abort()
+    finals = await final_outputs(request, stream)
     if finals is None:
         return Response(status_code=499)
     record_outputs(record, stream, finals, 1)
