@@ -128,6 +128,16 @@ class _WeightOnlyLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = shape
         self.bias = None if bias is None else nn.Parameter(bias.to(device), requires_grad=False)
+        self._matmul: Callable[[torch.Tensor], torch.Tensor]  # ``[M, K]`` in COMPUTE_DTYPE -> ``[M, N]``, no bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == COMPUTE_DTYPE and x.dim() == 2 and self.bias is None:
+            return self._matmul(x)  # the decoder's case: no reshapes or casts to dispatch
+        shape = x.shape
+        out = self._matmul(x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*shape[:-1], self.out_features)
 
 
 class Int4Linear(_WeightOnlyLinear):
@@ -152,7 +162,7 @@ class Int4Linear(_WeightOnlyLinear):
         if probe and not _kernel_works("int4", device):
             dense = scale.repeat_interleave(GROUP_SIZE, 1) * q.float() + minimum.repeat_interleave(GROUP_SIZE, 1)
             self.register_buffer("dense", dense.to(device=device, dtype=COMPUTE_DTYPE))
-            self._matmul: Callable[[torch.Tensor], torch.Tensor] = lambda x: F.linear(x, self.dense)
+            self._matmul = lambda x: F.linear(x, self.dense)
             return
         # [K / 32, N, 2]: each group's scale and zero, the layout both kernels take.
         scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
@@ -166,15 +176,6 @@ class Int4Linear(_WeightOnlyLinear):
             kernel = torch.ops.aten._weight_int4pack_mm
         self.register_buffer("packed", packed.to(device))
         self._matmul = lambda x: kernel(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == COMPUTE_DTYPE and x.dim() == 2 and self.bias is None:
-            return self._matmul(x)  # the decoder's case: no reshapes or casts to dispatch
-        shape = x.shape
-        out = self._matmul(x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)).to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*shape[:-1], self.out_features)
 
 
 class Int8Linear(_WeightOnlyLinear):
@@ -195,25 +196,17 @@ class Int8Linear(_WeightOnlyLinear):
         super().__init__(q.shape, bias, device)
         self.register_buffer("q", q.to(device))
         self.register_buffer("scale", scale.to(device=device, dtype=COMPUTE_DTYPE))
-        self._kernel = not probe or _kernel_works("int8", device)
+        if not probe or _kernel_works("int8", device):
+            self._matmul = lambda x: torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+        else:
+            self._matmul = lambda x: F.linear(x, self.q.to(COMPUTE_DTYPE)) * self.scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] == 1 and self.bias is None:
             # One row, compiled: inductor fuses the dequantization into one pass over the int8 rows, about twice
             # as fast as the kernel (which wins from a few rows on); bfloat16 times int8 is exact in float32.
             return ((x.float()[:, None, :] * self.q.float()).sum(-1) * self.scale.float()).to(x.dtype)
-        if self._kernel and x.dtype == COMPUTE_DTYPE and x.dim() == 2 and self.bias is None:
-            return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
-        shape = x.shape
-        flat = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
-        if self._kernel:
-            out = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scale)
-        else:
-            out = F.linear(flat, self.q.to(COMPUTE_DTYPE)) * self.scale
-        out = out.to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*shape[:-1], self.out_features)
+        return super().forward(x)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized rows ``ids`` (an embedding lookup), in ``dtype``."""
