@@ -3,6 +3,7 @@ endpoints, the ranges the request runs with), ``retention`` and ``prompt_cache_r
 directives refused by name, and the retained tokens in the usage."""
 
 import json
+import math
 
 import httpx
 import pytest
@@ -16,6 +17,9 @@ SYSTEM = "You are a helpful assistant. Answer briefly and truthfully."
 EPHEMERAL_1H = {"type": "ephemeral", "ttl": "1h"}
 EPHEMERAL = {"type": "ephemeral"}
 TOOL = {"type": "function", "function": {"name": "lookup", "description": "Find a word", "parameters": {}}}
+RETAINED_FIELDS = {"retained_written_tokens", "retained_written_5m_tokens", "retained_written_1h_tokens",
+                   "retained_read_tokens"}  # fmt: skip
+BLOCK = 4  # SERVER_ARGS' block size
 
 
 def tokens(url: str, text: str) -> list[int]:
@@ -145,7 +149,7 @@ def test_usage_reports_retained_tokens_only_where_directives_were_given(server):
     system = {"role": "system", "content": SYSTEM + " (usage)", "cache_control": EPHEMERAL_1H}
     body = {"messages": [system, {"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
     details = post(server.url, CHAT, body)["usage"]["prompt_tokens_details"]
-    assert set(details) == {"cached_tokens", "retained_written_tokens", "retained_read_tokens"}
+    assert set(details) == {"cached_tokens", *RETAINED_FIELDS}
     assert details["retained_written_tokens"] > 0
     retained = details["retained_written_tokens"] + details["retained_read_tokens"]
     again = post(server.url, CHAT, body)["usage"]["prompt_tokens_details"]
@@ -159,6 +163,49 @@ def test_usage_reports_retained_tokens_only_where_directives_were_given(server):
     )
     chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert chunks[-1]["usage"]["prompt_tokens_details"]["retained_read_tokens"] == retained
+
+
+def _written_split(details: dict) -> tuple[int, int, int]:
+    return tuple(details[f"retained_written{kind}_tokens"] for kind in ("", "_5m", "_1h"))
+
+
+def _streamed_usage(url: str, body: dict) -> dict:
+    streamed = httpx.post(
+        f"{url}{CHAT}", json={**body, "stream": True, "stream_options": {"include_usage": True}}, timeout=60
+    )
+    assert streamed.status_code == 200, streamed.text
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    return chunks[-1]["usage"]
+
+
+def test_written_tokens_are_split_by_the_ttl_their_blocks_are_kept_for(server):
+    """A 1h tool before a 5m system message (the tiny template renders the tools first): the whole blocks before
+    the tool's end are written for an hour, those between it and the system message's end for 5 minutes (a
+    block across the tool's end lies wholly inside neither range: not retained). Whole and streamed alike; the
+    second call reads it all and writes nothing; without a directive the fields are absent."""
+    system = {"role": "system", "content": SYSTEM + " (split)", "cache_control": EPHEMERAL}
+    body = {
+        "tools": [{**TOOL, "cache_control": EPHEMERAL_1H}],
+        "messages": [system, {"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "cache_salt": "ttl-split",  # nothing cached before
+    }
+    hour, five = rendered_chat(server.url, body)["retention"]
+    assert (hour["duration_ms"], five["duration_ms"]) == (3_600_000, 300_000)
+    written_1h = hour["token_end"] // BLOCK * BLOCK
+    written_5m = (five["token_end"] // BLOCK - math.ceil(five["token_start"] / BLOCK)) * BLOCK
+    assert written_1h > 0 and written_5m > 0
+    first = post(server.url, CHAT, body)["usage"]["prompt_tokens_details"]
+    assert _written_split(first) == (written_1h + written_5m, written_5m, written_1h)
+    assert first["retained_read_tokens"] == 0
+    again = post(server.url, CHAT, body)["usage"]["prompt_tokens_details"]
+    assert _written_split(again) == (0, 0, 0) and again["retained_read_tokens"] == written_1h + written_5m
+    streamed = _streamed_usage(server.url, {**body, "cache_salt": "ttl-split-streamed"})["prompt_tokens_details"]
+    assert _written_split(streamed) == (written_1h + written_5m, written_5m, written_1h)
+    plain = {**body, "tools": [TOOL], "messages": [{"role": "user", "content": "hi"}]}
+    assert set(post(server.url, CHAT, plain)["usage"]["prompt_tokens_details"]) == {"cached_tokens"}
+    assert set(_streamed_usage(server.url, plain)["prompt_tokens_details"]) == {"cached_tokens"}
 
 
 def test_a_clamped_directive_runs_and_the_usage_says_which_bound(secured_server):
@@ -202,3 +249,6 @@ def test_the_openai_sdk_sends_the_directives_and_reads_the_counts(client, model_
     retained = first.retained_written_tokens + first.retained_read_tokens
     assert (second.retained_read_tokens, second.retained_written_tokens) == (retained, 0)
     assert second.cached_tokens >= retained
+    # 24h keeps the whole request longer than 5 minutes: what was written is on the 1h side of the split
+    assert (first.retained_written_1h_tokens, first.retained_written_5m_tokens) == (first.retained_written_tokens, 0)
+    assert (second.retained_written_1h_tokens, second.retained_written_5m_tokens) == (0, 0)

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from prefixcache.engine import RequestOutput, SamplingParams
 from prefixcache.engine.chat_breakpoints import Breakpoint
 from prefixcache.http.protocol import Text
-from prefixcache.http.retention import TTL_SECONDS, CacheControl, check_breakpoint_count, part_breakpoints
+from prefixcache.http.retention import CacheControl, check_breakpoint_count, part_breakpoints, written_by_ttl
 
 MESSAGES_PATH = "/v1/messages"
 # Anthropic's error type for each status (https://docs.anthropic.com/en/api/errors).
@@ -173,13 +173,13 @@ def message_usage(output: RequestOutput) -> dict[str, Any]:
     """Anthropic's usage of one output: the prompt split into read from / written to retained blocks and the rest."""
     written = output.num_retained_written_tokens
     read = output.num_retained_read_tokens
-    written_1h = sum(n for ttl, n in output.num_retained_written_tokens_by_ttl.items() if ttl > TTL_SECONDS["5m"])
+    written_5m, written_1h = written_by_ttl(output.num_retained_written_tokens_by_ttl)
     counts: dict[str, Any] = {
         "input_tokens": len(output.prompt_token_ids) - written - read,
         "output_tokens": len(output.outputs[0].token_ids),
         "cache_creation_input_tokens": written,
         "cache_read_input_tokens": read,
-        "cache_creation": {"ephemeral_5m_input_tokens": written - written_1h, "ephemeral_1h_input_tokens": written_1h},
+        "cache_creation": {"ephemeral_5m_input_tokens": written_5m, "ephemeral_1h_input_tokens": written_1h},
     }
     if output.retention_clamped is not None:
         counts["retention_clamped"] = output.retention_clamped

@@ -33,6 +33,7 @@ from prefixcache.http.retention import (
     TokenRangeRetention,
     check_breakpoint_count,
     part_breakpoints,
+    written_by_ttl,
 )
 
 MAX_CACHE_SALT_LEN = 128
@@ -462,8 +463,9 @@ def usage(outputs: Mapping[int, RequestOutput], n: int, retention: bool = False)
     A prompt counts once however many choices it has; its ``cached_tokens`` is the least any of its copies
     read from the prefix cache (the copies after the first usually read all of it). With ``retention`` (the
     request gave directives) ``prompt_tokens_details`` also has ``retained_written_tokens`` (the most any copy
-    wrote into retained blocks) and ``retained_read_tokens`` (the least any copy read from them), and
-    ``retention_clamped`` says why the engine clamped a directive, when it did.
+    wrote into retained blocks), split by how long they are kept into ``retained_written_5m_tokens`` and
+    ``retained_written_1h_tokens`` (Anthropic's ``cache_creation`` split), and ``retained_read_tokens`` (the least
+    any copy read from them), and ``retention_clamped`` says why the engine clamped a directive, when it did.
     """
     per_prompt: dict[int, list[RequestOutput]] = {}
     for index, output in outputs.items():
@@ -486,12 +488,16 @@ def usage(outputs: Mapping[int, RequestOutput], n: int, retention: bool = False)
 
 
 def retained_usage(per_prompt: Iterable[Sequence[RequestOutput]]) -> dict[str, int]:
-    """Prompt tokens written into and read from retained blocks, summed over prompts; a prompt's copies (its
-    ``n`` choices) count as the one that wrote most and the one that read least."""
+    """Prompt tokens written into (and split by TTL) and read from retained blocks, summed over prompts; a
+    prompt's copies (its ``n`` choices) count as the one that wrote most and the one that read least."""
     per_prompt = list(per_prompt)
+    writers = [max(copies, key=lambda o: o.num_retained_written_tokens) for copies in per_prompt]
+    splits = [written_by_ttl(writer.num_retained_written_tokens_by_ttl) for writer in writers]
     return {
-        "retained_written_tokens": sum(max(o.num_retained_written_tokens for o in c) for c in per_prompt),
-        "retained_read_tokens": sum(min(o.num_retained_read_tokens for o in c) for c in per_prompt),
+        "retained_written_tokens": sum(writer.num_retained_written_tokens for writer in writers),
+        "retained_written_5m_tokens": sum(short for short, _ in splits),
+        "retained_written_1h_tokens": sum(longer for _, longer in splits),
+        "retained_read_tokens": sum(min(o.num_retained_read_tokens for o in copies) for copies in per_prompt),
     }
 
 

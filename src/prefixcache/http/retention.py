@@ -21,7 +21,7 @@ clamped comes back on the output and the response reports it (``usage.retention_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, StrictInt, field_validator, model_validator
@@ -150,6 +150,15 @@ def request_ranges(
     if prompt_cache_retention == "24h":
         ranges.append(RetentionRange(0, None, PERSISTENT_PRIORITY, PERSISTENT_TTL_S))
     return ranges
+
+
+def written_by_ttl(by_ttl: Mapping[float | None, int]) -> tuple[int, int]:
+    """Prompt tokens written into retained blocks (``num_retained_written_tokens_by_ttl``: by the TTL in seconds
+    their blocks are kept for) split as Anthropic's ``cache_creation`` splits them: kept at most 5 minutes, and
+    kept longer (a 1h breakpoint, one cut by the operator's largest TTL to more than 5 minutes, a longer
+    ``retention`` or ``24h``, or no TTL: as long as the priority keeps them). The one split every API shape reports."""
+    longer = sum(n for ttl, n in by_ttl.items() if ttl is None or ttl > TTL_SECONDS["5m"])
+    return sum(by_ttl.values()) - longer, longer
 
 
 def range_json(directive: RetentionRange) -> dict[str, int | None]:
