@@ -188,3 +188,65 @@ def test_directives_the_server_would_refuse_are_bad_lines(tmp_path, tokenizer):
     assert messages[3].startswith("prompt_cache_retention: ")
     assert "messages.0.cache_control.ttl" in messages[4]
     assert "neither seconds nor an ISO 8601 time" in messages[5]
+
+
+HOUR, FIVE = {"type": "ephemeral", "ttl": "1h"}, {"type": "ephemeral"}
+LOOKUP = {"name": "lookup", "description": "Find a word", "input_schema": {"type": "object"}}
+
+
+def test_a_messages_api_body_is_read_as_the_chat_it_runs_as(tmp_path, tokenizer):
+    """``system`` as the first message (its blocks joined), the tool as the OpenAI function it renders as, and a
+    breakpoint after the tool, after a system block and (top-level ``cache_control``) after the last message's
+    content, each at the strongest breakpoint covering it, as the chat endpoint places them."""
+    body = {
+        "model": "m",
+        "max_tokens": 8,
+        "system": [{"type": "text", "text": "Be brief.", "cache_control": HOUR}, {"type": "text", "text": " Always."}],
+        "tools": [{**LOOKUP, "cache_control": FIVE}],
+        "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                     {"role": "user", "content": [{"type": "text", "text": "Why?"}]}],
+        "cache_control": FIVE,
+        "timestamp": 3.0,
+    }  # fmt: skip
+    [logged] = read_bodies(tmp_path, [body])
+    prompts, errors = tokenize_log([logged], lambda body: tokenize_body(body, tokenizer))
+    assert errors == []
+    [prompt] = prompts
+    function = {"type": "function", "function": {"name": "lookup", "description": "Find a word",
+                                                 "parameters": {"type": "object"}}}  # fmt: skip
+    turns = [{"role": "system", "content": "Be brief. Always."}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Why?"}]  # fmt: skip
+    assert prompt.token_ids == chat_token_ids(tokenizer, turns, tools=[function])
+    assert prompt.messages == tuple(turns) and prompt.timestamp == 3.0
+    text = tokenizer.decode(prompt.token_ids)
+    tool_end = text.index("<|end|>")
+    ends = [text.index("Be brief.") + len("Be brief."), text.index("Why?") + len("Why?")]
+    assert (
+        [(tokenizer.decode(prompt.token_ids[: r.end]), r.priority, r.ttl_s) for r in prompt.retention]
+        == [
+            (text[:tool_end], 80, 3600.0),  # the tool, covered by the later 1h system block
+            (text[: ends[0]], 80, 3600.0),
+            (text[: ends[1]], 60, 300.0),
+        ]
+    )
+
+
+def test_a_messages_api_body_the_server_would_refuse_is_a_bad_line_naming_the_field(tmp_path):
+    asked = [{"role": "user", "content": "Hi"}]
+    marked = [{"type": "text", "text": "x", "cache_control": FIVE}]
+    two_hours = [{**marked[0], "cache_control": {**FIVE, "ttl": "2h"}}]
+    refused = [
+        ({"system": "x", "messages": [{"role": "assistant", "content": "prefill"}]}, "the last message"),
+        ({"system": two_hours, "messages": asked}, "system.0.cache_control.ttl"),
+        ({"system": marked * 4, "messages": asked, "cache_control": FIVE}, "at most 4 cache_control breakpoints"),
+        ({"tools": [{"input_schema": {}}], "messages": asked}, "tools.0.name"),
+    ]
+    bad = {json.dumps(body): named for body, named in refused}
+    path = tmp_path / "log.jsonl"
+    lines = write_log(path, [{"system": "Be brief.", "messages": asked}], bad)
+    bodies, errors = read_log(path)
+    assert [b.body["messages"][0] for b in bodies] == [{"role": "system", "content": "Be brief."}]
+    assert [e.line for e in errors] == sorted(lines)
+    for error in errors:
+        assert error.message.startswith("a /v1/messages body the server would refuse (")
+        assert lines[error.line] in error.message

@@ -1,9 +1,9 @@
 """``prefixcache explain LOG``: why the prompts of a request log hit or miss the prefix cache.
 
-Reads JSON lines (OpenAI completion or chat bodies, or {"prompt": ...} / {"prompt_token_ids": [...]};
-``cache_salt`` honoured) and, without running the model, reports the hit rate an infinite cache would
-give, token-exact and in whole blocks, where prompts part from earlier ones and why, what would fix it,
-and missed tokens by reason. ``--capacity-tokens`` replays the log through the real cache manager to
+Reads JSON lines (OpenAI completion or chat bodies, Anthropic Messages bodies, or {"prompt": ...} /
+{"prompt_token_ids": [...]}; ``cache_salt`` honoured) and, without running the model, reports the hit rate an
+infinite cache would give, token-exact and in whole blocks, where prompts part from earlier ones and why, what
+would fix it, and missed tokens by reason. ``--capacity-tokens`` replays the log through the real cache manager to
 count evictions (honouring the log's retention directives, timed by its ``timestamp`` fields when every line
 has one); ``--breakpoint`` replays it again with a breakpoint added to every request, beside the rate
 without; ``--base-url`` tokenizes through a running server and adds what its cache holds now (the replay

@@ -1,7 +1,9 @@
 """Reading a request log: one JSON object a line, the bodies an OpenAI-compatible server receives.
 
 A line is an OpenAI completion body (``prompt``: a string or a list of token ids), a chat body (``messages``, turned
-into tokens by the model's chat template, as the server does), or an offline prompt (``{"prompt": ...}`` /
+into tokens by the model's chat template, as the server does), an Anthropic Messages body (told by its top-level
+``system`` or ``cache_control`` or a tool's ``input_schema``; read as the chat body the server runs it as, with
+``http/anthropic.py``'s conversion), or an offline prompt (``{"prompt": ...}`` /
 ``{"prompt_token_ids": [...]}``). ``cache_salt`` and ``lora_name`` name the cache namespace a request reads;
 ``add_special_tokens`` says whether a text gets the tokenizer's special tokens (the server's default: a completion's
 text does, a chat adds none beyond its template). Retention directives are read as the server reads them
@@ -29,7 +31,8 @@ from pydantic import TypeAdapter, ValidationError
 from prefixcache.core.retention import RetentionRange, check_retention
 from prefixcache.engine.chat_breakpoints import Breakpoint
 from prefixcache.engine.input_processor import check_vocabulary, hinted_chat_prompt, tokenize_prompt
-from prefixcache.http.protocol import ChatMessage, ChatTool, Text, adds_special_tokens
+from prefixcache.http.anthropic import MessagesConversation
+from prefixcache.http.protocol import ChatMessage, ChatTool, Text, adds_special_tokens, conversation_breakpoints
 from prefixcache.http.retention import (
     PromptCacheRetention,
     TokenRangeRetention,
@@ -118,8 +121,34 @@ def read_log(path: Path) -> tuple[list[LoggedBody], list[LineError]]:
             if not isinstance(body, dict):
                 errors.append(LineError(number, f"a JSON {type(body).__name__}, not a request object"))
                 continue
-            bodies.append(LoggedBody(number, body))
+            try:
+                bodies.append(LoggedBody(number, as_chat_body(body)))
+            except ValueError as exc:
+                errors.append(LineError(number, str(exc)))
     return bodies, errors
+
+
+def is_messages_body(body: dict[str, Any]) -> bool:
+    """Whether a body is one only ``/v1/messages`` takes: a top-level ``system`` or ``cache_control``, or a tool
+    with an ``input_schema``. A Messages body without any of them is a chat body too, one that renders the same."""
+    tools = body.get("tools")
+    marked_tools = isinstance(tools, list) and any(isinstance(tool, dict) and "input_schema" in tool for tool in tools)
+    return body.get("system") is not None or body.get("cache_control") is not None or marked_tools
+
+
+def as_chat_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A ``/v1/messages`` body as the chat body its conversation runs as (``MessagesConversation``, the server's
+    own conversion), its other fields kept; any other body as it is. ValueError naming the field the server
+    would refuse."""
+    if not is_messages_body(body):
+        return body
+    fields = {name for name in MessagesConversation.model_fields}
+    try:
+        conversation = MessagesConversation.model_validate({k: v for k, v in body.items() if k in fields})
+    except ValidationError as exc:
+        field, error = _first_error(exc)
+        raise ValueError(f"a /v1/messages body the server would refuse ({field or 'body'}: {error})") from None
+    return {**{k: v for k, v in body.items() if k not in fields}, **conversation.chat_body()}
 
 
 def namespace_of(body: dict[str, Any]) -> tuple[str | None, str | None]:
@@ -142,8 +171,11 @@ def valid_text(text: str, field: str) -> str:
 
 
 def _first_error(exc: ValidationError) -> tuple[str, str]:
-    """Where pydantic's first error lies (field names and indexes, not its own validator names) and what it is."""
-    first = exc.errors()[0]
+    """Where pydantic's telling error lies (field names and indexes, not its own validator names) and what it is:
+    our own checks' first, else the one deepest in the body (of a union, the member that got furthest: a bad
+    ``ttl`` in a text block, not "system: Input should be a valid string")."""
+    errors = exc.errors()
+    first = next((e for e in errors if e["type"] == "value_error"), max(errors, key=lambda e: len(e["loc"])))
     where = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or str(p).isidentifier())
     return where, first["msg"].removeprefix("Value error, ")
 
@@ -208,9 +240,7 @@ def _chat_tokens(body: dict[str, Any], tokenizer: Any, locate_system: bool, mess
     if tools is not None and not isinstance(tools, list):
         raise ValueError("tools must be a list")
     tools = [_validated(ChatTool, tool, f"bad tool (tools.{i}") for i, tool in enumerate(tools or ())]
-    marks = [(Breakpoint("tool", i), t.cache_control) for i, t in enumerate(tools) if t.cache_control]
-    for index, message in enumerate(messages):
-        marks.extend(message.breakpoints(index))
+    marks = conversation_breakpoints(messages, tools)
     check_breakpoint_count(len(marks))
     points = [point for point, _ in marks]
     num_system = next((i for i, m in enumerate(messages) if m.role != "system"), len(messages))

@@ -176,7 +176,7 @@ def _through_tokenize(
                 ids = checked_token_ids(body[field], field)
                 _post(client, "/detokenize", {"tokens": ids})  # ids the server refuses are a bad line
             elif body.get("messages") is not None:
-                chat = {"messages": body["messages"], "add_generation_prompt": True, **_special_tokens(body, True)}
+                chat = {**_chat_input(body), "add_generation_prompt": True, **_special_tokens(body, True)}
                 ids = _post(client, "/tokenize", chat)["tokens"]
             elif isinstance(body.get("prompt"), str):
                 ids = _post(client, "/tokenize", {"prompt": body["prompt"], **_special_tokens(body, False)})["tokens"]
@@ -207,7 +207,7 @@ def _breakpoints(client: Any, body: dict[str, Any]) -> tuple[RetentionRange, ...
     ranges it answers are the breakpoints' (the body's own ``retention`` is ``prompt_of``'s to add)."""
     if not _marked(body.get("messages")) and not _marked(body.get("tools")):
         return ()
-    render = {k: body[k] for k in ("messages", "tools") if body.get(k) is not None} | _special_tokens(body, True)
+    render = _chat_input(body) | _special_tokens(body, True)
     answer = _post(client, "/v1/chat/completions/render", render)
     return tuple(TokenRangeRetention.model_validate(entry).range() for entry in answer.get("retention") or ())
 
@@ -239,12 +239,17 @@ def _special_tokens(body: dict[str, Any], chat: bool) -> dict[str, bool]:
     return {"add_special_tokens": adds_special_tokens(body, chat)}
 
 
+def _chat_input(body: dict[str, Any]) -> dict[str, Any]:
+    """A chat body's messages and its tools (which the template renders into the prompt)."""
+    return {k: body[k] for k in ("messages", "tools") if body.get(k) is not None}
+
+
 def _lookup_body(body: dict[str, Any]) -> dict[str, Any]:
     """The parts of a logged body the lookup needs (sampling fields would only be validated)."""
     if body.get("prompt_token_ids") is not None:
         prompt: dict[str, Any] = {"prompt": body["prompt_token_ids"]}
     elif body.get("messages") is not None:
-        prompt = {"messages": body["messages"], **_special_tokens(body, True)}
+        prompt = {**_chat_input(body), **_special_tokens(body, True)}
     else:
         prompt = {"prompt": body.get("prompt"), **_special_tokens(body, False)}
     return {**prompt, "cache_salt": body.get("cache_salt"), "return_token_ids": True}

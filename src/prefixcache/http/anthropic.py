@@ -2,7 +2,8 @@
 its usage, the streamed events, and Anthropic's error shape.
 
 Text only: content is a string or text blocks, ``system`` a string or text blocks, ``tools`` go to the chat
-template (a call the model writes comes back as its text). ``cache_control`` on a tool, a system block or a
+template (a call the model writes comes back as its text); the conversation runs as the OpenAI chat one it is
+(``MessagesConversation``). ``cache_control`` on a tool, a system block or a
 message's block is a retention breakpoint (``http/retention.py``). Usage follows Anthropic's accounting:
 ``cache_creation_input_tokens`` are prompt tokens this request wrote into retained blocks,
 ``cache_read_input_tokens`` the ones it read from them, and ``input_tokens`` the rest of the prompt, so the three
@@ -21,8 +22,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from prefixcache.engine import RequestOutput, SamplingParams
 from prefixcache.engine.chat_breakpoints import Breakpoint
-from prefixcache.http.protocol import Text
-from prefixcache.http.retention import CacheControl, check_breakpoint_count, part_breakpoints, written_by_ttl
+from prefixcache.http.protocol import (
+    ChatMessage,
+    ChatTool,
+    FunctionDefinition,
+    Text,
+    TextPart,
+    conversation_breakpoints,
+)
+from prefixcache.http.retention import CacheControl, check_breakpoint_count, written_by_ttl
 
 MESSAGES_PATH = "/v1/messages"
 # Anthropic's error type for each status (https://docs.anthropic.com/en/api/errors).
@@ -42,27 +50,13 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class TextBlock(_Body):
-    type: Literal["text"]
-    text: Text
-    cache_control: CacheControl | None = None
-
-
-def _joined(content: str | list[TextBlock], index: int) -> tuple[str, list[tuple[Breakpoint, CacheControl]]]:
-    """A content as the one string templates take, and its breakpoints (as message ``index`` of the template's
-    conversation)."""
-    if isinstance(content, str):
-        return content, []
-    return "".join(block.text for block in content), part_breakpoints(content, index)
-
-
 class InputMessage(_Body):
     role: Literal["user", "assistant"]
-    content: Text | list[TextBlock]
+    content: Text | list[TextPart]
 
 
 class Tool(_Body):
-    """A client tool: its definition goes to the chat template in the function shape templates read."""
+    """A client tool: its definition goes to the chat template as the OpenAI function it is."""
 
     type: Literal["custom"] | None = None
     name: Text
@@ -70,25 +64,27 @@ class Tool(_Body):
     input_schema: dict[str, Any]
     cache_control: CacheControl | None = None
 
-    def template_dict(self) -> dict[str, Any]:
-        function = {"name": self.name, "parameters": self.input_schema}
-        if self.description is not None:
-            function["description"] = self.description
-        return {"type": "function", "function": function}
+    def chat_tool(self) -> ChatTool:
+        function = FunctionDefinition(name=self.name, description=self.description, parameters=self.input_schema)
+        return ChatTool(type="function", function=function, cache_control=self.cache_control)
 
 
 class Metadata(_Body):
     user_id: Text | None = None
 
 
-class CountTokensRequest(_Body):
-    """The conversation of a Messages request (the body of ``POST /v1/messages/count_tokens``): the last message
-    is the user's (a final assistant message, Anthropic's prefill, is not implemented). A top-level
-    ``cache_control`` marks the last block of the last message, as Anthropic's automatic caching does."""
+class MessagesConversation(_Body):
+    """What a Messages request asks the model to read: its ``messages`` (the last one the user's: a final assistant
+    message, Anthropic's prefill, is not implemented), ``system``, ``tools`` and a top-level ``cache_control``,
+    which marks the end of the last block of the last message, as Anthropic's automatic caching does.
 
-    model: Text
+    It runs as the OpenAI chat conversation it is (``chat_messages``, ``chat_tools``): ``system`` a system message
+    first, text blocks content parts, a tool a function, each ``cache_control`` where it was. The server renders
+    that; ``explain`` reads a logged Messages body as that chat body (``chat_body``), so its hashes are the ones
+    the engine ran."""
+
     messages: list[InputMessage]
-    system: Text | list[TextBlock] | None = None
+    system: Text | list[TextPart] | None = None
     tools: list[Tool] | None = None
     cache_control: CacheControl | None = None
 
@@ -102,30 +98,48 @@ class CountTokensRequest(_Body):
         return messages
 
     @model_validator(mode="after")
-    def _bounded_breakpoints(self) -> CountTokensRequest:
+    def _bounded_breakpoints(self) -> MessagesConversation:
         check_breakpoint_count(len(self.conversation()[1]))
         return self
 
-    def conversation(self) -> tuple[list[dict[str, str]], list[tuple[Breakpoint, CacheControl]]]:
-        """The messages as the chat template takes them (``system`` first, as a system message) and every
-        breakpoint: tools first, then system, then the messages, Anthropic's order of the prompt."""
-        marks = [(Breakpoint("tool", i), t.cache_control) for i, t in enumerate(self.tools or ()) if t.cache_control]
-        messages = []
-        if self.system is not None:
-            text, system_marks = _joined(self.system, 0)
-            messages.append({"role": "system", "content": text})
-            marks.extend(system_marks)
-        for message in self.messages:
-            text, message_marks = _joined(message.content, len(messages))
-            messages.append({"role": message.role, "content": text})
-            marks.extend(message_marks)
+    def chat_messages(self) -> list[ChatMessage]:
+        """The conversation as OpenAI chat messages: ``system`` first, then the messages; the top-level
+        ``cache_control`` as an empty part at the end of the last one (a breakpoint at its end)."""
+        messages = [] if self.system is None else [ChatMessage(role="system", content=self.system)]
+        messages += [ChatMessage(role=message.role, content=message.content) for message in self.messages]
         if self.cache_control is not None:
-            last = len(messages) - 1
-            marks.append((Breakpoint("content", last, len(messages[last]["content"])), self.cache_control))
-        return messages, marks
+            last = messages[-1]
+            parts = last.content if isinstance(last.content, list) else [TextPart(type="text", text=last.content)]
+            marked = TextPart(type="text", text="", cache_control=self.cache_control)
+            messages[-1] = ChatMessage(role=last.role, content=[*parts, marked])
+        return messages
+
+    def chat_tools(self) -> list[ChatTool] | None:
+        return None if not self.tools else [tool.chat_tool() for tool in self.tools]
+
+    def conversation(self) -> tuple[list[dict[str, str]], list[tuple[Breakpoint, CacheControl]]]:
+        """The messages as the chat template takes them and every breakpoint, in the prompt's order (tools,
+        system, messages), as the chat endpoint finds them."""
+        messages = self.chat_messages()
+        return [message.template_dict() for message in messages], conversation_breakpoints(messages, self.chat_tools())
 
     def template_tools(self) -> list[dict[str, Any]] | None:
-        return None if not self.tools else [tool.template_dict() for tool in self.tools]
+        tools = self.chat_tools()
+        return None if tools is None else [tool.template_dict() for tool in tools]
+
+    def chat_body(self) -> dict[str, Any]:
+        """The chat completions body of the same conversation (what ``explain`` reads a logged Messages body as)."""
+        body: dict[str, Any] = {"messages": [message.model_dump(exclude_none=True) for message in self.chat_messages()]}
+        tools = self.chat_tools()
+        if tools is not None:
+            body["tools"] = [tool.model_dump(exclude_none=True) for tool in tools]
+        return body
+
+
+class CountTokensRequest(MessagesConversation):
+    """The body of ``POST /v1/messages/count_tokens``: the conversation and the model."""
+
+    model: Text
 
 
 class MessagesRequest(CountTokensRequest):

@@ -322,6 +322,17 @@ class ChatTool(_Body):
         return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
 
 
+def conversation_breakpoints(
+    messages: Sequence[ChatMessage], tools: Sequence[ChatTool] | None
+) -> list[tuple[Breakpoint, CacheControl]]:
+    """Every ``cache_control`` of a conversation, tools first, then the messages in order (the order the template
+    renders them in)."""
+    marks = [(Breakpoint("tool", i), t.cache_control) for i, t in enumerate(tools or ()) if t.cache_control]
+    for index, message in enumerate(messages):
+        marks.extend(message.breakpoints(index))
+    return marks
+
+
 class ChatCompletionRequest(_GenerationRequest):
     """``continue_final_message`` (vLLM's and SGLang's) is accepted as false only: the reply always starts a new
     assistant message. The reasoning switches, SGLang's ``separate_reasoning`` and ``stream_reasoning`` and
@@ -378,11 +389,7 @@ class ChatCompletionRequest(_GenerationRequest):
         return None if not self.tools else [tool.template_dict() for tool in self.tools]
 
     def breakpoints(self) -> list[tuple[Breakpoint, CacheControl]]:
-        """Every ``cache_control`` of the request, tools first, then the messages in order."""
-        marks = [(Breakpoint("tool", i), t.cache_control) for i, t in enumerate(self.tools or ()) if t.cache_control]
-        for index, message in enumerate(self.messages):
-            marks.extend(message.breakpoints(index))
-        return marks
+        return conversation_breakpoints(self.messages, self.tools)
 
     @property
     def num_logprobs(self) -> int | None:
