@@ -142,7 +142,7 @@ def as_chat_body(body: dict[str, Any]) -> dict[str, Any]:
     would refuse."""
     if not is_messages_body(body):
         return body
-    fields = {name for name in MessagesConversation.model_fields}
+    fields = set(MessagesConversation.model_fields)
     try:
         conversation = MessagesConversation.model_validate({k: v for k, v in body.items() if k in fields})
     except ValidationError as exc:

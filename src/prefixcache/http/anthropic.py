@@ -3,8 +3,8 @@ its usage, the streamed events, and Anthropic's error shape.
 
 Text only: content is a string or text blocks, ``system`` a string or text blocks, ``tools`` go to the chat
 template (a call the model writes comes back as its text); the conversation runs as the OpenAI chat one it is
-(``MessagesConversation``). ``cache_control`` on a tool, a system block or a
-message's block is a retention breakpoint (``http/retention.py``). Usage follows Anthropic's accounting:
+(``MessagesConversation``). ``cache_control`` on a tool, a system block or a message's block is a retention
+breakpoint (``http/retention.py``). Usage follows Anthropic's accounting:
 ``cache_creation_input_tokens`` are prompt tokens this request wrote into retained blocks,
 ``cache_read_input_tokens`` the ones it read from them, and ``input_tokens`` the rest of the prompt, so the three
 add up to the prompt; ``cache_creation`` splits the written ones by the TTL their blocks are kept for (a TTL
