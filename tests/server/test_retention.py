@@ -252,3 +252,8 @@ def test_the_openai_sdk_sends_the_directives_and_reads_the_counts(client, model_
     # 24h keeps the whole request longer than 5 minutes: what was written is on the 1h side of the split
     assert (first.retained_written_1h_tokens, first.retained_written_5m_tokens) == (first.retained_written_tokens, 0)
     assert (second.retained_written_1h_tokens, second.retained_written_5m_tokens) == (0, 0)
+    # streamed, its 5m breakpoint alone (another salt: nothing cached): what it writes is on the 5m side
+    fresh = {**ask, "stream": True, "stream_options": {"include_usage": True}, "extra_body": {"cache_salt": "sdk"}}
+    streamed = list(client.chat.completions.create(**fresh))[-1].usage.prompt_tokens_details
+    assert streamed.retained_written_5m_tokens == streamed.retained_written_tokens > 0
+    assert streamed.retained_written_1h_tokens == 0
