@@ -4,10 +4,13 @@ import pytest
 
 from prefixcache.bench.offline import (
     CEILING_SLACK,
+    RunResult,
     compare_cache_off_on,
     describe_output_match,
+    describe_prefill_part,
     describe_speedup,
     run_order,
+    split_prefill,
     synthetic_workload,
 )
 from prefixcache.config import EngineConfig
@@ -57,6 +60,23 @@ def test_a_speedup_below_its_ceiling_is_reported_with_it():
     assert "speedup 3.60x  ceiling 4.50x  (0.80 of the ceiling)" in text and "ERROR" not in text
 
 
+def timed(elapsed_s: float, hit_rate: float) -> RunResult:
+    return RunResult(elapsed_s, 0.0, 0.0, hit_rate, num_prompts=8, input_tokens=4608, output_tokens=64)
+
+
+def test_the_prefill_part_is_held_to_the_ceiling_and_the_rest_bounds_the_whole_run():
+    # Uncached: 9 s of prefill and 1 s after it; cached: 3.2 s and 0.8 s. Cutting exactly two thirds of the 9 s
+    # and none of the 1 s gives 10 / (3 + 1) = 2.5x for the whole run.
+    split = split_prefill(timed(10.0, 0.0), timed(4.0, 2 / 3), timed(9.0, 0.0), timed(3.2, 2 / 3))
+    assert split["rest_without_cache_s"] == pytest.approx(1.0) and split["rest_with_cache_s"] == pytest.approx(0.8)
+    assert split["speedup"] == pytest.approx(9 / 3.2) and split["ceiling"] == pytest.approx(3.0)
+    assert split["ceiling_with_rest"] == pytest.approx(2.5)
+    text = describe_prefill_part({"prefill_part": split, "speedup": 2.5, "output_len": 8})
+    assert "off 9.00 s, on 3.20 s, speedup 2.81x  ceiling 3.00x  (0.94 of the ceiling)" in text
+    assert "the rest (7 more tokens a request" in text and "off 1.00 s, on 0.80 s" in text
+    assert "would give 2.50x for the whole run (measured 2.50x, 1.00 of that)" in text
+
+
 def test_the_comparison_warms_up_alternates_and_compares_each_engines_best_run(tiny_loaded, tiny_llama_dir):
     config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", block_size=4, num_blocks=256)
     workload = synthetic_workload(
@@ -70,3 +90,7 @@ def test_the_comparison_warms_up_alternates_and_compares_each_engines_best_run(t
     assert report["hit_rate"] == pytest.approx(4 * 24 / (6 * 32))
     assert report["outputs_identical"] and report["dtype"] == "float32"
     assert report["measurement_error"] == (report["speedup"] > report["ceiling"] * CEILING_SLACK)
+    # The prefill part runs the same prompts from an empty cache, so it hits exactly as much.
+    part = report["prefill_part"]
+    assert part["hit_rate"] == report["hit_rate"] and part["ceiling"] == report["ceiling"]
+    assert report["output_len"] == 3

@@ -10,6 +10,12 @@ So that the comparison cannot flatter the cache, both engines are warmed up befo
 the timed runs alternate (off, on, on, off, ...: neither always runs first or on a cooler machine),
 each engine's best run is compared, and a speedup above the ceiling, which no cache can give, is reported
 as a measurement error.
+
+The ceiling counts prompt tokens, but a run is more than its prefill: every output token after the first is a
+decode step the cache cannot shorten, and in the uncached run many of those ride along in prefill steps that the
+cache removes. So each round also times the *prefill part* alone (the same prompts with one output token), and
+the report splits each run into that part and the rest: the prefill part's speedup against the same ceiling, and
+what the whole run's speedup could be if the cache cut exactly the hit share of the prefill part and nothing else.
 """
 
 from __future__ import annotations
@@ -173,10 +179,41 @@ def beyond_ceiling(speedup: float, ceiling: float) -> bool:
     return speedup > ceiling * CEILING_SLACK
 
 
-def compare_cache_off_on(loaded: LoadedModel, workload: Workload, config: EngineConfig, rounds: int = 1) -> dict:
+def ceiling_of(hit_rate: float) -> float:
+    """The speedup a cache skipping ``hit_rate`` of the prompt tokens gives at most: ``1/(1 - hit_rate)``."""
+    return 1.0 / (1.0 - hit_rate) if hit_rate < 1 else float("inf")
+
+
+def split_prefill(
+    without: RunResult, with_cache: RunResult, prefill_without: RunResult, prefill_with: RunResult
+) -> dict:
+    """Each engine's run split into its prefill part (the prompts with one output token, timed apart) and the rest
+    (the decode steps after the first token, which no cache shortens). ``ceiling_with_rest``: the whole run's
+    speedup if the cache cut exactly the hit share of the uncached prefill part and left the uncached rest as it
+    was; the rest of the cached run is often longer, since the decodes that shared prefill steps without the cache
+    need steps of their own once those steps are gone."""
+    hit_rate = prefill_with.hit_rate
+    rest_without = without.elapsed_s - prefill_without.elapsed_s
+    return {
+        "without_cache_s": prefill_without.elapsed_s,
+        "with_cache_s": prefill_with.elapsed_s,
+        "hit_rate": hit_rate,
+        "speedup": prefill_without.elapsed_s / prefill_with.elapsed_s,
+        "ceiling": ceiling_of(hit_rate),
+        "rest_without_cache_s": rest_without,
+        "rest_with_cache_s": with_cache.elapsed_s - prefill_with.elapsed_s,
+        "ceiling_with_rest": without.elapsed_s / (prefill_without.elapsed_s * (1.0 - hit_rate) + rest_without),
+    }
+
+
+def compare_cache_off_on(
+    loaded: LoadedModel, workload: Workload, config: EngineConfig, rounds: int = 1, prefill_part: bool = True
+) -> dict:
     """The workload with the cache off and on, each engine warmed up first, then ``rounds`` timed runs of each in
     alternating order; the report holds both (the best run of each; every run's time in ``runs``), the speedup
-    and its ceiling, and whether the speedup is a measurement error (above the ceiling)."""
+    and its ceiling, and whether the speedup is a measurement error (above the ceiling). With ``prefill_part``
+    each timed run is followed by one of the same prompts with one output token on the same engine, and
+    ``prefill_part`` in the report splits the runs (:func:`split_prefill`, each engine's best of each kind)."""
     from prefixcache.engine import LLM
 
     if rounds < 1:
@@ -187,6 +224,8 @@ def compare_cache_off_on(loaded: LoadedModel, workload: Workload, config: Engine
     for llm in engines.values():
         warm_up(llm, workload)
     runs: dict[bool, list[RunResult]] = {False: [], True: []}
+    prefill_runs: dict[bool, list[RunResult]] = {False: [], True: []}
+    prefill_workload = replace(workload, max_tokens=1)
     tokens: dict[bool, list[list[int]]] = {}
     order = run_order(rounds)
     for number, enable in enumerate(order, start=1):
@@ -194,10 +233,17 @@ def compare_cache_off_on(loaded: LoadedModel, workload: Workload, config: Engine
         result, outputs = run_engine(engines[enable], workload, label)
         runs[enable].append(result)
         tokens.setdefault(enable, outputs)
+        if prefill_part:
+            prefill_runs[enable].append(run_engine(engines[enable], prefill_workload, f"{label}, prefill part")[0])
     without, with_cache = best_run(runs[False]), best_run(runs[True])
     mismatches = sum(a != b for a, b in zip(tokens[False], tokens[True], strict=True))
-    ceiling = 1.0 / (1.0 - with_cache.hit_rate) if with_cache.hit_rate < 1 else float("inf")
+    ceiling = ceiling_of(with_cache.hit_rate)
     speedup = without.elapsed_s / with_cache.elapsed_s
+    split = (
+        split_prefill(without, with_cache, best_run(prefill_runs[False]), best_run(prefill_runs[True]))
+        if prefill_part
+        else None
+    )
     return {
         "without_cache": asdict(without),
         "with_cache": asdict(with_cache),
@@ -214,6 +260,8 @@ def compare_cache_off_on(loaded: LoadedModel, workload: Workload, config: Engine
         "num_outputs": len(tokens[True]),
         "dtype": config.dtype,
         "dtype_reason": config.dtype_reason,
+        "prefill_part": split,
+        "output_len": workload.max_tokens,
     }
 
 
@@ -322,7 +370,7 @@ def main(args: argparse.Namespace) -> dict:
     if args.save_workload:
         workload.save(args.save_workload)
 
-    report = compare_cache_off_on(loaded, workload, config, args.rounds)
+    report = compare_cache_off_on(loaded, workload, config, args.rounds, args.prefill_part)
     report["config"] = {k: str(v) for k, v in vars(args).items() if k != "func"} | {"model_dir": str(loaded.model_dir)}
     report["machine"] = {
         "python": platform.python_version(),
@@ -361,6 +409,8 @@ def print_report(report: dict) -> None:
                 f"{float(r.get('hit_rate', 'nan')):>10.3f}"
             )
     print(describe_speedup(report))
+    if report.get("prefill_part"):
+        print(describe_prefill_part(report))
     print(describe_output_match(report))
 
 
@@ -382,6 +432,22 @@ def describe_speedup(report: dict) -> str:
             "the tokens before it, so it saves a little more than its share)"
         )
     return head + f"speedup {speedup:.2f}x  ceiling {ceiling:.2f}x  ({speedup / ceiling:.2f} of the ceiling)"
+
+
+def describe_prefill_part(report: dict) -> str:
+    """The runs split into the prefill part and the rest (:func:`split_prefill`), in words: how close the part the
+    cache can shorten comes to the ceiling, and how far the rest, which it cannot, leaves the whole run below it."""
+    part = report["prefill_part"]
+    decode_steps = report["output_len"] - 1
+    return (
+        f"prefill part alone (1 output token): off {part['without_cache_s']:.2f} s, on {part['with_cache_s']:.2f} s, "
+        f"speedup {part['speedup']:.2f}x  ceiling {part['ceiling']:.2f}x  "
+        f"({part['speedup'] / part['ceiling']:.2f} of the ceiling)\n"
+        f"the rest ({decode_steps} more tokens a request, decoded after the first, which no cache shortens): "
+        f"off {part['rest_without_cache_s']:.2f} s, on {part['rest_with_cache_s']:.2f} s; a cache cutting exactly "
+        f"the hit share of the prefill part would give {part['ceiling_with_rest']:.2f}x for the whole run "
+        f"(measured {report['speedup']:.2f}x, {report['speedup'] / part['ceiling_with_rest']:.2f} of that)"
+    )
 
 
 def describe_output_match(report: dict) -> str:
@@ -428,6 +494,12 @@ def register(bench: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=2,
         help="timed runs of each engine, alternating which goes first (off/on, on/off, ...), after a warm-up",
+    )
+    p.add_argument(
+        "--prefill-part",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after each timed run, time the same prompts with 1 output token: the part the cache can shorten",
     )
     p.add_argument("--seed", type=int, default=0, help="of the synthetic prompts and the engines")
     p.add_argument(
