@@ -4,7 +4,6 @@ import pytest
 
 from prefixcache.bench.offline import (
     CEILING_SLACK,
-    RunResult,
     compare_cache_off_on,
     describe_output_match,
     describe_prefill_part,
@@ -60,21 +59,21 @@ def test_a_speedup_below_its_ceiling_is_reported_with_it():
     assert "speedup 3.60x  ceiling 4.50x  (0.80 of the ceiling)" in text and "ERROR" not in text
 
 
-def timed(elapsed_s: float, hit_rate: float) -> RunResult:
-    return RunResult(elapsed_s, 0.0, 0.0, hit_rate, num_prompts=8, input_tokens=4608, output_tokens=64)
-
-
 def test_the_prefill_part_is_held_to_the_ceiling_and_the_rest_bounds_the_whole_run():
     # Uncached: 9 s of prefill and 1 s after it; cached: 3.2 s and 0.8 s. Cutting exactly two thirds of the 9 s
     # and none of the 1 s gives 10 / (3 + 1) = 2.5x for the whole run.
-    split = split_prefill(timed(10.0, 0.0), timed(4.0, 2 / 3), timed(9.0, 0.0), timed(3.2, 2 / 3))
+    split = split_prefill(10.0, 4.0, 9.0, 3.2, 2 / 3)
     assert split["rest_without_cache_s"] == pytest.approx(1.0) and split["rest_with_cache_s"] == pytest.approx(0.8)
-    assert split["speedup"] == pytest.approx(9 / 3.2) and split["ceiling"] == pytest.approx(3.0)
-    assert split["ceiling_with_rest"] == pytest.approx(2.5)
-    text = describe_prefill_part({"prefill_part": split, "speedup": 2.5, "output_len": 8})
-    assert "off 9.00 s, on 3.20 s, speedup 2.81x  ceiling 3.00x  (0.94 of the ceiling)" in text
-    assert "the rest (7 more tokens a request" in text and "off 1.00 s, on 0.80 s" in text
-    assert "would give 2.50x for the whole run (measured 2.50x, 1.00 of that)" in text
+    assert split["prefill_speedup"] == pytest.approx(9 / 3.2) and split["ceiling"] == pytest.approx(3.0)
+    assert split["speedup"] == pytest.approx(2.5) and split["ceiling_with_rest"] == pytest.approx(2.5)
+    cpu = split_prefill(5.0, 2.0, 4.5, 1.6, 2 / 3)
+    text = describe_prefill_part({"prefill_part": {"elapsed_s": split, "cpu_s": cpu}, "output_len": 8})
+    elapsed, cpu_text = text.split("\nby CPU time: ")
+    assert elapsed.startswith("by elapsed time: whole run 2.50x (0.83 of the ceiling); ")
+    assert "prefill part alone (1 output token) off 9.00 s, on 3.20 s: 2.81x (0.94 of the ceiling)" in elapsed
+    assert "the rest (7 more tokens a request" in elapsed and "off 1.00 s, on 0.80 s" in elapsed
+    assert "would give 2.50x for the whole run (measured: 1.00 of that)" in elapsed
+    assert cpu_text.startswith("whole run 2.50x") and "off 4.50 s, on 1.60 s: 2.81x" in cpu_text
 
 
 def test_the_comparison_warms_up_alternates_and_compares_each_engines_best_run(tiny_loaded, tiny_llama_dir):
@@ -91,6 +90,6 @@ def test_the_comparison_warms_up_alternates_and_compares_each_engines_best_run(t
     assert report["outputs_identical"] and report["dtype"] == "float32"
     assert report["measurement_error"] == (report["speedup"] > report["ceiling"] * CEILING_SLACK)
     # The prefill part runs the same prompts from an empty cache, so it hits exactly as much.
-    part = report["prefill_part"]
-    assert part["hit_rate"] == report["hit_rate"] and part["ceiling"] == report["ceiling"]
-    assert report["output_len"] == 3
+    assert report["prefill_part"]["elapsed_s"]["ceiling"] == report["ceiling"] and report["output_len"] == 3
+    assert report["prefill_part"]["elapsed_s"]["speedup"] == report["speedup"]
+    assert report["with_cache"]["cpu_s"] > 0 and set(report["prefill_part"]) == {"elapsed_s", "cpu_s"}

@@ -16,6 +16,8 @@ decode step the cache cannot shorten, and in the uncached run many of those ride
 cache removes. So each round also times the *prefill part* alone (the same prompts with one output token), and
 the report splits each run into that part and the rest: the prefill part's speedup against the same ceiling, and
 what the whole run's speedup could be if the cache cut exactly the hit share of the prefill part and nothing else.
+Both by elapsed time and by the process's CPU time: on a shared machine other load stretches the first far more
+than the second (on one thread, ``OMP_NUM_THREADS=1``, hardly at all).
 """
 
 from __future__ import annotations
@@ -77,6 +79,11 @@ class RunResult:
     num_prompts: int
     input_tokens: int
     output_tokens: int
+    cpu_s: float  # the process's CPU time over the run, every thread's
+
+
+# The clocks runs are compared by: RunResult's attribute, in words.
+CLOCKS = {"elapsed_s": "elapsed time", "cpu_s": "CPU time"}
 
 
 def synthetic_workload(
@@ -136,10 +143,10 @@ def run_engine(llm: LLM, workload: Workload, label: str = "generate") -> tuple[R
     """One timed run of the whole workload on an empty cache (a warmed-up engine: see ``warm_up``)."""
     llm.reset_prefix_cache()
     before = llm.stats()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     bar = functools.partial(tqdm, desc=label)
     outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], _params(workload), use_tqdm=bar)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     after = llm.stats()
     queries = after.prefix_cache_queries - before.prefix_cache_queries
     hits = after.prefix_cache_hits - before.prefix_cache_hits
@@ -153,6 +160,7 @@ def run_engine(llm: LLM, workload: Workload, label: str = "generate") -> tuple[R
         num_prompts=len(workload.prompts),
         input_tokens=input_tokens,
         output_tokens=output_tokens,
+        cpu_s=cpu,
     )
     return result, [o.outputs[0].token_ids for o in outputs]
 
@@ -185,24 +193,23 @@ def ceiling_of(hit_rate: float) -> float:
 
 
 def split_prefill(
-    without: RunResult, with_cache: RunResult, prefill_without: RunResult, prefill_with: RunResult
+    without: float, with_cache: float, prefill_without: float, prefill_with: float, hit_rate: float
 ) -> dict:
-    """Each engine's run split into its prefill part (the prompts with one output token, timed apart) and the rest
-    (the decode steps after the first token, which no cache shortens). ``ceiling_with_rest``: the whole run's
+    """Each engine's run (seconds) split into its prefill part (the prompts with one output token, timed apart) and
+    the rest (the decodes after the first token, which no cache shortens). ``ceiling_with_rest``: the whole run's
     speedup if the cache cut exactly the hit share of the uncached prefill part and left the uncached rest as it
     was; the rest of the cached run is often longer, since the decodes that shared prefill steps without the cache
     need steps of their own once those steps are gone."""
-    hit_rate = prefill_with.hit_rate
-    rest_without = without.elapsed_s - prefill_without.elapsed_s
+    rest_without = without - prefill_without
     return {
-        "without_cache_s": prefill_without.elapsed_s,
-        "with_cache_s": prefill_with.elapsed_s,
-        "hit_rate": hit_rate,
-        "speedup": prefill_without.elapsed_s / prefill_with.elapsed_s,
+        "speedup": without / with_cache,
+        "prefill_without_cache_s": prefill_without,
+        "prefill_with_cache_s": prefill_with,
+        "prefill_speedup": prefill_without / prefill_with,
         "ceiling": ceiling_of(hit_rate),
         "rest_without_cache_s": rest_without,
-        "rest_with_cache_s": with_cache.elapsed_s - prefill_with.elapsed_s,
-        "ceiling_with_rest": without.elapsed_s / (prefill_without.elapsed_s * (1.0 - hit_rate) + rest_without),
+        "rest_with_cache_s": with_cache - prefill_with,
+        "ceiling_with_rest": without / (prefill_without * (1.0 - hit_rate) + rest_without),
     }
 
 
@@ -213,7 +220,8 @@ def compare_cache_off_on(
     alternating order; the report holds both (the best run of each; every run's time in ``runs``), the speedup
     and its ceiling, and whether the speedup is a measurement error (above the ceiling). With ``prefill_part``
     each timed run is followed by one of the same prompts with one output token on the same engine, and
-    ``prefill_part`` in the report splits the runs (:func:`split_prefill`, each engine's best of each kind)."""
+    ``prefill_part`` in the report splits the runs by each clock (:func:`split_prefill`, each engine's best of each
+    kind by that clock)."""
     from prefixcache.engine import LLM
 
     if rounds < 1:
@@ -239,11 +247,19 @@ def compare_cache_off_on(
     mismatches = sum(a != b for a, b in zip(tokens[False], tokens[True], strict=True))
     ceiling = ceiling_of(with_cache.hit_rate)
     speedup = without.elapsed_s / with_cache.elapsed_s
-    split = (
-        split_prefill(without, with_cache, best_run(prefill_runs[False]), best_run(prefill_runs[True]))
-        if prefill_part
-        else None
-    )
+    split = None
+    if prefill_part:
+        hit_rate = prefill_runs[True][0].hit_rate
+        split = {
+            clock: split_prefill(
+                _least(runs[False], clock),
+                _least(runs[True], clock),
+                _least(prefill_runs[False], clock),
+                _least(prefill_runs[True], clock),
+                hit_rate,
+            )
+            for clock in CLOCKS
+        }
     return {
         "without_cache": asdict(without),
         "with_cache": asdict(with_cache),
@@ -265,6 +281,11 @@ def compare_cache_off_on(
     }
 
 
+def _least(runs: list[RunResult], clock: str) -> float:
+    """The least time of one engine's runs by ``clock`` (``CLOCKS``), as :func:`best_run` picks by elapsed time."""
+    return min(getattr(r, clock) for r in runs)
+
+
 def _in_order(order: list[bool], runs: dict[bool, list[RunResult]]) -> list[tuple[bool, RunResult]]:
     position = {False: 0, True: 0}
     out = []
@@ -281,7 +302,7 @@ def run_transformers(loaded: LoadedModel, workload: Workload, batch_size: int, d
 
     model = AutoModelForCausalLM.from_pretrained(loaded.model_dir, dtype=getattr(torch, dtype)).eval()
     pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     output_tokens = 0
     for i in range(0, len(workload.prompts), batch_size):
         batch = workload.prompts[i : i + batch_size]
@@ -308,6 +329,7 @@ def run_transformers(loaded: LoadedModel, workload: Workload, batch_size: int, d
         len(workload.prompts),
         input_tokens,
         output_tokens,
+        time.process_time() - cpu_start,
     )
 
 
@@ -396,10 +418,11 @@ def print_report(report: dict) -> None:
     ]
     if "transformers" in report:
         rows.append(("transformers generate", report["transformers"]))
-    print(f"{'engine':<26}{'elapsed s':>10}{'input tok/s':>13}{'output tok/s':>14}{'hit rate':>10}")
+    print(f"{'engine':<26}{'elapsed s':>10}{'cpu s':>8}{'input tok/s':>13}{'output tok/s':>14}{'hit rate':>10}")
     for name, r in rows:
         print(
-            f"{name:<26}{r['elapsed_s']:>10.2f}{r['input_tok_s']:>13.1f}{r['output_tok_s']:>14.1f}{r['hit_rate']:>10.3f}"
+            f"{name:<26}{r['elapsed_s']:>10.2f}{r['cpu_s']:>8.2f}{r['input_tok_s']:>13.1f}{r['output_tok_s']:>14.1f}"
+            f"{r['hit_rate']:>10.3f}"
         )
     for mode, r in (report.get("vllm") or {}).items():
         if r:
@@ -435,19 +458,23 @@ def describe_speedup(report: dict) -> str:
 
 
 def describe_prefill_part(report: dict) -> str:
-    """The runs split into the prefill part and the rest (:func:`split_prefill`), in words: how close the part the
-    cache can shorten comes to the ceiling, and how far the rest, which it cannot, leaves the whole run below it."""
-    part = report["prefill_part"]
-    decode_steps = report["output_len"] - 1
-    return (
-        f"prefill part alone (1 output token): off {part['without_cache_s']:.2f} s, on {part['with_cache_s']:.2f} s, "
-        f"speedup {part['speedup']:.2f}x  ceiling {part['ceiling']:.2f}x  "
-        f"({part['speedup'] / part['ceiling']:.2f} of the ceiling)\n"
-        f"the rest ({decode_steps} more tokens a request, decoded after the first, which no cache shortens): "
-        f"off {part['rest_without_cache_s']:.2f} s, on {part['rest_with_cache_s']:.2f} s; a cache cutting exactly "
-        f"the hit share of the prefill part would give {part['ceiling_with_rest']:.2f}x for the whole run "
-        f"(measured {report['speedup']:.2f}x, {report['speedup'] / part['ceiling_with_rest']:.2f} of that)"
-    )
+    """The runs split into the prefill part and the rest by each clock (:func:`split_prefill`), in words: how close
+    the part the cache can shorten comes to the ceiling, and how far the rest, which it cannot, leaves the whole run
+    below it."""
+    lines = []
+    for clock, words in CLOCKS.items():
+        part = report["prefill_part"][clock]
+        lines += [
+            f"by {words}: whole run {part['speedup']:.2f}x ({part['speedup'] / part['ceiling']:.2f} of the ceiling); "
+            f"prefill part alone (1 output token) off {part['prefill_without_cache_s']:.2f} s, on "
+            f"{part['prefill_with_cache_s']:.2f} s: {part['prefill_speedup']:.2f}x "
+            f"({part['prefill_speedup'] / part['ceiling']:.2f} of the ceiling)",
+            f"  the rest ({report['output_len'] - 1} more tokens a request, after the first, which no cache shortens): "
+            f"off {part['rest_without_cache_s']:.2f} s, on {part['rest_with_cache_s']:.2f} s; cutting exactly the hit "
+            f"share of the prefill part would give {part['ceiling_with_rest']:.2f}x for the whole run "
+            f"(measured: {part['speedup'] / part['ceiling_with_rest']:.2f} of that)",
+        ]
+    return "\n".join(lines)
 
 
 def describe_output_match(report: dict) -> str:
