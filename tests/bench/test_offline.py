@@ -93,3 +93,6 @@ def test_the_comparison_warms_up_alternates_and_compares_each_engines_best_run(t
     assert report["prefill_part"]["elapsed_s"]["ceiling"] == report["ceiling"] and report["output_len"] == 3
     assert report["prefill_part"]["elapsed_s"]["speedup"] == report["speedup"]
     assert report["with_cache"]["cpu_s"] > 0 and set(report["prefill_part"]) == {"elapsed_s", "cpu_s"}
+    assert [r["cache"] for r in report["prefill_runs"]] == ["off", "on", "on", "off"]
+    prefill_on = min(r["elapsed_s"] for r in report["prefill_runs"] if r["cache"] == "on")
+    assert report["prefill_part"]["elapsed_s"]["prefill_with_cache_s"] == prefill_on

@@ -277,6 +277,10 @@ def compare_cache_off_on(
         "dtype": config.dtype,
         "dtype_reason": config.dtype_reason,
         "prefill_part": split,
+        "prefill_runs": [
+            {"cache": "on" if enable else "off", "elapsed_s": r.elapsed_s, "cpu_s": r.cpu_s}
+            for enable, r in (_in_order(order, prefill_runs) if prefill_part else [])
+        ],
         "output_len": workload.max_tokens,
     }
 
