@@ -6,8 +6,10 @@ from prefixcache.bench.offline import (
     CEILING_SLACK,
     compare_cache_off_on,
     describe_output_match,
+    describe_prefill_part,
     describe_speedup,
     run_order,
+    split_prefill,
     synthetic_workload,
 )
 from prefixcache.config import EngineConfig
@@ -57,6 +59,23 @@ def test_a_speedup_below_its_ceiling_is_reported_with_it():
     assert "speedup 3.60x  ceiling 4.50x  (0.80 of the ceiling)" in text and "ERROR" not in text
 
 
+def test_the_prefill_part_is_held_to_the_ceiling_and_the_rest_bounds_the_whole_run():
+    # Uncached: 9 s of prefill and 1 s after it; cached: 3.2 s and 0.8 s. Cutting exactly two thirds of the 9 s
+    # and none of the 1 s gives 10 / (3 + 1) = 2.5x for the whole run.
+    split = split_prefill(10.0, 4.0, 9.0, 3.2, 2 / 3)
+    assert split["rest_without_cache_s"] == pytest.approx(1.0) and split["rest_with_cache_s"] == pytest.approx(0.8)
+    assert split["prefill_speedup"] == pytest.approx(9 / 3.2) and split["ceiling"] == pytest.approx(3.0)
+    assert split["speedup"] == pytest.approx(2.5) and split["ceiling_with_rest"] == pytest.approx(2.5)
+    cpu = split_prefill(5.0, 2.0, 4.5, 1.6, 2 / 3)
+    text = describe_prefill_part({"prefill_part": {"elapsed_s": split, "cpu_s": cpu}, "output_len": 8})
+    elapsed, cpu_text = text.split("\nby CPU time: ")
+    assert elapsed.startswith("by elapsed time: whole run 2.50x (0.83 of the ceiling); ")
+    assert "prefill part alone (1 output token) off 9.00 s, on 3.20 s: 2.81x (0.94 of the ceiling)" in elapsed
+    assert "the rest (7 more tokens a request" in elapsed and "off 1.00 s, on 0.80 s" in elapsed
+    assert "would give 2.50x for the whole run (measured: 1.00 of that)" in elapsed
+    assert cpu_text.startswith("whole run 2.50x") and "off 4.50 s, on 1.60 s: 2.81x" in cpu_text
+
+
 def test_the_comparison_warms_up_alternates_and_compares_each_engines_best_run(tiny_loaded, tiny_llama_dir):
     config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", block_size=4, num_blocks=256)
     workload = synthetic_workload(
@@ -70,3 +89,10 @@ def test_the_comparison_warms_up_alternates_and_compares_each_engines_best_run(t
     assert report["hit_rate"] == pytest.approx(4 * 24 / (6 * 32))
     assert report["outputs_identical"] and report["dtype"] == "float32"
     assert report["measurement_error"] == (report["speedup"] > report["ceiling"] * CEILING_SLACK)
+    # The prefill part runs the same prompts from an empty cache, so it hits exactly as much.
+    assert report["prefill_part"]["elapsed_s"]["ceiling"] == report["ceiling"] and report["output_len"] == 3
+    assert report["prefill_part"]["elapsed_s"]["speedup"] == report["speedup"]
+    assert report["with_cache"]["cpu_s"] > 0 and set(report["prefill_part"]) == {"elapsed_s", "cpu_s"}
+    assert [r["cache"] for r in report["prefill_runs"]] == ["off", "on", "on", "off"]
+    prefill_on = min(r["elapsed_s"] for r in report["prefill_runs"] if r["cache"] == "on")
+    assert report["prefill_part"]["elapsed_s"]["prefill_with_cache_s"] == prefill_on

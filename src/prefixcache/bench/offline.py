@@ -10,6 +10,14 @@ So that the comparison cannot flatter the cache, both engines are warmed up befo
 the timed runs alternate (off, on, on, off, ...: neither always runs first or on a cooler machine),
 each engine's best run is compared, and a speedup above the ceiling, which no cache can give, is reported
 as a measurement error.
+
+The ceiling counts prompt tokens, but a run is more than its prefill: every output token after the first is a
+decode step the cache cannot shorten, and in the uncached run many of those ride along in prefill steps that the
+cache removes. So each round also times the *prefill part* alone (the same prompts with one output token), and
+the report splits each run into that part and the rest: the prefill part's speedup against the same ceiling, and
+what the whole run's speedup could be if the cache cut exactly the hit share of the prefill part and nothing else.
+Both by elapsed time and by the process's CPU time: on a shared machine other load stretches the first far more
+than the second (on one thread, ``OMP_NUM_THREADS=1``, hardly at all).
 """
 
 from __future__ import annotations
@@ -71,6 +79,11 @@ class RunResult:
     num_prompts: int
     input_tokens: int
     output_tokens: int
+    cpu_s: float  # the process's CPU time over the run, every thread's
+
+
+# The clocks runs are compared by: RunResult's attribute, in words.
+CLOCKS = {"elapsed_s": "elapsed time", "cpu_s": "CPU time"}
 
 
 def synthetic_workload(
@@ -130,10 +143,10 @@ def run_engine(llm: LLM, workload: Workload, label: str = "generate") -> tuple[R
     """One timed run of the whole workload on an empty cache (a warmed-up engine: see ``warm_up``)."""
     llm.reset_prefix_cache()
     before = llm.stats()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     bar = functools.partial(tqdm, desc=label)
     outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], _params(workload), use_tqdm=bar)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     after = llm.stats()
     queries = after.prefix_cache_queries - before.prefix_cache_queries
     hits = after.prefix_cache_hits - before.prefix_cache_hits
@@ -147,6 +160,7 @@ def run_engine(llm: LLM, workload: Workload, label: str = "generate") -> tuple[R
         num_prompts=len(workload.prompts),
         input_tokens=input_tokens,
         output_tokens=output_tokens,
+        cpu_s=cpu,
     )
     return result, [o.outputs[0].token_ids for o in outputs]
 
@@ -173,10 +187,41 @@ def beyond_ceiling(speedup: float, ceiling: float) -> bool:
     return speedup > ceiling * CEILING_SLACK
 
 
-def compare_cache_off_on(loaded: LoadedModel, workload: Workload, config: EngineConfig, rounds: int = 1) -> dict:
+def ceiling_of(hit_rate: float) -> float:
+    """The speedup a cache skipping ``hit_rate`` of the prompt tokens gives at most: ``1/(1 - hit_rate)``."""
+    return 1.0 / (1.0 - hit_rate) if hit_rate < 1 else float("inf")
+
+
+def split_prefill(
+    without: float, with_cache: float, prefill_without: float, prefill_with: float, hit_rate: float
+) -> dict:
+    """Each engine's run (seconds) split into its prefill part (the prompts with one output token, timed apart) and
+    the rest (the decodes after the first token, which no cache shortens). ``ceiling_with_rest``: the whole run's
+    speedup if the cache cut exactly the hit share of the uncached prefill part and left the uncached rest as it
+    was; the rest of the cached run is often longer, since the decodes that shared prefill steps without the cache
+    need steps of their own once those steps are gone."""
+    rest_without = without - prefill_without
+    return {
+        "speedup": without / with_cache,
+        "prefill_without_cache_s": prefill_without,
+        "prefill_with_cache_s": prefill_with,
+        "prefill_speedup": prefill_without / prefill_with,
+        "ceiling": ceiling_of(hit_rate),
+        "rest_without_cache_s": rest_without,
+        "rest_with_cache_s": with_cache - prefill_with,
+        "ceiling_with_rest": without / (prefill_without * (1.0 - hit_rate) + rest_without),
+    }
+
+
+def compare_cache_off_on(
+    loaded: LoadedModel, workload: Workload, config: EngineConfig, rounds: int = 1, prefill_part: bool = True
+) -> dict:
     """The workload with the cache off and on, each engine warmed up first, then ``rounds`` timed runs of each in
     alternating order; the report holds both (the best run of each; every run's time in ``runs``), the speedup
-    and its ceiling, and whether the speedup is a measurement error (above the ceiling)."""
+    and its ceiling, and whether the speedup is a measurement error (above the ceiling). With ``prefill_part``
+    each timed run is followed by one of the same prompts with one output token on the same engine, and
+    ``prefill_part`` in the report splits the runs by each clock (:func:`split_prefill`, each engine's best of each
+    kind by that clock)."""
     from prefixcache.engine import LLM
 
     if rounds < 1:
@@ -187,6 +232,8 @@ def compare_cache_off_on(loaded: LoadedModel, workload: Workload, config: Engine
     for llm in engines.values():
         warm_up(llm, workload)
     runs: dict[bool, list[RunResult]] = {False: [], True: []}
+    prefill_runs: dict[bool, list[RunResult]] = {False: [], True: []}
+    prefill_workload = replace(workload, max_tokens=1)
     tokens: dict[bool, list[list[int]]] = {}
     order = run_order(rounds)
     for number, enable in enumerate(order, start=1):
@@ -194,10 +241,25 @@ def compare_cache_off_on(loaded: LoadedModel, workload: Workload, config: Engine
         result, outputs = run_engine(engines[enable], workload, label)
         runs[enable].append(result)
         tokens.setdefault(enable, outputs)
+        if prefill_part:
+            prefill_runs[enable].append(run_engine(engines[enable], prefill_workload, f"{label}, prefill part")[0])
     without, with_cache = best_run(runs[False]), best_run(runs[True])
     mismatches = sum(a != b for a, b in zip(tokens[False], tokens[True], strict=True))
-    ceiling = 1.0 / (1.0 - with_cache.hit_rate) if with_cache.hit_rate < 1 else float("inf")
+    ceiling = ceiling_of(with_cache.hit_rate)
     speedup = without.elapsed_s / with_cache.elapsed_s
+    split = None
+    if prefill_part:
+        hit_rate = prefill_runs[True][0].hit_rate
+        split = {
+            clock: split_prefill(
+                _least(runs[False], clock),
+                _least(runs[True], clock),
+                _least(prefill_runs[False], clock),
+                _least(prefill_runs[True], clock),
+                hit_rate,
+            )
+            for clock in CLOCKS
+        }
     return {
         "without_cache": asdict(without),
         "with_cache": asdict(with_cache),
@@ -214,7 +276,18 @@ def compare_cache_off_on(loaded: LoadedModel, workload: Workload, config: Engine
         "num_outputs": len(tokens[True]),
         "dtype": config.dtype,
         "dtype_reason": config.dtype_reason,
+        "prefill_part": split,
+        "prefill_runs": [
+            {"cache": "on" if enable else "off", "elapsed_s": r.elapsed_s, "cpu_s": r.cpu_s}
+            for enable, r in (_in_order(order, prefill_runs) if prefill_part else [])
+        ],
+        "output_len": workload.max_tokens,
     }
+
+
+def _least(runs: list[RunResult], clock: str) -> float:
+    """The least time of one engine's runs by ``clock`` (``CLOCKS``), as :func:`best_run` picks by elapsed time."""
+    return min(getattr(r, clock) for r in runs)
 
 
 def _in_order(order: list[bool], runs: dict[bool, list[RunResult]]) -> list[tuple[bool, RunResult]]:
@@ -233,7 +306,7 @@ def run_transformers(loaded: LoadedModel, workload: Workload, batch_size: int, d
 
     model = AutoModelForCausalLM.from_pretrained(loaded.model_dir, dtype=getattr(torch, dtype)).eval()
     pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     output_tokens = 0
     for i in range(0, len(workload.prompts), batch_size):
         batch = workload.prompts[i : i + batch_size]
@@ -260,6 +333,7 @@ def run_transformers(loaded: LoadedModel, workload: Workload, batch_size: int, d
         len(workload.prompts),
         input_tokens,
         output_tokens,
+        time.process_time() - cpu_start,
     )
 
 
@@ -322,7 +396,7 @@ def main(args: argparse.Namespace) -> dict:
     if args.save_workload:
         workload.save(args.save_workload)
 
-    report = compare_cache_off_on(loaded, workload, config, args.rounds)
+    report = compare_cache_off_on(loaded, workload, config, args.rounds, args.prefill_part)
     report["config"] = {k: str(v) for k, v in vars(args).items() if k != "func"} | {"model_dir": str(loaded.model_dir)}
     report["machine"] = {
         "python": platform.python_version(),
@@ -348,10 +422,11 @@ def print_report(report: dict) -> None:
     ]
     if "transformers" in report:
         rows.append(("transformers generate", report["transformers"]))
-    print(f"{'engine':<26}{'elapsed s':>10}{'input tok/s':>13}{'output tok/s':>14}{'hit rate':>10}")
+    print(f"{'engine':<26}{'elapsed s':>10}{'cpu s':>8}{'input tok/s':>13}{'output tok/s':>14}{'hit rate':>10}")
     for name, r in rows:
         print(
-            f"{name:<26}{r['elapsed_s']:>10.2f}{r['input_tok_s']:>13.1f}{r['output_tok_s']:>14.1f}{r['hit_rate']:>10.3f}"
+            f"{name:<26}{r['elapsed_s']:>10.2f}{r['cpu_s']:>8.2f}{r['input_tok_s']:>13.1f}{r['output_tok_s']:>14.1f}"
+            f"{r['hit_rate']:>10.3f}"
         )
     for mode, r in (report.get("vllm") or {}).items():
         if r:
@@ -361,6 +436,8 @@ def print_report(report: dict) -> None:
                 f"{float(r.get('hit_rate', 'nan')):>10.3f}"
             )
     print(describe_speedup(report))
+    if report.get("prefill_part"):
+        print(describe_prefill_part(report))
     print(describe_output_match(report))
 
 
@@ -382,6 +459,26 @@ def describe_speedup(report: dict) -> str:
             "the tokens before it, so it saves a little more than its share)"
         )
     return head + f"speedup {speedup:.2f}x  ceiling {ceiling:.2f}x  ({speedup / ceiling:.2f} of the ceiling)"
+
+
+def describe_prefill_part(report: dict) -> str:
+    """The runs split into the prefill part and the rest by each clock (:func:`split_prefill`), in words: how close
+    the part the cache can shorten comes to the ceiling, and how far the rest, which it cannot, leaves the whole run
+    below it."""
+    lines = []
+    for clock, words in CLOCKS.items():
+        part = report["prefill_part"][clock]
+        lines += [
+            f"by {words}: whole run {part['speedup']:.2f}x ({part['speedup'] / part['ceiling']:.2f} of the ceiling); "
+            f"prefill part alone (1 output token) off {part['prefill_without_cache_s']:.2f} s, on "
+            f"{part['prefill_with_cache_s']:.2f} s: {part['prefill_speedup']:.2f}x "
+            f"({part['prefill_speedup'] / part['ceiling']:.2f} of the ceiling)",
+            f"  the rest ({report['output_len'] - 1} more tokens a request, after the first, which no cache shortens): "
+            f"off {part['rest_without_cache_s']:.2f} s, on {part['rest_with_cache_s']:.2f} s; cutting exactly the hit "
+            f"share of the prefill part would give {part['ceiling_with_rest']:.2f}x for the whole run "
+            f"(measured: {part['speedup'] / part['ceiling_with_rest']:.2f} of that)",
+        ]
+    return "\n".join(lines)
 
 
 def describe_output_match(report: dict) -> str:
@@ -428,6 +525,12 @@ def register(bench: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=2,
         help="timed runs of each engine, alternating which goes first (off/on, on/off, ...), after a warm-up",
+    )
+    p.add_argument(
+        "--prefill-part",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after each timed run, time the same prompts with 1 output token: the part the cache can shorten",
     )
     p.add_argument("--seed", type=int, default=0, help="of the synthetic prompts and the engines")
     p.add_argument(
