@@ -308,14 +308,14 @@ def run_in(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         f"questions of {args.question_len} tokens behind a {workload.system_tokens}-token system prompt at "
         f"{args.a_rate:g} req/s; B: {len(workload.flood)} unique prompts of {args.flood_len} tokens at "
         f"{args.flood_ratio * args.a_rate:g} req/s; {args.output_len} output tokens a request; at most "
-        f"{args.max_num_seqs} running; "
+        f"{args.max_num_seqs} running, {args.max_num_batched_tokens} tokens a step; "
         f"{machine['cores']} cores, load average {'/'.join(f'{x:.2f}' for x in machine['load_average_before'])}"
     )
     print(sizing.describe(args, workload, kv_bytes_per_token))
     bench = Bench(args, workdir, config.vocab_size, kv_bytes_per_token)
     keys = [option for key in KEYS.values() for option in ("--api-key", key)]
     extra = ["--num-gpu-blocks-override", str(sizing.blocks), "--enable-reset-prefix-cache", *keys]
-    extra += ["--max-num-seqs", str(args.max_num_seqs)]
+    extra += ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     with contextlib.ExitStack() as stack:
         # Every policy's server up at once (an idle one sleeps), the runs interleaved: the paired runs of two
         # policies are minutes apart, not half an hour, on a machine whose load drifts.
@@ -428,6 +428,13 @@ def register(bench: argparse._SubParsersAction) -> None:
         default=config_default("max_num_seqs"),
         help="the server's cap on requests running at once: running requests' blocks are not free, so no "
         "priority keeps A's prefix once B's running requests need the whole cache",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=config_default("max_num_batched_tokens"),
+        help="the server's tokens per step: a step is never cut short, so a question arriving during one of B's "
+        "prefill steps waits for its end",
     )
     p.add_argument(
         "--scheduling-policy",
