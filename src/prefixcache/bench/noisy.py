@@ -174,9 +174,11 @@ class NoisyBench:
                 raise SystemExit(f"the warm-up failed: {result.error}\n{self.server.log()[-3000:]}")
 
     async def run(self, name: str) -> dict[str, Any]:
-        """A's requests (and B's flood unless ``alone``), both Poisson, from a reset cache; both tenants' summaries."""
+        """A's requests (and B's flood unless ``alone``), both Poisson, from a reset cache; both tenants' summaries.
+        A's arrival times are the same in every run, B's (and the order of its prompts) in both flooded runs: alone,
+        A's later questions wait for its first, cold one too, so the runs differ only by the flood and the
+        directive."""
         args = self.bench.args
-        rng = random.Random(f"{args.seed}-{name}")
         async with self.bench.client() as client:
             await self.reset(client)
             progress = self.bench.announce(RUNS[name])
@@ -188,23 +190,20 @@ class NoisyBench:
                     args.output_len,
                     args.a_rate,
                     None,
-                    random.Random(f"{args.seed}-{name}-a"),
+                    random.Random(f"{args.seed}-a"),
                     progress,
                 )
             ]
             if name != "alone":
-                b_rng = random.Random(f"{args.seed}-{name}-b")
-                flood = list(self.workload.flood)
-                rng.shuffle(flood)  # the same prompts in each flooded run, not in the same order
                 sends.append(
                     run_point(
                         client,
                         self.target("B"),
-                        flood,
+                        self.workload.flood,
                         args.output_len,
                         args.flood_ratio * args.a_rate,
                         None,
-                        b_rng,
+                        random.Random(f"{args.seed}-b"),
                         progress,
                     )
                 )

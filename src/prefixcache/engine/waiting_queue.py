@@ -47,11 +47,11 @@ _MIN_CAPACITY = 16
 @dataclass(slots=True, eq=False)
 class _Entry:
     request: EngineRequest
-    seq: int
-    slot: int
+    seq: int  # queue order
+    slot: int  # its leaf in the tree, in ``seq`` order too (a rebuild moves it)
     uncached: int
     preempted: bool
-    offset: int = 0  # the sum of the adds on the slot's path when it was taken (passed = offset - that sum now)
+    offset: int = 0  # its passed tokens are ``offset`` minus the sum of the adds on its slot's path now
     version: int | None = None  # of the entry's current heap item; None: it has none (due, or out of the queue)
 
 
