@@ -86,3 +86,20 @@ def test_a_cache_too_small_for_one_request_of_each_is_refused_before_the_server_
     with pytest.raises(SystemExit):
         bench(tiny_llama_dir, "--scheduling-policy", "lpm")
     assert children() <= before
+
+
+def test_random_weights_write_a_small_llama_with_the_models_tokenizer_and_chat_template(tiny_llama_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from prefixcache.bench.noisy import random_checkpoint
+    from prefixcache.model.loader import read_config
+
+    source = read_config(tiny_llama_dir)
+    out = random_checkpoint(tiny_llama_dir, source.vocab_size, tmp_path / "model", seed=0)
+    config = read_config(out)
+    assert (config.num_layers, config.hidden_size, config.vocab_size) == (2, 64, source.vocab_size)
+    assert config.max_position_embeddings >= 2048 + 1024  # the system prompt and more
+    ours, theirs = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(tiny_llama_dir)
+    chat = [{"role": "system", "content": "Prefix caching reuses"}, {"role": "user", "content": "the keys?"}]
+    assert ours.apply_chat_template(chat) == theirs.apply_chat_template(chat)
+    assert ours.eos_token_id == theirs.eos_token_id == config.eos_token_ids[0]

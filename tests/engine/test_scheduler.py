@@ -5,14 +5,18 @@
 """
 
 import itertools
+from unittest import mock
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixcache.core import KVCacheManager
 from prefixcache.engine import scheduler as scheduler_module
 from prefixcache.engine.request import EngineRequest, RequestStatus
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.engine.scheduler import Scheduler
+from tests.engine.test_waiting_queue import ReferenceQueue
 
 BLOCK_SIZE = 4
 _ids = itertools.count()
@@ -130,7 +134,7 @@ def test_cache_aware_admits_a_cached_request_ahead_of_the_cold_ones_before_it(po
     # 12 of its 16 tokens cached: 4 to compute against the cold ones' 12.
     assert step(scheduler) == [("cached", 12, 4, [0, 1, 2, 3])]
     assert [r.request_id for r in scheduler.waiting] == ["cold1", "cold2"]
-    assert (cold1.num_passed_tokens, cold2.num_passed_tokens) == (4, 4)
+    assert (scheduler.waiting.passed_tokens(cold1), scheduler.waiting.passed_tokens(cold2)) == (4, 4)
     scheduler.finish(cached, RequestStatus.FINISHED)
     # Equal costs keep arrival order.
     assert step(scheduler) == [("cold1", 0, 12, [4, 5, 6])]
@@ -143,8 +147,9 @@ def test_cache_aware_admits_a_passed_over_request_once_it_waited_its_own_prefill
     questions = [make_request([*range(12), 50 + i, 60, 61, 62], f"q{i}") for i in range(4)]
     for request in (cold, *questions):
         scheduler.add_request(request)
-    admitted = []
+    admitted, passed = [], []
     for _ in range(4):
+        passed.append(scheduler.waiting.passed_tokens(cold))
         (chunk,) = step(scheduler)
         admitted.append(chunk)
         scheduler.finish(chunk_request(scheduler, chunk[0]), RequestStatus.FINISHED)
@@ -155,7 +160,7 @@ def test_cache_aware_admits_a_passed_over_request_once_it_waited_its_own_prefill
         ("q2", 12, 4, [0, 1, 2, 5]),
         ("cold", 0, 12, [6, 7, 8]),
     ]
-    assert cold.num_passed_tokens == 12 and questions[3].num_passed_tokens == 0
+    assert passed == [0, 4, 8, 12] and scheduler.waiting.passed_tokens(questions[3]) == 0
     assert [r.request_id for r in scheduler.waiting] == ["q3"]
 
 
@@ -233,3 +238,47 @@ def test_cache_aware_gives_a_short_request_the_seat_of_a_cold_one_once():
     # Preempted once already, it keeps its seat: q1 waits.
     assert step(scheduler) == [("cold", 13, 1, [3, 4, 5, 8])]
     assert [r.request_id for r in scheduler.waiting] == ["q1"]
+
+
+PREFIXES = (list(range(12)), list(range(100, 108)), [])
+EVENTS = st.lists(
+    st.one_of(
+        st.tuples(st.sampled_from(range(len(PREFIXES))), st.integers(1, 10), st.integers(1, 3)),  # an arrival
+        st.just("step"),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "cache-aware"])
+@pytest.mark.parametrize("refresh", [64, 1])
+@given(events=EVENTS, max_num_seqs=st.integers(1, 3), num_blocks=st.integers(8, 16))
+@settings(max_examples=60, deadline=None)
+def test_whole_runs_are_scheduled_as_with_the_reference_queue(policy, refresh, events, max_num_seqs, num_blocks):
+    """Arrivals of prompts behind shared prefixes and cold ones, between steps, in a cache small enough to evict
+    and preempt: the scheduler on its waiting queue and on the reference (the whole queue ranked each step)
+    schedule every step alike. With one look-up a step the estimates go stale, alike in both."""
+    options = {"short_prefill_tokens": 4} if policy == "cache-aware" else None
+    schedulers = [make_scheduler(num_blocks, max_num_seqs, 12, policy, options) for _ in range(2)]
+    schedulers[1].waiting = ReferenceQueue()
+    numbers = itertools.count()
+    with mock.patch.object(scheduler_module, "REFRESH_PER_STEP", refresh):
+        for event in events + ["step"] * 400:  # then steps until all are done
+            if event != "step":
+                prefix, suffix, max_tokens = event
+                number = next(numbers)
+                tokens = [*PREFIXES[prefix], *range(1000 + 20 * number, 1000 + 20 * number + suffix)]
+                for scheduler in schedulers:
+                    scheduler.add_request(make_request(tokens, f"n{number}", max_tokens))
+                continue
+            if not schedulers[1].has_unfinished():
+                continue
+            steps = [step(scheduler) for scheduler in schedulers]
+            assert steps[0] == steps[1]
+            for scheduler in schedulers:
+                for request in list(scheduler.running):
+                    if request.num_output_tokens >= request.sampling_params.max_tokens:
+                        scheduler.finish(request, RequestStatus.FINISHED)
+            assert [r.request_id for r in schedulers[0].waiting] == [r.request_id for r in schedulers[1].waiting]
+    assert not any(scheduler.has_unfinished() for scheduler in schedulers)

@@ -14,6 +14,10 @@ The three runs are made once per ``--scheduling-policy`` (a server each, all up 
 so that each pair runs under the same load): ``fcfs`` serves A's requests after B's earlier ones,
 ``cache-aware`` the fewest uncached tokens first.
 
+``--random-weights`` serves a small Llama with random weights and ``--model``'s tokenizer instead: at the issue's
+token sizes a CPU computes a 135M model's prompts too slowly to keep up with any flood, and what is measured, A's
+hits and waits, is the cache's and the scheduler's, whatever the tokens say.
+
 Reported for A in each run: the token hit rate (the server's ``cached_tokens`` / prompt tokens) and TTFT, and
 against ``alone`` (of the same policy) the ratios with their goals (hit rate at least 0.95 of it, mean TTFT at
 most 1.2 times it). The hit rate says what A's prefix lost; TTFT also holds A's wait behind B's prefill, which the
@@ -170,9 +174,11 @@ class NoisyBench:
                 raise SystemExit(f"the warm-up failed: {result.error}\n{self.server.log()[-3000:]}")
 
     async def run(self, name: str) -> dict[str, Any]:
-        """A's requests (and B's flood unless ``alone``), both Poisson, from a reset cache; both tenants' summaries."""
+        """A's requests (and B's flood unless ``alone``), both Poisson, from a reset cache; both tenants' summaries.
+        A's arrival times are the same in every run, B's (and the order of its prompts) in both flooded runs: alone,
+        A's later questions wait for its first, cold one too, so the runs differ only by the flood and the
+        directive."""
         args = self.bench.args
-        rng = random.Random(f"{args.seed}-{name}")
         async with self.bench.client() as client:
             await self.reset(client)
             progress = self.bench.announce(RUNS[name])
@@ -184,23 +190,20 @@ class NoisyBench:
                     args.output_len,
                     args.a_rate,
                     None,
-                    random.Random(f"{args.seed}-{name}-a"),
+                    random.Random(f"{args.seed}-a"),
                     progress,
                 )
             ]
             if name != "alone":
-                b_rng = random.Random(f"{args.seed}-{name}-b")
-                flood = list(self.workload.flood)
-                rng.shuffle(flood)  # the same prompts in each flooded run, not in the same order
                 sends.append(
                     run_point(
                         client,
                         self.target("B"),
-                        flood,
+                        self.workload.flood,
                         args.output_len,
                         args.flood_ratio * args.a_rate,
                         None,
-                        b_rng,
+                        random.Random(f"{args.seed}-b"),
                         progress,
                     )
                 )
@@ -247,11 +250,47 @@ def flood_cost(policies: dict[str, dict[str, Any]]) -> dict[str, float] | None:
     }
 
 
+def random_checkpoint(model_dir: Path, vocab_size: int, out: Path, seed: int) -> Path:
+    """A Llama of 2 layers, 64 wide, with random weights and ``model_dir``'s tokenizer, saved to ``out`` (the
+    servers load a folder); it computes a 1,024-token prompt in a few tens of ms on a CPU core."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="prefixcache-noisy-") as workdir:
+        return run_in(args, Path(workdir))
+
+
+def run_in(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """The benchmark, its servers' logs (and ``--random-weights``' checkpoint) in ``workdir``."""
     import torch
     from transformers import AutoTokenizer
 
+    from prefixcache.model.loader import read_config
+
     model_dir, model_name, config = served_model(args.model)
+    if args.random_weights:
+        model_dir = random_checkpoint(model_dir, config.vocab_size, workdir / "model", args.seed)
+        model_name, config = f"{model_name}'s tokenizer, 2x64 Llama (random weights)", read_config(model_dir)
     engine = EngineConfig(dtype=args.dtype)  # the server runs this machine's resolution of auto too
     args = argparse.Namespace(**{**vars(args), "dtype": engine.dtype, "model": str(model_dir)})
     workload = Workload.make(AutoTokenizer.from_pretrained(model_dir), args)
@@ -268,37 +307,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"questions of {args.question_len} tokens behind a {workload.system_tokens}-token system prompt at "
         f"{args.a_rate:g} req/s; B: {len(workload.flood)} unique prompts of {args.flood_len} tokens at "
         f"{args.flood_ratio * args.a_rate:g} req/s; {args.output_len} output tokens a request; at most "
-        f"{args.max_num_seqs} running; "
+        f"{args.max_num_seqs} running, {args.max_num_batched_tokens} tokens a step; "
         f"{machine['cores']} cores, load average {'/'.join(f'{x:.2f}' for x in machine['load_average_before'])}"
     )
     print(sizing.describe(args, workload, kv_bytes_per_token))
-    with tempfile.TemporaryDirectory(prefix="prefixcache-noisy-") as workdir:
-        bench = Bench(args, Path(workdir), config.vocab_size, kv_bytes_per_token)
-        keys = [option for key in KEYS.values() for option in ("--api-key", key)]
-        extra = ["--num-gpu-blocks-override", str(sizing.blocks), "--enable-reset-prefix-cache", *keys]
-        extra += ["--max-num-seqs", str(args.max_num_seqs)]
-        with contextlib.ExitStack() as stack:
-            # Every policy's server up at once (an idle one sleeps), the runs interleaved: the paired runs of two
-            # policies are minutes apart, not half an hour, on a machine whose load drifts.
-            servers = {
-                policy: bench.launch(stack, f"server-{policy}", [*extra, "--scheduling-policy", policy])
-                for policy in dict.fromkeys(args.scheduling_policy)
-            }
-            benches = {}
-            for policy, server in servers.items():
-                server.wait_ready(args.startup_timeout)
-                headers = {"Authorization": f"Bearer {KEYS['A']}"}
-                model = httpx.get(f"{server.url}/v1/models", headers=headers, timeout=10)
-                benches[policy] = NoisyBench(bench, server, model.json()["data"][0]["id"], workload)
-                asyncio.run(benches[policy].warm_up())
-            runs: dict[str, dict[str, dict[str, Any]]] = {policy: {} for policy in servers}
-            for name in RUNS:
-                for policy, noisy in benches.items():
-                    started = time.perf_counter()
-                    runs[policy][name] = asyncio.run(noisy.run(name))
-                    runs[policy][name]["wall_s"] = time.perf_counter() - started
-                    print(f"{policy}, {RUNS[name]}: done in {runs[policy][name]['wall_s']:.0f}s", flush=True)
-        policies = {policy: {"runs": runs[policy], **compare(runs[policy])} for policy in servers}
+    bench = Bench(args, workdir, config.vocab_size, kv_bytes_per_token)
+    keys = [option for key in KEYS.values() for option in ("--api-key", key)]
+    extra = ["--num-gpu-blocks-override", str(sizing.blocks), "--enable-reset-prefix-cache", *keys]
+    extra += ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    with contextlib.ExitStack() as stack:
+        # Every policy's server up at once (an idle one sleeps), the runs interleaved: the paired runs of two
+        # policies are minutes apart, not half an hour, on a machine whose load drifts.
+        servers = {
+            policy: bench.launch(stack, f"server-{policy}", [*extra, "--scheduling-policy", policy])
+            for policy in dict.fromkeys(args.scheduling_policy)
+        }
+        benches = {}
+        for policy, server in servers.items():
+            server.wait_ready(args.startup_timeout)
+            headers = {"Authorization": f"Bearer {KEYS['A']}"}
+            model = httpx.get(f"{server.url}/v1/models", headers=headers, timeout=10)
+            benches[policy] = NoisyBench(bench, server, model.json()["data"][0]["id"], workload)
+            asyncio.run(benches[policy].warm_up())
+        runs: dict[str, dict[str, dict[str, Any]]] = {policy: {} for policy in servers}
+        for name in RUNS:
+            for policy, noisy in benches.items():
+                started = time.perf_counter()
+                runs[policy][name] = asyncio.run(noisy.run(name))
+                runs[policy][name]["wall_s"] = time.perf_counter() - started
+                print(f"{policy}, {RUNS[name]}: done in {runs[policy][name]['wall_s']:.0f}s", flush=True)
+    policies = {policy: {"runs": runs[policy], **compare(runs[policy])} for policy in servers}
     machine["load_average_after"] = os.getloadavg()
     options = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in _NOT_OPTIONS}
     report = {
@@ -364,6 +402,12 @@ def register(bench: argparse._SubParsersAction) -> None:
         description=__doc__,
     )
     p.add_argument("--model", help="HF checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="serve a 2-layer, 64-wide Llama with random weights and --model's tokenizer: the issue's token sizes at "
+        "a speed a CPU keeps up with",
+    )
     p.add_argument("--dtype", default=config_default("dtype"), choices=DTYPES, help="as prefixcache serve --dtype")
     p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--output-len", type=positive_int, default=8, help="generated tokens per request (ignore_eos)")
@@ -383,6 +427,13 @@ def register(bench: argparse._SubParsersAction) -> None:
         default=config_default("max_num_seqs"),
         help="the server's cap on requests running at once: running requests' blocks are not free, so no "
         "priority keeps A's prefix once B's running requests need the whole cache",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=config_default("max_num_batched_tokens"),
+        help="the server's tokens per step: a step is never cut short, so a question arriving during one of B's "
+        "prefill steps waits for its end",
     )
     p.add_argument(
         "--scheduling-policy",

@@ -18,14 +18,13 @@ class RequestStatus(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class EngineRequest(Request):
-    """``num_cached_tokens`` is the prefix-cache hit at first admission, as reported to the user;
-    ``num_passed_tokens`` the uncached tokens of later arrivals the scheduler admitted ahead of it (its aging)."""
+    """``num_cached_tokens`` is the prefix-cache hit at first admission, as reported to the user (what the
+    scheduler's waiting queue knows of a request, its rank and aging, stays in the queue)."""
 
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
     num_cached_tokens: int | None = field(default=None, init=False)
     num_preemptions: int = field(default=0, init=False)
-    num_passed_tokens: int = field(default=0, init=False)
     prompt_logprobs: list[dict[int, float] | None] | None = field(default=None, init=False)
 
     @property

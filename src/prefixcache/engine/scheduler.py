@@ -25,15 +25,15 @@ Policies (``EngineConfig.scheduling_policy``):
   - *a seat*: when every seat is taken and the first in line is short, the newest running request that was
     admitted cold, never preempted, with more than one token to go, is preempted for it (its blocks stay
     cached; it goes back due).
+
+The order lives in the waiting queue (``engine/waiting_queue.py``), kept across steps: a step costs O(log n) a seat
+and a look-up in the n waiting requests, not a scan of them.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import deque
 from dataclasses import dataclass, field
-from itertools import islice
-from operator import itemgetter
 from typing import TYPE_CHECKING
 
 from prefixcache.config import SCHEDULING_POLICIES
@@ -41,6 +41,7 @@ from prefixcache.core import KVCacheManager
 from prefixcache.core.state_table import StateWork
 from prefixcache.core.sub_block import CopyOp
 from prefixcache.engine.request import EngineRequest, RequestStatus
+from prefixcache.engine.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:
     from prefixcache.offload.connector import OffloadPlan
@@ -103,16 +104,14 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
         self.short_prefill_tokens = short_prefill_tokens
-        self.waiting: deque[EngineRequest] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[EngineRequest] = []
         self.num_preemptions = 0
-        # cache-aware: each waiting request's uncached tokens as last looked up, and the order to refresh them in.
-        self._uncached: dict[str, int] = {}
+        # cache-aware: the waiting requests in the order to look their uncached tokens up again in.
         self._stalest: deque[EngineRequest] = deque()
 
     def add_request(self, request: EngineRequest) -> None:
-        self.waiting.append(request)
-        self._look_up(request)
+        self.waiting.append(request, self._look_up(request))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -123,7 +122,6 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-            self._uncached.pop(request.request_id, None)
         request.status = status
         self.manager.free(request)
 
@@ -165,20 +163,15 @@ class Scheduler:
         if not self.waiting or (seats <= 0 and self.policy == "fcfs"):
             return [], False
         if self.policy == "fcfs":
-            return list(islice(self.waiting, seats)), False
-        uncached = self._looked_up()
-        entries = []
-        for position, request in enumerate(self.waiting):
-            cost = uncached[request.request_id]
-            due = request.num_preemptions > 0 or request.num_passed_tokens >= cost
-            entries.append(((0, 0, position) if due else (1, cost, position), cost, request))
-        chosen = heapq.nsmallest(max(seats, 1), entries, key=itemgetter(0))
+            return [candidate.request for candidate in self.waiting.first(seats)], False
+        self._refresh()
+        chosen = self.waiting.first(max(seats, 1))
         if seats <= 0:
-            key, cost, _ = chosen[0]
-            if key[0] == 0 or cost > self.short_prefill_tokens or not self._seat_for_short(out):
+            first = chosen[0]
+            if first.due or first.uncached > self.short_prefill_tokens or not self._seat_for_short(out):
                 return [], False
-        short = any(cost <= self.short_prefill_tokens for _, cost, _ in chosen)
-        return [request for _, _, request in chosen], short
+        short = any(candidate.uncached <= self.short_prefill_tokens for candidate in chosen)
+        return [candidate.request for candidate in chosen], short
 
     def _seat_for_short(self, out: SchedulerOutput) -> bool:
         """Preempt the newest running request that was admitted cold (more than ``short_prefill_tokens``
@@ -194,25 +187,26 @@ class Scheduler:
                 return True
         return False
 
-    def _looked_up(self) -> dict[str, int]:
-        """Each waiting request's uncached tokens, from the device hit (``KVCacheManager.device_hit_tokens``):
-        looked up when it joins the queue, and the ``REFRESH_PER_STEP`` stalest again each step. With that many
-        waiting or fewer, every one is looked up each step; beyond, an estimate is at most
-        ``len(waiting) / REFRESH_PER_STEP`` steps old, and admission takes the real hit anyway."""
-        uncached, stalest = self._uncached, self._stalest
+    def _refresh(self) -> None:
+        """Look the ``REFRESH_PER_STEP`` stalest waiting requests' uncached tokens up again (each was looked up when
+        it joined the queue). With that many waiting or fewer, every one is looked up each step; beyond, an estimate
+        is at most ``len(waiting) / REFRESH_PER_STEP`` steps old, and admission takes the real hit anyway."""
+        waiting, stalest = self.waiting, self._stalest
         refreshed = 0
-        while stalest and refreshed < min(REFRESH_PER_STEP, len(uncached)):
+        while stalest and refreshed < min(REFRESH_PER_STEP, len(waiting)):
             request = stalest.popleft()
-            if request.request_id in uncached and request.status is RequestStatus.WAITING:
-                self._look_up(request)
+            if request in waiting and request.status is RequestStatus.WAITING:
+                waiting.set_uncached(request, self._look_up(request))
                 refreshed += 1
-        return uncached
 
-    def _look_up(self, request: EngineRequest) -> None:
-        """``cache-aware``: note a waiting request's uncached tokens now, and put it last to be looked up again."""
-        if self.policy == "cache-aware":
-            self._uncached[request.request_id] = request.num_tokens - self.manager.device_hit_tokens(request)
-            self._stalest.append(request)
+    def _look_up(self, request: EngineRequest) -> int:
+        """A request joining or waiting in the queue: its uncached tokens now, from the device hit
+        (``KVCacheManager.device_hit_tokens``), and last in line to be looked up again (``cache-aware``); 0 with
+        ``fcfs``, which ranks nobody (every request is then due: the queue's order)."""
+        if self.policy != "cache-aware":
+            return 0
+        self._stalest.append(request)
+        return request.num_tokens - self.manager.device_hit_tokens(request)
 
     def _allocate_or_preempt(self, request: EngineRequest, num_new: int, out: SchedulerOutput) -> bool:
         """Preempt the newest running requests until ``request`` fits; False if it had to go itself."""
@@ -245,12 +239,7 @@ class Scheduler:
                 break
             if capped:
                 cap -= num_new
-            for older in self.waiting:
-                if older is request:
-                    break
-                older.num_passed_tokens += uncached
-            self.waiting.remove(request)
-            self._uncached.pop(request.request_id, None)
+            self.waiting.remove(request, passing=uncached)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_computed
             request.status = RequestStatus.RUNNING
@@ -267,6 +256,5 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
-        self._look_up(request)
+        self.waiting.appendleft(request, self._look_up(request))
         out.preempted.append(request)
