@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from importlib.metadata import version as distribution_version
 from pathlib import Path
 
-from prefixcache.model.cache import cache_dir
-
 MARKER = "installed.json"
 # The side-by-side peers' scripts sit beside the checkout (parents: bench, prefixcache, src, the repository root).
 SHARED_PEERS = Path(__file__).resolve().parents[4] / "shared" / "peers"
@@ -85,6 +83,8 @@ def peer_tool(name: str) -> PeerTool:
 
 def peers_root() -> Path:
     """``<cache dir>/peers``, next to the converted models."""
+    from prefixcache.model.cache import cache_dir  # here: the model package imports torch, the CLI parser must not
+
     return cache_dir() / "peers"
 
 
