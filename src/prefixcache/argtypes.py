@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from prefixcache.units import parse_memory
@@ -29,6 +30,19 @@ def non_negative_float(text: str) -> float:
     if not value >= 0 or value == float("inf"):  # NaN fails the comparison
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
+
+
+def comma_separated(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    """A parser of comma-separated names out of ``choices`` (at least one, in the order given, duplicates dropped)."""
+
+    def parse(text: str) -> list[str]:
+        names = [part.strip() for part in text.split(",") if part.strip()]
+        unknown = [name for name in names if name not in choices]
+        if not names or unknown:
+            raise argparse.ArgumentTypeError(f"expected some of {', '.join(choices)}, got {text!r}")
+        return list(dict.fromkeys(names))
+
+    return parse
 
 
 def memory_size(text: str) -> int:

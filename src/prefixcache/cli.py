@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     from prefixcache.bench import offload_live as bench_offload
     from prefixcache.bench import route as bench_route
     from prefixcache.bench import serve as bench_serve
+    from prefixcache.bench import serve_compare as bench_serve_compare
     from prefixcache.bench import trace as bench_trace
     from prefixcache.config import DTYPES
     from prefixcache.core import HASH_ALGOS
@@ -132,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     manager.set_defaults(func=_bench_manager)
     offline.register(bench)
     bench_serve.register(bench)
+    bench_serve_compare.register(bench)
     bench_trace.register(bench)
     bench_route.register(bench)
     bench_offload.register(bench)

@@ -1,11 +1,21 @@
 """Peer tools install into a venv of their own, once, from whatever index pip is given; offline is a clear error."""
 
+import json
 import subprocess
 import zipfile
 
 import pytest
 
-from prefixcache.bench.peers import PEER_TOOLS, PeerInstallError, PeerTool, ensure_installed, installed, tool_dir
+from prefixcache.bench.peers import (
+    PEER_TOOLS,
+    PeerInstallError,
+    PeerTool,
+    ensure_installed,
+    installed,
+    llamacpp_command,
+    peer_tool,
+    tool_dir,
+)
 
 FAKE = PeerTool("fake-peer", "1.0", "fake-peer")
 
@@ -75,3 +85,22 @@ def test_the_known_tools_are_pinned_and_unknown_ones_named():
         ensure_installed("nope")
     with pytest.raises(ValueError, match="version"):
         PeerTool("x", "", "x")
+
+
+def test_llamacpps_server_runs_from_its_venv_once_installed(tmp_path) -> None:
+    tool, script, gguf = peer_tool("xllamacpp"), tmp_path / "serve.py", tmp_path / "m.gguf"
+    script.write_text("")
+    assert llamacpp_command(gguf, 8300, 2, script, parallel=4, root=tmp_path) is None  # not installed
+    python = tool_dir(tool, tmp_path) / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("")
+    (tool_dir(tool, tmp_path) / "installed.json").write_text(json.dumps({"requirement": tool.requirement}))
+    assert llamacpp_command(gguf, 8300, 2, script, parallel=4, root=tmp_path) == [
+        str(python),
+        str(script),
+        str(gguf),
+        "8300",
+        "4",
+        "2",
+    ]
+    assert llamacpp_command(gguf, 8300, 2, tmp_path / "missing.py", root=tmp_path) is None  # no serve.py beside us

@@ -29,17 +29,16 @@ import os
 import random
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefixcache.argtypes import positive_int
+from prefixcache.argtypes import comma_separated, positive_int
+from prefixcache.bench.peers import LLAMACPP_SERVE, llamacpp_command
 from prefixcache.config import QUANTIZATIONS, EngineConfig
 from prefixcache.engine.args import config_default
 
-# parents: bench, prefixcache, src, the repository root; the shared peers sit beside the checkout.
-LLAMACPP_SERVE = Path(__file__).resolve().parents[4] / "shared" / "peers" / "llamacpp" / "serve.py"
 BANDWIDTH_BYTES = 512 * 2**20
 SERVER_START_S = 600.0
 
@@ -82,22 +81,9 @@ def parse_sizes(text: str) -> list[int]:
     return sorted(dict.fromkeys(sizes))
 
 
-def _names_of(choices: Sequence[str]) -> Callable[[str], list[str]]:
-    """A parser of comma-separated names out of ``choices`` (at least one, duplicates dropped)."""
-
-    def parse(text: str) -> list[str]:
-        names = [part.strip() for part in text.split(",") if part.strip()]
-        unknown = [name for name in names if name not in choices]
-        if not names or unknown:
-            raise argparse.ArgumentTypeError(f"expected some of {', '.join(choices)}, got {text!r}")
-        return list(dict.fromkeys(names))
-
-    return parse
-
-
 MODES = ("eager", "compiled")
-parse_quantizations = _names_of(QUANTIZATIONS)
-parse_modes = _names_of(MODES)
+parse_quantizations = comma_separated(QUANTIZATIONS)
+parse_modes = comma_separated(MODES)
 
 
 def measure_bandwidth(num_bytes: int = BANDWIDTH_BYTES, repeats: int = 5, device: str = "cpu") -> float:
@@ -191,16 +177,6 @@ def run_offline(
         for llm in llms.values():
             llm.engine.close()
     return [points[(label, batch)] for label in configs for batch in batch_sizes]
-
-
-def llamacpp_command(gguf: Path, port: int, threads: int, serve_script: Path) -> list[str] | None:
-    """The command running llama.cpp's server on ``gguf``; None when the peer or its script is not installed."""
-    from prefixcache.bench.peers import executable_path, installed, peer_tool
-
-    tool = peer_tool("xllamacpp")
-    if not installed(tool) or not serve_script.is_file():
-        return None
-    return [str(executable_path(tool)), str(serve_script), str(gguf), str(port), "1", str(threads)]
 
 
 async def _stream_rate(url: str, model: str, prompt: list[int], output_len: int) -> float:

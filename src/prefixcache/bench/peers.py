@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from importlib.metadata import version as distribution_version
 from pathlib import Path
 
-from prefixcache.model.cache import cache_dir
-
 MARKER = "installed.json"
+# The side-by-side peers' scripts sit beside the checkout (parents: bench, prefixcache, src, the repository root).
+SHARED_PEERS = Path(__file__).resolve().parents[4] / "shared" / "peers"
+LLAMACPP_SERVE = SHARED_PEERS / "llamacpp" / "serve.py"
+VLLM_CPU_SERVE = SHARED_PEERS / "vllm-cpu" / "serve.sh"
 # What pip prints last says why it failed; more is noise in an error message.
 _PIP_TAIL_LINES = 12
 
@@ -81,6 +83,8 @@ def peer_tool(name: str) -> PeerTool:
 
 def peers_root() -> Path:
     """``<cache dir>/peers``, next to the converted models."""
+    from prefixcache.model.cache import cache_dir  # here: the model package imports torch, the CLI parser must not
+
     return cache_dir() / "peers"
 
 
@@ -141,3 +145,21 @@ def _run(command: list[str], what: str) -> None:
             f"cannot {what} (exit {done.returncode}); the package index must be reachable, or pip pointed at a "
             f"mirror (PIP_INDEX_URL, PIP_FIND_LINKS):\n{tail}"
         )
+
+
+def llamacpp_command(
+    gguf: Path,
+    port: int,
+    threads: int,
+    serve_script: Path = LLAMACPP_SERVE,
+    parallel: int = 1,
+    root: Path | None = None,
+) -> list[str] | None:
+    """The command running llama.cpp's server on ``gguf`` with ``parallel`` slots (continuous batching, per-slot
+    prompt caching) and ``threads`` threads; None when the xllamacpp peer or ``serve_script`` is not installed.
+
+    The benchmarks that compare with llama.cpp (``bench decode``, ``bench serve-compare``) all start it this way."""
+    tool = peer_tool("xllamacpp")
+    if not installed(tool, root) or not serve_script.is_file():
+        return None
+    return [str(executable_path(tool, root)), str(serve_script), str(gguf), str(port), str(parallel), str(threads)]

@@ -241,8 +241,8 @@ def check_ceilings(rows: list[dict[str, Any]]) -> None:
 def print_summary(summary: dict[str, Any]) -> None:
     hit_rate = summary["hit_rate"]
     print(
-        f"shared {summary['shared_fraction']:.2f} | {summary['completed']} ok, {summary['failed']} failed "
-        f"in {summary['duration']:.2f}s | TTFT mean {summary['mean_ttft_ms']:.1f} / median "
+        f"{summary['label']} | shared {summary['shared_fraction']:.2f} | {summary['completed']} ok, "
+        f"{summary['failed']} failed in {summary['duration']:.2f}s | TTFT mean {summary['mean_ttft_ms']:.1f} / median "
         f"{summary['median_ttft_ms']:.1f} / p99 {summary['p99_ttft_ms']:.1f} ms | TPOT mean "
         f"{summary['mean_tpot_ms']:.1f} / p99 {summary['p99_tpot_ms']:.1f} ms | ITL mean {summary['mean_itl_ms']:.1f} "
         f"/ p99 {summary['p99_itl_ms']:.1f} ms | {summary['request_throughput']:.2f} req/s, "
@@ -308,12 +308,10 @@ async def reset_prefix_cache(client: httpx.AsyncClient, base_url: str, headers: 
     return done
 
 
-async def benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
-    import httpx
-
-    base_url = args.base_url.rstrip("/")
-    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+def shared_fractions(args: argparse.Namespace) -> list[float]:
+    """The points to run: ``--sweep-shared-fractions``, else the one fraction ``--prefix-len`` makes."""
+    if not 0 <= args.prefix_len <= args.input_len:
+        raise SystemExit("--prefix-len must be between 0 and --input-len")
     fractions = (
         [float(f) for f in args.sweep_shared_fractions.split(",")]
         if args.sweep_shared_fractions
@@ -321,70 +319,113 @@ async def benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
     )
     if any(not 0 <= f <= 1 for f in fractions):
         raise SystemExit("shared fractions must be in [0, 1]")
+    return fractions
+
+
+def engine_order(labels: Sequence[str], step: int) -> list[str]:
+    """The engines in the order they run at the ``step``-th point of a sweep: rotated one place per point, so that
+    none always runs first (on a cold machine) or last (after the others warmed it)."""
+    shift = step % len(labels) if labels else 0
+    return [*labels[shift:], *labels[:shift]]
+
+
+async def benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--base-url``'s server over the sweep."""
+    base_url = args.base_url.rstrip("/")
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return await benchmark_servers(args, {args.label or base_url: (base_url, headers)})
+
+
+async def benchmark_servers(
+    args: argparse.Namespace, servers: dict[str, tuple[str, dict[str, str]]]
+) -> list[dict[str, Any]]:
+    """The sweep against each of ``servers`` (label: base URL and headers), taking turns point by point
+    (``engine_order``), so that what else loads the machine falls on all of them alike. Every server gets the
+    same prompts and arrival times at a point (the prompts come from ``--tokenizer`` or the vocab size the first
+    server reports, so they must share a vocabulary). Rows are grouped by server, in sweep order."""
+    import httpx
+
+    fractions = shared_fractions(args)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
-        card = await discover(client, base_url, headers)
-        target = Target(base_url, args.model or card["id"], headers)
-        vocab = token_vocabulary(args, card)
-        rng = random.Random(args.seed)
-        warmup = await send_request(client, target, rng.choices(vocab, k=args.input_len), args.output_len)
-        if not warmup.success:
-            raise SystemExit(f"the warm-up request failed: {warmup.error}")
-        can_reset = True
-        outcomes: dict[int, list[RequestResult]] = {point: [] for point in range(len(fractions))}
-        durations = dict.fromkeys(outcomes, 0.0)
-        round_ttfts: dict[int, list[float]] = {point: [] for point in outcomes}
-        resets = dict.fromkeys(outcomes, True)
-        for round_number, point in sweep_order(len(fractions), args.rounds):
-            reset = await reset_prefix_cache(client, base_url, headers) if can_reset else None
-            can_reset = reset is not None
-            resets[point] = resets[point] and bool(reset)
+        targets: dict[str, Target] = {}
+        vocab: list[int] = []
+        for label, (base_url, headers) in servers.items():
+            card = await discover(client, base_url, headers)
+            targets[label] = Target(base_url, args.model or card["id"], headers)
+            vocab = vocab or token_vocabulary(args, card)
+        warmup_prompt = random.Random(args.seed).choices(vocab, k=args.input_len)
+        for label, target in targets.items():
+            warmup = await send_request(client, target, warmup_prompt, args.output_len)
+            if not warmup.success:
+                raise SystemExit(f"the warm-up request to {label} failed: {warmup.error}")
+        can_reset = dict.fromkeys(targets, True)
+        keys = [(label, point) for label in targets for point in range(len(fractions))]
+        outcomes: dict[tuple[str, int], list[RequestResult]] = {key: [] for key in keys}
+        durations = dict.fromkeys(keys, 0.0)
+        round_ttfts: dict[tuple[str, int], list[float]] = {key: [] for key in keys}
+        resets = dict.fromkeys(keys, True)
+        for step, (round_number, point) in enumerate(sweep_order(len(fractions), args.rounds)):
             prefix_len = round(fractions[point] * args.input_len)
-            # A fresh prefix per point and round, cache reset or not; the first round keeps the seeds of old runs.
-            point_rng = random.Random(f"{args.seed}-{point}" + (f"-{round_number}" if round_number else ""))
-            prompts = make_prompts(point_rng, vocab, args.num_prompts, args.input_len, prefix_len)
-            results_of_round, duration = await run_point(
-                client,
-                target,
-                prompts,
-                args.output_len,
-                args.request_rate,
-                args.max_concurrency,
-                point_rng,
-                not args.disable_tqdm,
-            )
-            outcomes[point] += results_of_round
-            durations[point] += duration
-            round_ttfts[point].append(summarize(results_of_round, duration)["mean_ttft_ms"])
-        results = []
+            for label in engine_order(list(targets), step):
+                target = targets[label]
+                reset = await reset_prefix_cache(client, target.base_url, target.headers) if can_reset[label] else None
+                can_reset[label] = reset is not None
+                resets[label, point] = resets[label, point] and bool(reset)
+                # A fresh prefix per point and round, cache reset or not; the first round keeps the seeds of old
+                # runs. The same seed for every server: the same prompts, arriving at the same times.
+                point_rng = random.Random(f"{args.seed}-{point}" + (f"-{round_number}" if round_number else ""))
+                prompts = make_prompts(point_rng, vocab, args.num_prompts, args.input_len, prefix_len)
+                results_of_round, duration = await run_point(
+                    client,
+                    target,
+                    prompts,
+                    args.output_len,
+                    args.request_rate,
+                    args.max_concurrency,
+                    point_rng,
+                    not args.disable_tqdm,
+                )
+                outcomes[label, point] += results_of_round
+                durations[label, point] += duration
+                round_ttfts[label, point].append(summarize(results_of_round, duration)["mean_ttft_ms"])
+    results = []
+    for label, target in targets.items():
+        rows = []
         for point, fraction in enumerate(fractions):
-            summary = {
-                "label": args.label or base_url,
-                "model": target.model,
-                "shared_fraction": fraction,
-                "num_prompts": args.num_prompts,
-                "input_len": args.input_len,
-                "prefix_len": round(fraction * args.input_len),
-                "output_len": args.output_len,
-                "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
-                "max_concurrency": args.max_concurrency,
-                "cache_reset": resets[point],
-                "rounds": args.rounds,
-                "mean_ttft_ms_by_round": round_ttfts[point],
-                **summarize(outcomes[point], durations[point]),
-            }
-            results.append(summary)
-        check_ceilings(results)
-        for summary in results:
-            print_summary(summary)
+            rows.append(
+                {
+                    "label": label,
+                    "model": target.model,
+                    "shared_fraction": fraction,
+                    "num_prompts": args.num_prompts,
+                    "input_len": args.input_len,
+                    "prefix_len": round(fraction * args.input_len),
+                    "output_len": args.output_len,
+                    "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+                    "max_concurrency": args.max_concurrency,
+                    "cache_reset": resets[label, point],
+                    "rounds": args.rounds,
+                    "mean_ttft_ms_by_round": round_ttfts[label, point],
+                    **summarize(outcomes[label, point], durations[label, point]),
+                }
+            )
+        check_ceilings(rows)
+        for row in rows:
+            print_summary(row)
+        results += rows
     return results
 
 
 def load_results(paths: Sequence[Path]) -> list[dict[str, Any]]:
-    """Rows from earlier ``--json`` files (one result or a list); unlabelled rows take the file's name."""
+    """Rows from earlier ``--json`` files (one result, a list, or ``serve-compare``'s report); unlabelled rows take
+    the file's name."""
     rows = []
     for path in paths:
         data = json.loads(path.read_text())
+        if isinstance(data, dict) and "rows" in data:  # a ``bench serve-compare`` report
+            data = data["rows"]
         for row in data if isinstance(data, list) else [data]:
             rows.append({"label": path.stem, **row})
     return rows
@@ -421,8 +462,6 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     if not args.base_url and not args.results:
         raise SystemExit("pass --base-url to run a benchmark, or --results with --plot to plot earlier runs")
     if args.base_url:
-        if not 0 <= args.prefix_len <= args.input_len:
-            raise SystemExit("--prefix-len must be between 0 and --input-len")
         rows = asyncio.run(benchmark(args))
         if args.json:
             args.json.write_text(json.dumps(rows if args.sweep_shared_fractions else rows[0], indent=2) + "\n")
@@ -433,17 +472,8 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def register(bench: argparse._SubParsersAction) -> None:
-    p = bench.add_parser(
-        "serve",
-        help="online TTFT / TPOT / ITL of an OpenAI-compatible server on shared-prefix prompts",
-        description=__doc__.split("\n\n")[0],
-    )
-    p.add_argument("--base-url", help="the server, e.g. http://127.0.0.1:8000")
-    p.add_argument("--model", help="model name to request (default: the first one the server lists)")
-    p.add_argument("--api-key", help="bearer token (default: $OPENAI_API_KEY)")
-    p.add_argument("--tokenizer", help="HF tokenizer whose non-special ids make the prompts (else --vocab-size)")
-    p.add_argument("--vocab-size", type=int, help="draw prompt ids from [0, N) (default: what the server reports)")
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The workload options ``serve`` shares with ``serve-compare``: prompts, arrivals, the sweep, its rounds."""
     p.add_argument("--num-prompts", type=positive_int, default=100, help="requests per point")
     p.add_argument(
         "--rounds",
@@ -467,9 +497,23 @@ def register(bench: argparse._SubParsersAction) -> None:
         "--seed", type=int, default=0, help="prompts depend only on it: vary it to rerun on a server that cannot reset"
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--disable-tqdm", action="store_true")
+
+
+def register(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser(
+        "serve",
+        help="online TTFT / TPOT / ITL of an OpenAI-compatible server on shared-prefix prompts",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("--base-url", help="the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", help="model name to request (default: the first one the server lists)")
+    p.add_argument("--api-key", help="bearer token (default: $OPENAI_API_KEY)")
+    p.add_argument("--tokenizer", help="HF tokenizer whose non-special ids make the prompts (else --vocab-size)")
+    p.add_argument("--vocab-size", type=int, help="draw prompt ids from [0, N) (default: what the server reports)")
+    add_workload_arguments(p)
     p.add_argument("--label", help="name of this run in the JSON and the plot (default: the base URL)")
     p.add_argument("--json", type=Path, help="write the result here (a list when sweeping)")
     p.add_argument("--plot", type=Path, help="write a PNG of TTFT and TPOT against the shared fraction")
     p.add_argument("--results", type=Path, nargs="+", help="earlier --json files to plot alongside (e.g. vLLM's)")
-    p.add_argument("--disable-tqdm", action="store_true")
     p.set_defaults(func=main)
