@@ -286,8 +286,9 @@ def test_compiled_decode_matches_eager(checkpoint_dirs: dict[str, Path]) -> None
 
 def test_compiled_decode_guards_its_inputs_and_model(checkpoint_dirs: dict[str, Path], tmp_path: Path) -> None:
     """The compiled steps skip the guards on the model (see ``_guards_on_inputs``) but not on their inputs or on
-    which model runs them: a K/V pool of another size gets graphs of its own, and so does a second model of the
-    same shapes whose norms' eps (a constant inside the graphs) differs, instead of running the first one's."""
+    which model runs them: a K/V pool of another size runs the same graphs correctly (its number of blocks is a
+    dynamic size), and a second model of the same shapes whose norms' eps (a constant inside the graphs) differs
+    gets graphs of its own instead of running the first one's."""
     if shutil.which("g++") is None:
         pytest.skip("no C++ compiler (g++) for inductor's CPU kernels")
     first = load_model(checkpoint_dirs["llama"]).model

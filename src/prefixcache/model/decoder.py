@@ -338,7 +338,7 @@ class DecoderForCausalLM(nn.Module):
         self._inv_freq: dict[torch.device, list[torch.Tensor]] = {}
         self._workspace = GatherWorkspace()
         self._decode_step = self._eager_decode_step
-        self._static_kv_id: int | None = None  # the K/V list whose sizes the compiled step has marked static
+        self._static_kv_id: int | None = None  # the K/V list the compiled step has marked (_mark_kv_static)
         self._compute_logits = self._logits
         # Per KV cache layout, keyed by its number of groups (mask-only: 1; hybrid: len(kv_cache_groups()), the
         # same layout when the model has one attention spec): each attention layer's group, and each group's
@@ -512,13 +512,13 @@ class DecoderForCausalLM(nn.Module):
         return run
 
     def _mark_kv_static(self, *inputs: Any) -> None:
-        """Mark the K/V tensors' sizes static for the compiled step, once per list of them.
+        """Mark the K/V tensors' sizes but their number of blocks static for the compiled step, once per list.
 
         With every size dynamic, each of the 2 x layers K/V tensors adds its sizes and strides to the shape guards,
-        which run as Python on every call (about 900 lines for SmolLM2's 60 tensors). Static, they are part of each
-        tensor's guard, checked in C++. A pool of another size (or a list not marked) gets a graph of its own:
-        slower once, never wrong. The list is recognised by its id: one reused by a new list leaves that list's
-        tensors unmarked, which their guards see (a recompile, not a wrong graph).
+        which run as Python on every call (about 960 lines for SmolLM2's 60 tensors). With only the number of
+        blocks dynamic (one graph for every pool size) a tensor adds one line: its number of blocks is the
+        others'. The list is recognised by its id; a new list that reuses a freed one's id leaves its tensors
+        unmarked, which their guards see (the step compiles again, never runs a wrong graph).
         """
         kv_caches = inputs[2]  # the step's (input_ids, positions, kv_caches, decode)
         if id(kv_caches) == self._static_kv_id:
@@ -526,8 +526,8 @@ class DecoderForCausalLM(nn.Module):
         import torch._dynamo
 
         for key_cache, value_cache in kv_caches:
-            torch._dynamo.mark_static(key_cache)
-            torch._dynamo.mark_static(value_cache)
+            torch._dynamo.mark_static(key_cache, [1, 2, 3])  # block size, KV heads, head size
+            torch._dynamo.mark_static(value_cache, [1, 2, 3])
         self._static_kv_id = id(kv_caches)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
