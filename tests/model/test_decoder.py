@@ -13,7 +13,8 @@ import torch
 from prefixcache.model import AttentionMetadata, DecoderForCausalLM, load_model
 from prefixcache.model import attention as attention_mod
 from prefixcache.model.attention import _partition
-from tests.model.conftest import TINY_MODELS, VOCAB_SIZE, PagedRunner
+from tests.helpers import write_tiny_checkpoint
+from tests.model.conftest import TINY_MODELS, TINY_SETTINGS, VOCAB_SIZE, PagedRunner
 
 ATOL = RTOL = 1e-4
 
@@ -221,9 +222,15 @@ def test_cache_sizing(models) -> None:
     assert model.kv_bytes_per_block(16) == 2 * per_block  # float32 model
 
 
-def decode_logits(model: DecoderForCausalLM, steps: int = 3) -> list[dict[str, torch.Tensor]]:
-    """Prefill three requests (one past the tiny models' windows), then ``steps`` steps of greedy decodes."""
-    runner = PagedRunner(model, block_size=4, num_blocks=200)
+DECODE_BLOCKS = 200  # the K/V pool of decode_logits
+
+
+def decode_logits(
+    model: DecoderForCausalLM, steps: int = 3, num_blocks: int = DECODE_BLOCKS
+) -> list[dict[str, torch.Tensor]]:
+    """Prefill three requests (one past the tiny models' windows), then ``steps`` steps of greedy decodes, on a
+    K/V pool of its own."""
+    runner = PagedRunner(model, block_size=4, num_blocks=num_blocks)
     lengths = {"a": 2, "b": 9, "c": 41}
     out = runner.step([(rid, random_tokens(n, seed=60 + i)) for i, (rid, n) in enumerate(lengths.items())])
     steps_out = []
@@ -251,24 +258,50 @@ def test_decode_step_equals_the_grouped_attention(kind: str, models, monkeypatch
             assert torch.equal(ours[rid], theirs[rid])
 
 
+def assert_compiled_matches(compiled: list[dict[str, torch.Tensor]], eager: list[dict[str, torch.Tensor]]) -> None:
+    """The eager steps' greedy tokens, with logits within float32 rounding of fusing the elementwise ops."""
+    for ours, theirs in zip(compiled, eager, strict=True):
+        for rid in ours:
+            assert ours[rid].argmax(-1).tolist() == theirs[rid].argmax(-1).tolist()
+            torch.testing.assert_close(ours[rid], theirs[rid], atol=1e-5, rtol=1e-5)
+
+
 def test_compiled_decode_matches_eager(checkpoint_dirs: dict[str, Path]) -> None:
     """``compile_decode`` compiles both graphs at once (one request, more), and the compiled steps give the eager
-    steps' greedy tokens, with logits within float32 rounding of fusing the elementwise ops."""
+    steps' results on K/V tensors other than the ones they were compiled on (a new pool of the same size, as an
+    engine's after a restart), without compiling again."""
     if shutil.which("g++") is None:
         pytest.skip("no C++ compiler (g++) for inductor's CPU kernels")
     model = load_model(checkpoint_dirs["llama"]).model
     eager = decode_logits(model)
-    runner = PagedRunner(model, block_size=4)
+    runner = PagedRunner(model, block_size=4, num_blocks=DECODE_BLOCKS)
     seconds = model.compile_decode(runner.kv_caches, runner.groups, runner.block_size)
     assert seconds is not None and seconds > 0
     assert all(not k[0].any() and not v[0].any() for k, v in runner.kv_caches)  # the warm-up's block, zeroed
     # both graphs compiled: none in the steps (run in inference mode, as the engine's are)
     with torch._dynamo.config.patch(error_on_recompile=True), torch.inference_mode():
         compiled = decode_logits(model)
-    for ours, theirs in zip(compiled, eager, strict=True):
-        for rid in ours:
-            assert ours[rid].argmax(-1).tolist() == theirs[rid].argmax(-1).tolist()
-            torch.testing.assert_close(ours[rid], theirs[rid], atol=1e-5, rtol=1e-5)
+    assert_compiled_matches(compiled, eager)
+
+
+def test_compiled_decode_guards_its_inputs_and_model(checkpoint_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """The compiled steps skip the guards on the model (see ``_guards_on_inputs``) but not on their inputs or on
+    which model runs them: a K/V pool of another size runs the same graphs correctly (its number of blocks is a
+    dynamic size), and a second model of the same shapes whose norms' eps (a constant inside the graphs) differs
+    gets graphs of its own instead of running the first one's."""
+    if shutil.which("g++") is None:
+        pytest.skip("no C++ compiler (g++) for inductor's CPU kernels")
+    first = load_model(checkpoint_dirs["llama"]).model
+    settings = TINY_SETTINGS | TINY_MODELS["llama"][1] | {"rms_norm_eps": 0.5}
+    second = load_model(write_tiny_checkpoint(tmp_path / "eps", "llama", 0, randomize_norms=True, **settings)).model
+    eager = {"first": decode_logits(first, num_blocks=64), "second": decode_logits(second)}
+    assert not torch.allclose(eager["first"][0]["a"], eager["second"][0]["a"])  # the eps matters
+    for model in (first, second):
+        runner = PagedRunner(model, block_size=4, num_blocks=DECODE_BLOCKS)
+        assert model.compile_decode(runner.kv_caches, runner.groups, runner.block_size) is not None
+    with torch.inference_mode():
+        assert_compiled_matches(decode_logits(first, num_blocks=64), eager["first"])
+        assert_compiled_matches(decode_logits(second), eager["second"])
 
 
 def test_failed_compilation_decodes_eagerly(

@@ -1,4 +1,5 @@
-"""The model on a CUDA device gives the CPU's results: float32 decoding and the quantized weight-only matmuls.
+"""The model on a CUDA device gives the CPU's results: float32 decoding, the quantized weight-only matmuls and the
+compiled decode step.
 
 Skipped with the reason where torch sees no CUDA device; ``benchmarks/device_check.sh`` runs them on one.
 """
@@ -60,3 +61,29 @@ def test_quantized_decoding_matches_the_cpu(tmp_path: Path, monkeypatch) -> None
         results[device] = greedy(llm)
         llm.engine.close()
     assert_agrees_until_a_near_tie(results["cpu"], results["cuda"])
+
+
+def test_compiled_decoding_matches_eager_on_the_device(tiny_llama_dir: Path) -> None:
+    """The compiled decode step (``enforce_eager=False``) is device-agnostic: on CUDA (inductor's Triton kernels)
+    it decodes the eager step's tokens, with log-probabilities within float32 rounding of the fused ops."""
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    results = {}
+    loaded = load_model(tiny_llama_dir, dtype="float32", device="cuda")
+    for eager in (True, False):
+        llm = LLM(
+            str(tiny_llama_dir),
+            loaded=loaded,
+            dtype="float32",
+            device="cuda",
+            num_blocks=64,
+            block_size=4,
+            enforce_eager=eager,
+        )
+        assert (llm.engine.core.decode_compile_s is None) == eager
+        results[eager] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(PROMPTS, params)]
+        llm.engine.close()
+    for (eager_tokens, eager_logprobs), (tokens, logprobs) in zip(results[True], results[False], strict=True):
+        assert tokens == eager_tokens
+        for eager_step, step in zip(eager_logprobs, logprobs, strict=True):
+            assert step.keys() == eager_step.keys()
+            assert all(abs(step[t] - eager_step[t]) < 1e-4 for t in eager_step)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import types
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
@@ -227,6 +228,32 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_unit_offset)
 
 
+def _with_own_code(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``method`` bound to a copy of its function under a code object of its own.
+
+    Dynamo keeps the graphs it compiled, and their guards, per code object: with the model's own, the graphs
+    compiled for one model are never tried on another model's calls (two engines in one process, a test's second
+    model), which is what lets :func:`_guards_on_inputs` drop the guards on the model.
+    """
+    function = method.__func__  # type: ignore[attr-defined]
+    code = function.__code__.replace()  # equal to the original, but another object
+    copy = types.FunctionType(code, function.__globals__, None, function.__defaults__, function.__closure__)
+    return types.MethodType(copy, method.__self__)  # type: ignore[attr-defined]
+
+
+def _guards_on_inputs(entries: Sequence[Any]) -> list[bool]:
+    """Of a compiled step's guards (dynamo's ``GuardFilterEntry`` s), the ones checked on each call: all but those
+    on the model (``self``: its modules' attributes, weights and tables).
+
+    Those are most of them (SmolLM2's step: about 4,000 of 5,000, with a Python check of each norm's eps), and
+    they can only fail if the model changed after it was compiled, which nothing does: weights are loaded before
+    :meth:`DecoderForCausalLM.compile_decode`, and the modules' settings come from the frozen config. The graphs
+    are the model's own (:func:`_with_own_code`). What can differ between calls stays guarded: the inputs' dtypes,
+    devices and sizes (a batch of one or more, another K/V pool), the grad and inference modes, the global state.
+    """
+    return [entry.name != "self" and not entry.name.startswith(("self.", "self[")) for entry in entries]
+
+
 # HF checkpoint names of the weights stored inside fused parameters: (fused name, shard index).
 _STACKED = {
     "q_proj": ("qkv_proj", 0),
@@ -311,6 +338,7 @@ class DecoderForCausalLM(nn.Module):
         self._inv_freq: dict[torch.device, list[torch.Tensor]] = {}
         self._workspace = GatherWorkspace()
         self._decode_step = self._eager_decode_step
+        self._static_kv_id: int | None = None  # the K/V list the compiled step has marked (_mark_kv_static)
         self._compute_logits = self._logits
         # Per KV cache layout, keyed by its number of groups (mask-only: 1; hybrid: len(kv_cache_groups()), the
         # same layout when the model has one attention spec): each attention layer's group, and each group's
@@ -435,14 +463,19 @@ class DecoderForCausalLM(nn.Module):
         if self.config.state_layers or any(group.sliding_window is not None for group in groups):
             return None
         self._decode_step = self._compiled(
-            "_decode_step", "the decode step", self._graph_decode_step, self._eager_decode_step
+            "_decode_step", "the decode step", self._graph_decode_step, self._eager_decode_step, self._mark_kv_static
         )
         self._compute_logits = self._compiled("_compute_logits", "the logits", self._logits, self._logits)
         device = kv_caches[0][0].device
         self._inv_freqs_on(device)  # before tracing: a graph that added them would be recompiled once they are there
         start = time.perf_counter()
         dtype = self.model.norm.weight.dtype
-        with torch.inference_mode():  # as the engine's steps run: a tensor's inference mode is part of a graph's key
+        import torch._dynamo  # imported by torch.compile (seconds): not at module level, for the eager steps' sake
+
+        # inference mode as the engine's steps run (a tensor's inference mode is part of a graph's key); the modules'
+        # floats (norm eps, attention scale) as constants from the start: traced as inputs first, dynamo would turn
+        # them into constants on seeing them used and trace the whole step a second time
+        with torch.inference_mode(), torch._dynamo.config.patch(specialize_float=True):
             for batch in (1, 2):
                 metadata = AttentionMetadata.build([[0]] * batch, [0] * batch, [1] * batch, block_size, device)
                 ids = torch.zeros(batch, dtype=torch.long, device=device)
@@ -454,14 +487,22 @@ class DecoderForCausalLM(nn.Module):
         return None if self._decode_step == self._eager_decode_step else time.perf_counter() - start
 
     def _compiled(
-        self, attribute: str, what: str, function: Callable[..., torch.Tensor], eager: Callable[..., torch.Tensor]
+        self,
+        attribute: str,
+        what: str,
+        function: Callable[..., torch.Tensor],
+        eager: Callable[..., torch.Tensor],
+        prepare: Callable[..., None] | None = None,
     ) -> Callable[..., torch.Tensor]:
-        """``function`` compiled with dynamic shapes; when compiling fails, one warning and from then on ``eager``
-        in ``attribute``."""
-        compiled = torch.compile(function, dynamic=True)
+        """``function`` compiled with dynamic shapes, guarded on its inputs only (:func:`_guards_on_inputs`, under a
+        code object of its own: :func:`_with_own_code`); ``prepare`` sees each call's inputs first. When compiling
+        fails, one warning and from then on ``eager`` in ``attribute``."""
+        compiled = torch.compile(_with_own_code(function), dynamic=True, options={"guard_filter_fn": _guards_on_inputs})
 
         def run(*inputs: Any) -> torch.Tensor:
             try:
+                if prepare is not None:
+                    prepare(*inputs)
                 return compiled(*inputs)
             except Exception as exc:  # compilation is an optimisation: any failure falls back to eager
                 logger.warning("torch.compile of %s failed, running it eagerly: %s", what, str(exc).split("\n")[0])
@@ -469,6 +510,25 @@ class DecoderForCausalLM(nn.Module):
                 return eager(*inputs)
 
         return run
+
+    def _mark_kv_static(self, *inputs: Any) -> None:
+        """Mark the K/V tensors' sizes but their number of blocks static for the compiled step, once per list.
+
+        With every size dynamic, each of the 2 x layers K/V tensors adds its sizes and strides to the shape guards,
+        which run as Python on every call (about 960 lines for SmolLM2's 60 tensors). With only the number of
+        blocks dynamic (one graph for every pool size) a tensor adds one line: its number of blocks is the
+        others'. The list is recognised by its id; a new list that reuses a freed one's id leaves its tensors
+        unmarked, which their guards see (the step compiles again, never runs a wrong graph).
+        """
+        kv_caches = inputs[2]  # the step's (input_ids, positions, kv_caches, decode)
+        if id(kv_caches) == self._static_kv_id:
+            return
+        import torch._dynamo
+
+        for key_cache, value_cache in kv_caches:
+            torch._dynamo.mark_static(key_cache, [1, 2, 3])  # block size, KV heads, head size
+            torch._dynamo.mark_static(value_cache, [1, 2, 3])
+        self._static_kv_id = id(kv_caches)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """cos and signed sin (see :func:`apply_rope`) ``[T, 1, head_dim]`` of each RoPE table, computed in
