@@ -91,8 +91,8 @@ points="--num-prompts 30 --input-len 500 --output-len 16 --request-rate 0.5 --se
 saturation="--num-prompts 64 --input-len 500 --prefix-len 400 --output-len 32 --seed 2"
 
 # serve and saturation: prefixcache serve (bfloat16 on a CPU with bfloat16 instructions, the default), llama.cpp's
-# server (the xllamacpp peer, 4 slots, the same Q4_1 GGUF) and vLLM CPU (its serve.sh), 2 threads each, started side
-# by side and taking turns at every point; an engine not installed is left out with a note.
+# server (the xllamacpp peer, 4 slots, the same Q4_1 GGUF) and vLLM CPU (its serve.sh), 2 threads each, one engine
+# at a time on the same prompts and arrivals; an engine not installed is left out with a note.
 if want serve; then
   stage "serve: prefixcache, llama.cpp and vLLM CPU, shared fraction 0 and 0.8"
   $pc bench serve-compare --sweep-shared-fractions=0,0.8 $points --logs "$out/serve-logs" --json "$out/serve.json" \

@@ -154,7 +154,8 @@ def test_a_run_reports_each_engine_with_the_load_and_what_it_left_out(tiny_llama
     assert all(r["total_input_tokens"] == 3 * 48 and r["cache_reset"] for r in rows)
     assert rows[1]["hit_rate"] > 0  # 24 shared tokens, computed once, found by the later requests
     assert report["comparisons"] == []  # no peer ran
-    assert len(report["load_average_before"]) == len(report["load_average_after"]) == 3
+    assert list(report["load_average_around"]) == [label]
+    assert [len(load) for load in report["load_average_around"][label]] == [3, 3]
     assert (tmp_path / "logs" / "prefixcache-none.log").is_file()
 
 

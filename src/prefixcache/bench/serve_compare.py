@@ -1,9 +1,11 @@
 """``prefixcache bench serve-compare``: ``bench serve``'s workload against prefixcache serve, llama.cpp's server and
 vLLM's CPU build, each started here on the same model with the same threads, in one run.
 
-The servers are started once and run side by side; at each point of the sweep they take turns
-(``serve.engine_order``), each getting the same prompts at the same arrival times, so that whatever else loads the
-machine falls on all of them alike and their ratios are fair. The idle ones wait on a socket meanwhile.
+The engines run one at a time, each started, measured over the whole sweep and stopped before the next starts, on
+the same prompts at the same arrival times. Not side by side: an engine left idle beside the measured one still
+slows it (on the 2-core development host, prefixcache's 80% point took a TPOT of 2,194 ms with a second, idle
+server bound to the cores beside it, against 67-70 ms alone, 2026-12-02), so what else loads the machine is
+written down instead (the load average around each engine's sweep).
 
 - **prefixcache**: ``prefixcache serve`` with the user's defaults (``--dtype auto``: bfloat16 on a CPU with
   bfloat16 instructions), once per ``--quantization`` (``none``: the GGUF dequantized, ``gguf``: its int4/int8
@@ -114,13 +116,15 @@ def prompt_length_notes(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    """One line per engine and point, the ratios, the load average before and after, the notes."""
+    """One line per engine and point, the ratios, the load average around each engine's sweep, the notes."""
     settings = report["settings"]
+    loads = "; ".join(
+        f"{label} {before[0]:.2f} -> {after[0]:.2f}" for label, (before, after) in report["load_average_around"].items()
+    )
     lines = [
         f"serve-compare: {settings['num_prompts']} x {settings['input_len']} tokens, {settings['output_len']} out, "
-        f"{settings['request_rate']} req/s, {settings['threads']} threads each; load average "
-        f"{' '.join(f'{x:.2f}' for x in report['load_average_before'])} before, "
-        f"{' '.join(f'{x:.2f}' for x in report['load_average_after'])} after",
+        f"{settings['request_rate']} req/s, {settings['threads']} threads each, one engine at a time; "
+        f"load average (1 min) {loads}",
         "",
         "| shared | engine | TTFT mean / p99 ms | TPOT mean / p99 ms | output tok/s | hit rate |",
         "|---:|---|---:|---:|---:|---:|",
@@ -190,10 +194,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("no engine to run: " + "; ".join(notes))
     # the sweep's own options; prompts from the model's tokenizer, each server's own model name
     sweep_args = argparse.Namespace(**vars(args) | {"model": None, "tokenizer": str(model_dir), "vocab_size": None})
-    with running(list(servers.values()), SERVER_START_S):
-        load_before = list(os.getloadavg())
-        rows = asyncio.run(benchmark_servers(sweep_args, {label: (s.url, {}) for label, s in servers.items()}))
-        load_after = list(os.getloadavg())
+    rows: list[dict[str, Any]] = []
+    load_around: dict[str, list[list[float]]] = {}
+    for label, server in servers.items():
+        with running([server], SERVER_START_S):
+            before = list(os.getloadavg())
+            rows += asyncio.run(benchmark_servers(sweep_args, {label: (server.url, {})}))
+            load_around[label] = [before, list(os.getloadavg())]
     settings = {
         "model": name,
         "engines": list(servers),
@@ -204,8 +211,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     report = {
         "settings": settings,
-        "load_average_before": load_before,
-        "load_average_after": load_after,
+        "load_average_around": load_around,
         "rows": rows,
         "comparisons": compare_rows(rows),
         "notes": notes + prompt_length_notes(rows),
@@ -221,7 +227,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def register(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser(
         "serve-compare",
-        help="bench serve's sweep against prefixcache serve, llama.cpp's server and vLLM CPU, started side by side",
+        help="bench serve's sweep against prefixcache serve, llama.cpp's server and vLLM CPU, one engine at a time",
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("--model", default=None, help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct)")
