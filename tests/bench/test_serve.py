@@ -88,23 +88,14 @@ def test_rounds_alternate_the_sweep_order():
     assert bench_serve.sweep_order(3, 3) == [(0, 0), (0, 1), (0, 2), (1, 2), (1, 1), (1, 0), (2, 0), (2, 1), (2, 2)]
 
 
-def test_engines_take_turns_going_first():
-    labels = ["ours", "llama.cpp", "vllm"]
-    assert [bench_serve.engine_order(labels, step) for step in range(4)] == [
-        ["ours", "llama.cpp", "vllm"],
-        ["llama.cpp", "vllm", "ours"],
-        ["vllm", "ours", "llama.cpp"],
-        ["ours", "llama.cpp", "vllm"],
-    ]
-
-
-def test_two_servers_get_a_row_each_per_point(server, tmp_path):
+def test_servers_measured_one_after_another_get_the_same_requests(server, tmp_path):
+    """What ``serve-compare`` relies on: a sweep's requests depend only on the seed and the vocabulary."""
     import asyncio
 
     parser = argparse.ArgumentParser()
     bench_serve.register(parser.add_subparsers())
     args = parser.parse_args(["serve", *workload(server, 3), "--sweep-shared-fractions", "0,0.5", "--disable-tqdm"])
-    rows = asyncio.run(bench_serve.benchmark_servers(args, {"a": (server.url, {}), "b": (server.url, {})}))
+    rows = [row for label in "ab" for row in asyncio.run(bench_serve.benchmark_server(args, label, server.url, {}))]
     assert [(r["label"], r["shared_fraction"]) for r in rows] == [("a", 0.0), ("a", 0.5), ("b", 0.0), ("b", 0.5)]
     for r in rows:
         assert_sane(r, 3)

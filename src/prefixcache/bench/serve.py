@@ -322,100 +322,80 @@ def shared_fractions(args: argparse.Namespace) -> list[float]:
     return fractions
 
 
-def engine_order(labels: Sequence[str], step: int) -> list[str]:
-    """The engines in the order they run at the ``step``-th point of a sweep: rotated one place per point, so that
-    none always runs first (on a cold machine) or last (after the others warmed it)."""
-    shift = step % len(labels) if labels else 0
-    return [*labels[shift:], *labels[:shift]]
-
-
 async def benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
     """``--base-url``'s server over the sweep."""
     base_url = args.base_url.rstrip("/")
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return await benchmark_servers(args, {args.label or base_url: (base_url, headers)})
+    return await benchmark_server(args, args.label or base_url, base_url, headers)
 
 
-async def benchmark_servers(
-    args: argparse.Namespace, servers: dict[str, tuple[str, dict[str, str]]]
+async def benchmark_server(
+    args: argparse.Namespace, label: str, base_url: str, headers: dict[str, str]
 ) -> list[dict[str, Any]]:
-    """The sweep against each of ``servers`` (label: base URL and headers), taking turns point by point
-    (``engine_order``), so that what else loads the machine falls on all of them alike. Every server gets the
-    same prompts and arrival times at a point (the prompts come from ``--tokenizer`` or the vocab size the first
-    server reports, so they must share a vocabulary). Rows are grouped by server, in sweep order."""
+    """The sweep against one server, its rows labelled ``label``. The prompts and their arrival times depend only
+    on the seed and the vocabulary (``--tokenizer``, else the vocab size the server reports), so servers measured
+    one after another with the same tokenizer get the same requests."""
     import httpx
 
     fractions = shared_fractions(args)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
-        targets: dict[str, Target] = {}
-        vocab: list[int] = []
-        for label, (base_url, headers) in servers.items():
-            card = await discover(client, base_url, headers)
-            targets[label] = Target(base_url, args.model or card["id"], headers)
-            vocab = vocab or token_vocabulary(args, card)
+        card = await discover(client, base_url, headers)
+        target = Target(base_url, args.model or card["id"], headers)
+        vocab = token_vocabulary(args, card)
         warmup_prompt = random.Random(args.seed).choices(vocab, k=args.input_len)
-        for label, target in targets.items():
-            warmup = await send_request(client, target, warmup_prompt, args.output_len)
-            if not warmup.success:
-                raise SystemExit(f"the warm-up request to {label} failed: {warmup.error}")
-        can_reset = dict.fromkeys(targets, True)
-        keys = [(label, point) for label in targets for point in range(len(fractions))]
-        outcomes: dict[tuple[str, int], list[RequestResult]] = {key: [] for key in keys}
-        durations = dict.fromkeys(keys, 0.0)
-        round_ttfts: dict[tuple[str, int], list[float]] = {key: [] for key in keys}
-        resets = dict.fromkeys(keys, True)
-        for step, (round_number, point) in enumerate(sweep_order(len(fractions), args.rounds)):
+        warmup = await send_request(client, target, warmup_prompt, args.output_len)
+        if not warmup.success:
+            raise SystemExit(f"the warm-up request to {label} failed: {warmup.error}")
+        can_reset = True
+        outcomes: dict[int, list[RequestResult]] = {point: [] for point in range(len(fractions))}
+        durations = dict.fromkeys(outcomes, 0.0)
+        round_ttfts: dict[int, list[float]] = {point: [] for point in outcomes}
+        resets = dict.fromkeys(outcomes, True)
+        for round_number, point in sweep_order(len(fractions), args.rounds):
+            reset = await reset_prefix_cache(client, base_url, headers) if can_reset else None
+            can_reset = reset is not None
+            resets[point] = resets[point] and bool(reset)
             prefix_len = round(fractions[point] * args.input_len)
-            for label in engine_order(list(targets), step):
-                target = targets[label]
-                reset = await reset_prefix_cache(client, target.base_url, target.headers) if can_reset[label] else None
-                can_reset[label] = reset is not None
-                resets[label, point] = resets[label, point] and bool(reset)
-                # A fresh prefix per point and round, cache reset or not; the first round keeps the seeds of old
-                # runs. The same seed for every server: the same prompts, arriving at the same times.
-                point_rng = random.Random(f"{args.seed}-{point}" + (f"-{round_number}" if round_number else ""))
-                prompts = make_prompts(point_rng, vocab, args.num_prompts, args.input_len, prefix_len)
-                results_of_round, duration = await run_point(
-                    client,
-                    target,
-                    prompts,
-                    args.output_len,
-                    args.request_rate,
-                    args.max_concurrency,
-                    point_rng,
-                    not args.disable_tqdm,
-                )
-                outcomes[label, point] += results_of_round
-                durations[label, point] += duration
-                round_ttfts[label, point].append(summarize(results_of_round, duration)["mean_ttft_ms"])
-    results = []
-    for label, target in targets.items():
-        rows = []
-        for point, fraction in enumerate(fractions):
-            rows.append(
-                {
-                    "label": label,
-                    "model": target.model,
-                    "shared_fraction": fraction,
-                    "num_prompts": args.num_prompts,
-                    "input_len": args.input_len,
-                    "prefix_len": round(fraction * args.input_len),
-                    "output_len": args.output_len,
-                    "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
-                    "max_concurrency": args.max_concurrency,
-                    "cache_reset": resets[label, point],
-                    "rounds": args.rounds,
-                    "mean_ttft_ms_by_round": round_ttfts[label, point],
-                    **summarize(outcomes[label, point], durations[label, point]),
-                }
+            # A fresh prefix per point and round, cache reset or not; the first round keeps the seeds of old runs.
+            point_rng = random.Random(f"{args.seed}-{point}" + (f"-{round_number}" if round_number else ""))
+            prompts = make_prompts(point_rng, vocab, args.num_prompts, args.input_len, prefix_len)
+            results_of_round, duration = await run_point(
+                client,
+                target,
+                prompts,
+                args.output_len,
+                args.request_rate,
+                args.max_concurrency,
+                point_rng,
+                not args.disable_tqdm,
             )
-        check_ceilings(rows)
-        for row in rows:
-            print_summary(row)
-        results += rows
-    return results
+            outcomes[point] += results_of_round
+            durations[point] += duration
+            round_ttfts[point].append(summarize(results_of_round, duration)["mean_ttft_ms"])
+    rows = [
+        {
+            "label": label,
+            "model": target.model,
+            "shared_fraction": fraction,
+            "num_prompts": args.num_prompts,
+            "input_len": args.input_len,
+            "prefix_len": round(fraction * args.input_len),
+            "output_len": args.output_len,
+            "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+            "max_concurrency": args.max_concurrency,
+            "cache_reset": resets[point],
+            "rounds": args.rounds,
+            "mean_ttft_ms_by_round": round_ttfts[point],
+            **summarize(outcomes[point], durations[point]),
+        }
+        for point, fraction in enumerate(fractions)
+    ]
+    check_ceilings(rows)
+    for row in rows:
+        print_summary(row)
+    return rows
 
 
 def load_results(paths: Sequence[Path]) -> list[dict[str, Any]]:

@@ -184,7 +184,7 @@ def start_servers(args: argparse.Namespace, model_dir: Path, logs: Path) -> tupl
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from prefixcache.bench.live import running, served_model
-    from prefixcache.bench.serve import benchmark_servers, plot
+    from prefixcache.bench.serve import benchmark_server, plot
 
     model_dir, name, _ = served_model(args.model)
     logs = args.logs or Path(tempfile.mkdtemp(prefix="bench-serve-compare-"))
@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for label, server in servers.items():
         with running([server], SERVER_START_S):
             before = list(os.getloadavg())
-            rows += asyncio.run(benchmark_servers(sweep_args, {label: (server.url, {})}))
+            rows += asyncio.run(benchmark_server(sweep_args, label, server.url, {}))
             load_around[label] = [before, list(os.getloadavg())]
     settings = {
         "model": name,
