@@ -2,7 +2,7 @@
 
 import pytest
 
-from prefixcache.core import KVCacheManager, PrefixHit
+from prefixcache.core import KVCacheManager, PrefixHit, Request
 from tests.core.conftest import BLOCK_SIZE, FakeConnector, admit, make_request, manager_state, unique_tokens
 
 
@@ -329,15 +329,22 @@ def test_bad_requests_are_clear_errors():
         make_request([1], request_id="")
 
 
-def test_external_tokens_get_new_blocks_count_as_hits_and_become_findable():
-    """Blocks a connector loads: allocated like new tokens, counted like cached ones, then cached."""
-    connector = FakeConnector()
+def two_blocks_on_the_device_two_on_a_tier(connector: FakeConnector) -> tuple[KVCacheManager, Request]:
+    """A manager over ``connector`` and a 17-token request whose first two blocks are cached on the device (freed
+    by an earlier request) and whose next two the connector holds."""
     manager = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE, connector=connector)
     first = make_request(unique_tokens(9, 0))
     admit(manager, first)
     manager.free(first)
     request = make_request(unique_tokens(17, 0))
     connector.held_hashes.update(manager.block_hashes(request)[2:4])
+    return manager, request
+
+
+def test_external_tokens_get_new_blocks_count_as_hits_and_become_findable():
+    """Blocks a connector loads: allocated like new tokens, counted like cached ones, then cached."""
+    connector = FakeConnector()
+    manager, request = two_blocks_on_the_device_two_on_a_tier(connector)
     hit = manager.find_prefix(request)
     assert (hit.num_local_tokens, hit.num_external_tokens) == (2 * BLOCK_SIZE, 2 * BLOCK_SIZE)
     new = manager.allocate_slots(request, 1, hit)
@@ -383,12 +390,7 @@ def test_device_hit_tokens_is_the_device_hit_without_asking_the_connector_and_ch
             return super().extend_hit(request, block_hashes, start, end)
 
     connector = CountingConnector()
-    manager = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE, connector=connector)
-    first = make_request(unique_tokens(9, 0))
-    admit(manager, first)
-    manager.free(first)
-    request = make_request(unique_tokens(17, 0))
-    connector.held_hashes.update(manager.block_hashes(request)[2:4])
+    manager, request = two_blocks_on_the_device_two_on_a_tier(connector)
     before, asked = manager_state(manager), connector.asked
     assert manager.device_hit_tokens(request) == 2 * BLOCK_SIZE  # the tiers' two blocks are not counted
     assert connector.asked == asked and manager_state(manager) == before
