@@ -3,10 +3,10 @@
 torch's CPU build has no op for what the decode step needs most on a CPU (attention that reads paged K/V in
 place, 4-bit weights times int8-quantized activations), so those kernels are the project's own. They are
 compiled with ``torch.utils.cpp_extension`` (g++ and ninja) for the host's instruction set (``-march=native``)
-into ``<cache dir>/native/<torch version>-<host CPU flags digest>/``, which keys the build by everything that
-makes a binary unusable elsewhere, and loaded as ``torch.ops.prefixcache.*`` (so a compiled step traces them
-as opaque ops). Building takes about half a minute on a quiet machine, once; later processes only load the
-library.
+into ``<cache dir>/native/<torch version>-<digest of the host's CPU flags and the sources' folder>/``, keyed by
+everything that makes a binary unusable elsewhere (and keeping two installations' builds apart), and loaded as
+``torch.ops.prefixcache.*`` (so a compiled step traces them as opaque ops). Building takes about half a minute
+on a quiet machine, once; later processes only load the library.
 
 Every caller has a torch fallback: where the kernels cannot be built (no compiler) or are switched off
 (``PREFIXCACHE_NATIVE_KERNELS=0``), :func:`native_ops` returns None once, with the reason logged.
@@ -34,7 +34,8 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
 
 
 def _host_key() -> str:
-    """What the binary depends on besides its sources and flags: torch's version and the CPU's features."""
+    """What the binary depends on besides its sources and flags: torch's version, the CPU's features, and which
+    installation's sources it is built from."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -43,7 +44,7 @@ def _host_key() -> str:
                 break
     except OSError:
         flags = platform.processor()
-    digest = hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
+    digest = hashlib.sha256(f"{platform.machine()} {flags} {_SOURCES.resolve()}".encode()).hexdigest()[:12]
     return f"torch{torch.__version__.replace('+', '_')}-{digest}"
 
 
