@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from prefixcache.model import AttentionMetadata, DecoderForCausalLM, KVCacheGroup, StateMetadata
+from prefixcache.model import attention as attention_mod
 from tests.helpers import write_tiny_checkpoint
 
 VOCAB_SIZE = 512
@@ -127,6 +128,13 @@ def write_checkpoint(path: Path, kind: str, seed: int = 0) -> Path:
     """Save the tiny model ``kind`` (see TINY_MODELS and HYBRID_MODELS)."""
     model_type, overrides = TINY_MODELS[kind] if kind in TINY_MODELS else HYBRID_MODELS[kind]
     return write_tiny_checkpoint(path, model_type, seed, randomize_norms=True, **(TINY_SETTINGS | overrides))
+
+
+@pytest.fixture
+def torch_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Attention on torch's path (SDPA over gathered groups) even where prefixcache's prefill kernel runs: for
+    tests of the groups themselves, and of the fallback where the kernels are unavailable."""
+    monkeypatch.setattr(attention_mod, "_prefill_kernel", lambda: None)
 
 
 @pytest.fixture(scope="session")

@@ -115,7 +115,13 @@ def test_mixed_batch(kind: str, models, hf_models) -> None:
     run_mixed_batch(models[kind], hf_models[kind])
 
 
-def test_mixed_batch_with_expanded_kv(models, hf_models, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kind", ["llama", "mistral_window", "qwen3_window"])
+def test_mixed_batch_on_the_torch_path(kind: str, models, hf_models, torch_attention) -> None:
+    """Where prefixcache's prefill kernel is unavailable, the grouped SDPA path attends every request."""
+    run_mixed_batch(models[kind], hf_models[kind])
+
+
+def test_mixed_batch_with_expanded_kv(models, hf_models, monkeypatch: pytest.MonkeyPatch, torch_attention) -> None:
     """The K/V-expansion path taken on CUDA for masked GQA gives the same result."""
     monkeypatch.setattr(attention_mod, "_sdpa_gqa_supported", lambda device, mask: False)
     run_mixed_batch(models["llama"], hf_models["llama"])
@@ -135,15 +141,24 @@ def test_decode_batch_of_varied_lengths(models, hf_models) -> None:
         assert_matches(out[rid], hf_model, seqs[rid][: n + 4], n + 3)
 
 
+@pytest.mark.parametrize("path", ["torch", "kernel"])
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
-def test_bfloat16_close_to_transformers(kind: str, checkpoint_dirs, hf_models) -> None:
-    """bfloat16 can't match bit for bit: it must be close to HF's bfloat16, and about as far from float32 as
-    HF's bfloat16 is (Gemma's sandwich norms and soft-capping lose more to bfloat16 than Llama does)."""
+def test_bfloat16_close_to_transformers(
+    kind: str, path: str, checkpoint_dirs, hf_models, request: pytest.FixtureRequest
+) -> None:
+    """bfloat16 can't match bit for bit: it must be about as far from float32 as HF's bfloat16 is (Gemma's
+    sandwich norms and soft-capping lose more to bfloat16 than Llama does). The torch path runs the same SDPA as HF,
+    so it must also stay close to HF's bfloat16; the native prefill kernel rounds differently (its own softmax, in
+    float32), so on Gemma it lands as far from HF's bfloat16 as that is from float32, not closer."""
     from transformers import AutoModelForCausalLM
 
-    path = checkpoint_dirs[kind]
-    model = load_model(path, dtype="bfloat16").model
-    hf_bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, local_files_only=True)
+    if path == "kernel" and attention_mod._prefill_kernel() is None:
+        pytest.skip("prefixcache's CPU kernels are unavailable here")
+    if path == "torch":
+        request.getfixturevalue("torch_attention")
+    model_path = checkpoint_dirs[kind]
+    model = load_model(model_path, dtype="bfloat16").model
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16, local_files_only=True)
     tokens = random_tokens(30, seed=40)
     runner = PagedRunner(model, block_size=4)
     ours = torch.cat([runner.step([("a", tokens[:20])])["a"], runner.step([("a", tokens[20:])])["a"]])
@@ -151,8 +166,10 @@ def test_bfloat16_close_to_transformers(kind: str, checkpoint_dirs, hf_models) -
     expected_bf16 = hf_logits(hf_bf16, tokens)
     assert ours.dtype == torch.float32
     bound = 0.03 * expected_fp32.abs().max()
-    assert (ours - expected_bf16).abs().max() < bound
-    assert (ours - expected_fp32).abs().max() < max(bound, 1.25 * (expected_bf16 - expected_fp32).abs().max())
+    hf_error = (expected_bf16 - expected_fp32).abs()
+    assert (ours - expected_bf16).abs().max() < (bound if path == "torch" else max(bound, hf_error.max()))
+    assert (ours - expected_fp32).abs().max() < max(bound, 1.25 * hf_error.max())
+    assert (ours - expected_fp32).abs().mean() < 1.25 * hf_error.mean()
 
 
 def test_metadata_build() -> None:
@@ -187,7 +204,7 @@ def test_partition_keeps_padding_small() -> None:
     assert sorted(groups) == [[0, 2, 4], [1], [3]]
 
 
-def test_long_query_runs_are_chunked() -> None:
+def test_long_query_runs_are_chunked(torch_attention) -> None:
     """1200 new tokens after a cached prefix attend in 512-query chunks, each to keys up to its own end."""
     meta = AttentionMetadata.build([list(range(200))], [100], [1200], 16, "cpu")
     assert sorted((g.token_slice, g.max_q, g.kv_len) for g in meta.groups) == [

@@ -8,7 +8,11 @@ may read blocks that another request of the same step is writing (a shared prefi
 Requests are batched into a few :class:`AttentionGroup` s, each run as one padded
 ``scaled_dot_product_attention`` call (long query runs after cached context are split into chunks first).
 Grouping, padding indices and the masks are computed once per step in :meth:`AttentionMetadata.build` (masks
-lazily, on first use) and shared by all layers.
+lazily, on first use) and shared by all layers. On a CPU with prefixcache's kernels (:func:`native_ops`), the
+requests with more than one new token skip the groups: one ``paged_prefill_attention`` call a layer attends all
+of them over their K/V where it lies in the cache (no gather, no padding, no mask), with a reduction order per
+query that depends only on its keys, so a prompt's outputs are the same bit for bit however it was split into
+cached and new tokens.
 
 Metadata built for a sliding window W (a KV cache group of sliding-window layers) gathers each query chunk's
 keys from the block holding its first visible key (position q - W + 1) on: the blocks before it are never read,
@@ -19,11 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from prefixcache.model.native import native_ops
 
 # Per-group fixed cost in "query x key" units used when deciding whether two requests share one padded SDPA
 # call: merging is allowed while the padded work grows by at most this much over running them separately.
@@ -112,6 +119,9 @@ class AttentionMetadata:
     block_size: int
     # The window the gathers start at (see the module docstring); None: every key from position 0.
     sliding_window: int | None = None
+    # [P] the requests the native prefill kernel attends (those with more than one new token, on a CPU with
+    # prefixcache's kernels), in one call a layer; ``groups`` then hold only the others. None: groups only.
+    prefill_requests: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -167,15 +177,24 @@ class AttentionMetadata:
         def to_dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
+        use_kernel = torch.device(device).type == "cpu" and _prefill_kernel() is not None
+        prefill = new > 1 if use_kernel else np.zeros(num_reqs, dtype=bool)
         seg_req, seg_computed, seg_new = _segments(computed, new, split_fresh=sliding_window is not None)
         seg_start = query_start[seg_req] + seg_computed - computed[seg_req]
         if sliding_window is None:
             seg_kv_start = np.zeros_like(seg_computed)
         else:
             seg_kv_start = np.maximum(seg_computed - sliding_window + 1, 0) // block_size * block_size
-        groups = tuple(
-            _build_group(seg, seg_req, seg_computed, seg_new, seg_kv_start, seg_start, tables, block_size, to_dev)
-            for seg in _partition(seg_computed, seg_new, seg_kv_start)
+        grouped = np.flatnonzero(~prefill[seg_req])
+        groups = (
+            tuple(
+                _build_group(
+                    grouped[part], seg_req, seg_computed, seg_new, seg_kv_start, seg_start, tables, block_size, to_dev
+                )
+                for part in _partition(seg_computed[grouped], seg_new[grouped], seg_kv_start[grouped])
+            )
+            if len(grouped)
+            else ()
         )
         return cls(
             slot_mapping=to_dev(slots),
@@ -188,6 +207,7 @@ class AttentionMetadata:
             num_tokens=num_tokens,
             block_size=block_size,
             sliding_window=sliding_window,
+            prefill_requests=to_dev(np.flatnonzero(prefill)) if prefill.any() else None,
         )
 
     def attend(
@@ -463,11 +483,15 @@ def paged_attention(
     """
     write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
     num_tokens, num_heads, head_dim = query.shape
-    if len(metadata.groups) == 1 and metadata.groups[0].token_slice == (0, num_tokens):
+    if metadata.prefill_requests is not None:
+        # The kernel fills the rows of the prefill requests; the groups below fill the others.
+        out = _paged_prefill(query, k_cache, v_cache, metadata, scale, sliding_window)
+    elif len(metadata.groups) == 1 and metadata.groups[0].token_slice == (0, num_tokens):
         return _group_attention(
             metadata.groups[0], query, key, value, k_cache, v_cache, scale, sliding_window, workspace
         )
-    out = query.new_empty(num_tokens, num_heads * head_dim)
+    else:
+        out = query.new_empty(num_tokens, num_heads * head_dim)
     for group in metadata.groups:
         if group.token_slice is not None:
             start, end = group.token_slice
@@ -498,6 +522,49 @@ def paged_attention(
             )
             out.index_copy_(0, rows, result)
     return out
+
+
+@cache
+def _prefill_kernel() -> Callable[..., torch.Tensor] | None:
+    """prefixcache's ``paged_prefill_attention`` (CPU tensors only), or None where its kernels are unavailable.
+    Its fake implementation is registered with it, so that a compiled graph can hold it as an opaque op."""
+    ops = native_ops()
+    if ops is None:
+        return None
+
+    @torch.library.register_fake("prefixcache::paged_prefill_attention")
+    def _(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, requests, scale, window):
+        return query.new_empty(query.shape[0], query.shape[1] * query.shape[2])
+
+    return ops.paged_prefill_attention
+
+
+def _paged_prefill(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """``[T, num_heads * head_dim]`` whose rows of ``metadata.prefill_requests`` hold their attention (each query
+    over its request's keys up to its own position, within ``sliding_window``), read from the cache; the other
+    rows are unset."""
+    kernel = _prefill_kernel()
+    assert kernel is not None, "prefill_requests are set only where the kernel runs"
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    return kernel(
+        query,
+        k_cache,
+        v_cache,
+        metadata.block_tables,
+        metadata.query_start_loc,
+        metadata.seq_lens,
+        metadata.prefill_requests,
+        scale,
+        sliding_window,
+    )
 
 
 def _group_attention(
