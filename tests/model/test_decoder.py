@@ -204,7 +204,7 @@ def test_partition_keeps_padding_small() -> None:
     assert sorted(groups) == [[0, 2, 4], [1], [3]]
 
 
-def test_long_query_runs_are_chunked(torch_attention) -> None:
+def test_long_query_runs_are_chunked() -> None:
     """1200 new tokens after a cached prefix attend in 512-query chunks, each to keys up to its own end."""
     meta = AttentionMetadata.build([list(range(200))], [100], [1200], 16, "cpu")
     assert sorted((g.token_slice, g.max_q, g.kv_len) for g in meta.groups) == [

@@ -124,7 +124,7 @@ def test_forward_needs_metadata_for_each_group_of_a_layout(gemma: DecoderForCaus
         gemma(ids, meta.positions, caches, [windowed, windowed, windowed])
 
 
-def test_windowed_metadata_starts_each_gather_at_the_first_visible_block(torch_attention) -> None:
+def test_windowed_metadata_starts_each_gather_at_the_first_visible_block() -> None:
     """Window 10, blocks of 4: after 13 tokens the first visible key is 13 - 10 + 1 = 4, in block 1, so block 0
     (id 7) is never gathered; a request that sees everything starts at block 0 and is padded by clipping."""
     tables = [[7, 0, 9, 2, 5], [4, 6]]
@@ -140,7 +140,7 @@ def test_windowed_metadata_starts_each_gather_at_the_first_visible_block(torch_a
     assert visible == [list(range(10)), list(range(6))]  # keys 4..13 of request 0, 0..5 of request 1
 
 
-def test_a_long_fresh_prompt_is_attended_in_windowed_chunks(torch_attention) -> None:
+def test_a_long_fresh_prompt_is_attended_in_windowed_chunks() -> None:
     """With a window, a fresh prompt is split into 512-query chunks, each reading only its window's blocks."""
     meta = AttentionMetadata.build([list(range(80))], [0], [1200], 16, "cpu", sliding_window=100)
     assert sorted((g.token_slice, g.max_q, g.kv_len, g.fresh) for g in meta.groups) == [
@@ -152,7 +152,7 @@ def test_a_long_fresh_prompt_is_attended_in_windowed_chunks(torch_attention) -> 
     assert len(full.groups) == 1 and full.groups[0].fresh
 
 
-def test_a_window_longer_than_the_context_needs_no_window_mask(torch_attention) -> None:
+def test_a_window_longer_than_the_context_needs_no_window_mask() -> None:
     meta = AttentionMetadata.build([[3, 4]], [0], [20], 16, "cpu", sliding_window=32)
     assert meta.groups[0].mask(32, torch.float32) is None  # plain causal: SDPA's fastest path
 

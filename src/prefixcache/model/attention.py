@@ -119,9 +119,12 @@ class AttentionMetadata:
     block_size: int
     # The window the gathers start at (see the module docstring); None: every key from position 0.
     sliding_window: int | None = None
-    # [P] the requests the native prefill kernel attends (those with more than one new token, on a CPU with
-    # prefixcache's kernels), in one call a layer; ``groups`` then hold only the others. None: groups only.
+    # [P] the requests prefixcache's prefill kernel attends where it runs (a CPU with prefixcache's kernels, a
+    # float32 / bfloat16 / float16 cache): those with more than one new token, in one call a layer; the others
+    # in ``beside_prefill`` (their groups). None: no kernel, or no such request. ``groups`` always hold every
+    # request (torch's path, where a layer's dtype is not the kernel's).
     prefill_requests: torch.Tensor | None = None
+    beside_prefill: tuple[AttentionGroup, ...] | None = None
 
     @classmethod
     def build(
@@ -177,25 +180,29 @@ class AttentionMetadata:
         def to_dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
-        use_kernel = torch.device(device).type == "cpu" and _prefill_kernel() is not None
-        prefill = new > 1 if use_kernel else np.zeros(num_reqs, dtype=bool)
         seg_req, seg_computed, seg_new = _segments(computed, new, split_fresh=sliding_window is not None)
         seg_start = query_start[seg_req] + seg_computed - computed[seg_req]
         if sliding_window is None:
             seg_kv_start = np.zeros_like(seg_computed)
         else:
             seg_kv_start = np.maximum(seg_computed - sliding_window + 1, 0) // block_size * block_size
-        grouped = np.flatnonzero(~prefill[seg_req])
-        groups = (
-            tuple(
+
+        def build_groups(segments: np.ndarray) -> tuple[AttentionGroup, ...]:
+            parts = _partition(seg_computed[segments], seg_new[segments], seg_kv_start[segments])
+            return tuple(
                 _build_group(
-                    grouped[part], seg_req, seg_computed, seg_new, seg_kv_start, seg_start, tables, block_size, to_dev
+                    segments[part], seg_req, seg_computed, seg_new, seg_kv_start, seg_start, tables, block_size, to_dev
                 )
-                for part in _partition(seg_computed[grouped], seg_new[grouped], seg_kv_start[grouped])
+                for part in parts
             )
-            if len(grouped)
-            else ()
-        )
+
+        groups = build_groups(np.arange(len(seg_req)))
+        prefill_requests = beside_prefill = None
+        prefill = new > 1
+        if prefill.any() and torch.device(device).type == "cpu" and _prefill_kernel() is not None:
+            prefill_requests = to_dev(np.flatnonzero(prefill))
+            others = np.flatnonzero(~prefill[seg_req])
+            beside_prefill = build_groups(others) if len(others) else ()
         return cls(
             slot_mapping=to_dev(slots),
             block_tables=to_dev(tables),
@@ -207,7 +214,8 @@ class AttentionMetadata:
             num_tokens=num_tokens,
             block_size=block_size,
             sliding_window=sliding_window,
-            prefill_requests=to_dev(np.flatnonzero(prefill)) if prefill.any() else None,
+            prefill_requests=prefill_requests,
+            beside_prefill=beside_prefill,
         )
 
     def attend(
@@ -483,16 +491,16 @@ def paged_attention(
     """
     write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
     num_tokens, num_heads, head_dim = query.shape
-    if metadata.prefill_requests is not None:
+    groups = metadata.groups
+    if metadata.beside_prefill is not None and {query.dtype, k_cache.dtype} <= _PREFILL_KERNEL_DTYPES:
         # The kernel fills the rows of the prefill requests; the groups below fill the others.
         out = _paged_prefill(query, k_cache, v_cache, metadata, scale, sliding_window)
-    elif len(metadata.groups) == 1 and metadata.groups[0].token_slice == (0, num_tokens):
-        return _group_attention(
-            metadata.groups[0], query, key, value, k_cache, v_cache, scale, sliding_window, workspace
-        )
+        groups = metadata.beside_prefill
+    elif len(groups) == 1 and groups[0].token_slice == (0, num_tokens):
+        return _group_attention(groups[0], query, key, value, k_cache, v_cache, scale, sliding_window, workspace)
     else:
         out = query.new_empty(num_tokens, num_heads * head_dim)
-    for group in metadata.groups:
+    for group in groups:
         if group.token_slice is not None:
             start, end = group.token_slice
             out[start:end] = _group_attention(
@@ -522,6 +530,10 @@ def paged_attention(
             )
             out.index_copy_(0, rows, result)
     return out
+
+
+# The query and cache dtypes paged_prefill_attention takes (it computes in float32); others take torch's path.
+_PREFILL_KERNEL_DTYPES = {torch.float32, torch.bfloat16, torch.float16}
 
 
 @cache
