@@ -252,6 +252,81 @@ void chunk_values(const float* weights, const float* values, const float* alpha,
   for (; d < dim; ++d) chunk_values_block<NV, 1>(weights, values, alpha, dim, width, v0, d, out_t);
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16 K/V and queries: the same products with vdpbf16ps, two bfloat16 products a float32 lane per
+// instruction (exact products, float32 sums, a fixed order per lane). Pairs are packed in 32-bit lanes, the
+// lower half first: q2 [head_dim / 2][width] (a row's dims 2p, 2p + 1), keys [16][head_dim] as stored,
+// weights w2 [8][width] (keys 2i, 2i + 1 of a row) and values v2 [8][head_dim] (keys 2i, 2i + 1 of a dim).
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+
+template <int NV>
+void chunk_scores_bf16(const uint32_t* q2, const uint16_t* keys, int64_t dim, int64_t width, int64_t v0,
+                       float q_scale, float* scores) {
+  const __m512 scale = _mm512_set1_ps(q_scale);
+  for (int j0 = 0; j0 < kLanes; j0 += 4) {
+    __m512 acc[4][NV];
+    for (int j = 0; j < 4; ++j)
+      for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < dim / 2; ++p) {
+      __m512i q[NV];
+      for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_si512(q2 + p * width + (v0 + v) * kLanes);
+      for (int j = 0; j < 4; ++j) {
+        uint32_t pair;
+        std::memcpy(&pair, keys + (j0 + j) * dim + 2 * p, sizeof(pair));
+        __m512i k = _mm512_set1_epi32(static_cast<int>(pair));
+        for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], as_bh(k), as_bh(q[v]));
+      }
+    }
+    for (int j = 0; j < 4; ++j)
+      for (int v = 0; v < NV; ++v)
+        _mm512_storeu_ps(scores + (j0 + j) * width + (v0 + v) * kLanes, _mm512_mul_ps(acc[j][v], scale));
+  }
+}
+
+template <int NV, int DB>
+inline void chunk_values_bf16_block(const uint32_t* w2, const uint32_t* v2, const float* alpha, int64_t dim,
+                                    int64_t width, int64_t v0, int64_t d0, float* out_t) {
+  __m512 acc[DB][NV];
+  for (int v = 0; v < NV; ++v) {
+    __m512 a = _mm512_loadu_ps(alpha + (v0 + v) * kLanes);
+    for (int dd = 0; dd < DB; ++dd)
+      acc[dd][v] = _mm512_mul_ps(_mm512_loadu_ps(out_t + (d0 + dd) * width + (v0 + v) * kLanes), a);
+  }
+  for (int i = 0; i < kLanes / 2; ++i) {
+    __m512i w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = _mm512_loadu_si512(w2 + i * width + (v0 + v) * kLanes);
+    for (int dd = 0; dd < DB; ++dd) {
+      __m512i x = _mm512_set1_epi32(static_cast<int>(v2[i * dim + d0 + dd]));
+      for (int v = 0; v < NV; ++v) acc[dd][v] = _mm512_dpbf16_ps(acc[dd][v], as_bh(w[v]), as_bh(x));
+    }
+  }
+  for (int dd = 0; dd < DB; ++dd)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out_t + (d0 + dd) * width + (v0 + v) * kLanes, acc[dd][v]);
+}
+
+template <int NV>
+void chunk_values_bf16(const uint32_t* w2, const uint32_t* v2, const float* alpha, int64_t dim, int64_t width,
+                       int64_t v0, float* out_t) {
+  int64_t d = 0;
+  for (; d + 4 <= dim; d += 4) chunk_values_bf16_block<NV, 4>(w2, v2, alpha, dim, width, v0, d, out_t);
+  for (; d < dim; ++d) chunk_values_bf16_block<NV, 1>(w2, v2, alpha, dim, width, v0, d, out_t);
+}
+
+// Packs the bfloat16-rounded weights of keys 2i and 2i + 1 (float32 with zero low halves) into pairs.
+inline void pack_weights(const float* weights, int64_t width, int64_t num_vecs, uint32_t* w2) {
+  for (int i = 0; i < kLanes / 2; ++i)
+    for (int64_t v = 0; v < num_vecs; ++v) {
+      __m512i even = _mm512_castps_si512(_mm512_loadu_ps(weights + 2 * i * width + v * kLanes));
+      __m512i odd = _mm512_castps_si512(_mm512_loadu_ps(weights + (2 * i + 1) * width + v * kLanes));
+      __m512i pair = _mm512_or_si512(_mm512_srli_epi32(even, 16), _mm512_and_si512(odd, _mm512_set1_epi32(-65536)));
+      _mm512_storeu_si512(w2 + i * width + v * kLanes, pair);
+    }
+}
+constexpr bool kBf16Dot = true;
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
 template <typename F>
 void for_vector_groups(int64_t num_vecs, F&& run) {
   for (int64_t v0 = 0; v0 < num_vecs; v0 += kMaxVecs) {
@@ -278,10 +353,48 @@ struct WorkItem {
 struct Buffers {
   std::vector<float> q_t, out_t, keys, values, scores, weights, max, sum, alpha;
   std::vector<int32_t> lo, hi;
+  // The bfloat16 pairs of the vdpbf16ps path: queries, keys as stored, weights and values.
+  std::vector<uint32_t> q2, w2, v2;
+  std::vector<uint16_t> keys_bf16;
   Buffers(int64_t dim, int64_t width)
       : q_t(dim * width), out_t(dim * width), keys(kLanes * dim), values(kLanes * dim), scores(kLanes * width),
-        weights(kLanes * width), max(width), sum(width), alpha(width), lo(width), hi(width) {}
+        weights(kLanes * width), max(width), sum(width), alpha(width), lo(width), hi(width),
+        q2((dim + 1) / 2 * width), w2(kLanes / 2 * width), v2(kLanes / 2 * dim), keys_bf16(kLanes * dim) {}
 };
+
+// Whether a tile of these dtypes takes the vdpbf16ps path (bfloat16 queries and cache, an even head_dim).
+template <typename KV, typename Q>
+constexpr bool bf16_dot() {
+  return kBf16Dot && std::is_same_v<KV, c10::BFloat16> && std::is_same_v<Q, c10::BFloat16>;
+}
+
+// The chunk's keys (as stored) and values (pairs of keys 2i, 2i + 1 per dim) for the vdpbf16ps path; zeros for
+// the positions the tile does not see.
+template <typename KV>
+void stage_chunk_bf16(const KV* k_cache, const KV* v_cache, const int64_t* table, int64_t block_size,
+                      int64_t slot_stride, int64_t kv_head, int64_t dim, int64_t chunk, int64_t first_key,
+                      int64_t last_pos, Buffers& buf) {
+  const uint16_t* rows[kLanes];
+  for (int64_t j = 0; j < kLanes; ++j) {
+    const int64_t pos = chunk * kLanes + j;
+    uint16_t* k_row = buf.keys_bf16.data() + j * dim;
+    if (pos < first_key || pos > last_pos) {
+      std::fill(k_row, k_row + dim, uint16_t{0});
+      rows[j] = nullptr;
+      continue;
+    }
+    const int64_t slot = (table[pos / block_size] * block_size + pos % block_size) * slot_stride + kv_head * dim;
+    std::memcpy(k_row, k_cache + slot, dim * sizeof(uint16_t));
+    rows[j] = reinterpret_cast<const uint16_t*>(v_cache + slot);
+  }
+  for (int64_t i = 0; i < kLanes / 2; ++i) {
+    const uint16_t* even = rows[2 * i];
+    const uint16_t* odd = rows[2 * i + 1];
+    uint32_t* out = buf.v2.data() + i * dim;
+    for (int64_t d = 0; d < dim; ++d)
+      out[d] = static_cast<uint32_t>(even ? even[d] : 0) | static_cast<uint32_t>(odd ? odd[d] : 0) << 16;
+  }
+}
 
 template <typename KV, typename Q>
 void attend_tile(const WorkItem& item, const Q* query, int64_t q_stride_t, int64_t q_stride_h, const KV* k_cache,
@@ -291,8 +404,11 @@ void attend_tile(const WorkItem& item, const Q* query, int64_t q_stride_t, int64
   const int64_t num_vecs = (rows + kLanes - 1) / kLanes;
   const int64_t width = num_vecs * kLanes;
   const int64_t last_pos = item.first_pos + item.num_queries - 1;
+  // bfloat16 pairs multiply with vdpbf16ps (the scale applied to the scores), other dtypes in float32.
+  const bool pairs = bf16_dot<KV, Q>() && dim % 2 == 0;
   // Rows are (query, head of the group), query-major; padding rows repeat the last row's positions.
   std::fill(buf.q_t.begin(), buf.q_t.begin() + dim * width, 0.0f);
+  std::fill(buf.q2.begin(), buf.q2.end(), 0u);
   std::fill(buf.out_t.begin(), buf.out_t.begin() + dim * width, 0.0f);
   for (int64_t row = 0; row < width; ++row) {
     const int64_t i = std::min(row, rows - 1) / group;
@@ -303,26 +419,44 @@ void attend_tile(const WorkItem& item, const Q* query, int64_t q_stride_t, int64
     buf.sum[row] = 0.0f;
     if (row >= rows) continue;
     const Q* q = query + (item.first_query + i) * q_stride_t + (item.kv_head * group + row % group) * q_stride_h;
-    for (int64_t d = 0; d < dim; ++d) buf.q_t[d * width + row] = to_float(q[d]) * q_scale;
+    if (pairs) {
+      const uint16_t* bits = reinterpret_cast<const uint16_t*>(q);
+      for (int64_t p = 0; p < dim / 2; ++p)
+        buf.q2[p * width + row] = static_cast<uint32_t>(bits[2 * p]) | static_cast<uint32_t>(bits[2 * p + 1]) << 16;
+    } else {
+      for (int64_t d = 0; d < dim; ++d) buf.q_t[d * width + row] = to_float(q[d]) * q_scale;
+    }
   }
   const int64_t first_key = window > 0 ? std::max<int64_t>(item.first_pos - window + 1, 0) : 0;
   const int64_t slot_stride = kv_heads * dim;
   for (int64_t chunk = first_key / kLanes; chunk <= last_pos / kLanes; ++chunk) {
     // Read the chunk's keys and values the tile can see; the others are zeros (never NaN from a freed block).
-    for (int64_t j = 0; j < kLanes; ++j) {
-      const int64_t pos = chunk * kLanes + j;
-      float* k_row = buf.keys.data() + j * dim;
-      float* v_row = buf.values.data() + j * dim;
-      if (pos < first_key || pos > last_pos) {
-        std::fill(k_row, k_row + dim, 0.0f);
-        std::fill(v_row, v_row + dim, 0.0f);
-        continue;
+    if (pairs) {
+      stage_chunk_bf16(k_cache, v_cache, table, block_size, slot_stride, item.kv_head, dim, chunk, first_key,
+                       last_pos, buf);
+    } else {
+      for (int64_t j = 0; j < kLanes; ++j) {
+        const int64_t pos = chunk * kLanes + j;
+        float* k_row = buf.keys.data() + j * dim;
+        float* v_row = buf.values.data() + j * dim;
+        if (pos < first_key || pos > last_pos) {
+          std::fill(k_row, k_row + dim, 0.0f);
+          std::fill(v_row, v_row + dim, 0.0f);
+          continue;
+        }
+        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+        widen(k_cache + slot * slot_stride + item.kv_head * dim, k_row, dim);
+        widen(v_cache + slot * slot_stride + item.kv_head * dim, v_row, dim);
       }
-      const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-      widen(k_cache + slot * slot_stride + item.kv_head * dim, k_row, dim);
-      widen(v_cache + slot * slot_stride + item.kv_head * dim, v_row, dim);
     }
     for_vector_groups(num_vecs, [&](auto nv, int64_t v0) {
+#if defined(__AVX512BF16__)
+      if (pairs) {
+        chunk_scores_bf16<decltype(nv)::value>(buf.q2.data(), buf.keys_bf16.data(), dim, width, v0, q_scale,
+                                               buf.scores.data());
+        return;
+      }
+#endif
       chunk_scores<decltype(nv)::value>(buf.q_t.data(), buf.keys.data(), dim, width, v0, buf.scores.data());
     });
     // Online softmax, lane-wise: running max, the old state's scale, weights and running sum.
@@ -352,7 +486,17 @@ void attend_tile(const WorkItem& item, const Q* query, int64_t q_stride_t, int64
       }
       vstore(buf.sum.data() + col, sum);
     }
+#if defined(__AVX512BF16__)
+    if (pairs) pack_weights(buf.weights.data(), width, num_vecs, buf.w2.data());
+#endif
     for_vector_groups(num_vecs, [&](auto nv, int64_t v0) {
+#if defined(__AVX512BF16__)
+      if (pairs) {
+        chunk_values_bf16<decltype(nv)::value>(buf.w2.data(), buf.v2.data(), buf.alpha.data(), dim, width, v0,
+                                               buf.out_t.data());
+        return;
+      }
+#endif
       chunk_values<decltype(nv)::value>(buf.weights.data(), buf.values.data(), buf.alpha.data(), dim, width, v0,
                                         buf.out_t.data());
     });
