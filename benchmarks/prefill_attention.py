@@ -4,8 +4,8 @@ gathered, a padded and masked SDPA), measured alternately in one process, at 1 a
 float32. Requests of ``--prompt`` tokens of which ``--cached`` (0, and the shared prefix) are already in the
 cache; batches of 1 and ``--batch``. ``layer``: one attention layer (the K/V write included); ``--model``: also
 the whole step of a random SmolLM2-135M-shaped model (30 layers) for one request, what the kernel changes of a
-prefill. Times are the wall clock's median per call, so a busy machine shows: write ``uptime``'s load beside
-them.
+prefill. Times are medians per call by the wall clock and by the process's CPU time (at one thread the
+steadier on a busy machine); write ``uptime``'s load beside them.
 
     PYTHONPATH=src .venv/bin/python benchmarks/prefill_attention.py [--prompt 500] [--cached 400] [--batch 16]
         [--model]
@@ -78,17 +78,21 @@ def make_case(batch: int, prompt: int, cached: int, dtype: torch.dtype, kernel: 
     return lambda: paged_attention(query, key, value, k_cache, v_cache, metadata, scale, None, workspace)
 
 
-def median_ms(runs: dict[str, object], repeats: int) -> dict[str, float]:
-    """Median wall milliseconds of each run, the runs taking turns (so load slows them alike)."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
+def median_ms(runs: dict[str, object], repeats: int) -> dict[str, tuple[float, float]]:
+    """Median milliseconds of each run, by the wall clock and by this process's CPU time (all its threads: on a
+    loaded machine the time the run was descheduled does not count), the runs taking turns."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
     for run in runs.values():
         run()  # warm up: buffers, the kernel's first call
     for _ in range(repeats):
         for name, run in runs.items():
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             run()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+            times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    return {
+        name: (statistics.median(w for w, _ in t) * 1e3, statistics.median(c for _, c in t) * 1e3)
+        for name, t in times.items()
+    }
 
 
 def main() -> None:
@@ -128,9 +132,12 @@ def main() -> None:
                             "dtype": str(dtype).removeprefix("torch."),
                             "batch": batch,
                             "cached": cached,
-                            "kernel_ms": round(ms["kernel"], 2),
-                            "torch_ms": round(ms["torch"], 2),
-                            "speedup": round(ms["torch"] / ms["kernel"], 2),
+                            "kernel_wall_ms": round(ms["kernel"][0], 2),
+                            "torch_wall_ms": round(ms["torch"][0], 2),
+                            "kernel_cpu_ms": round(ms["kernel"][1], 2),
+                            "torch_cpu_ms": round(ms["torch"][1], 2),
+                            "speedup_wall": round(ms["torch"][0] / ms["kernel"][0], 2),
+                            "speedup_cpu": round(ms["torch"][1] / ms["kernel"][1], 2),
                         }
                         print(json.dumps(row), flush=True)
     print(f"load average: {os.getloadavg()}")

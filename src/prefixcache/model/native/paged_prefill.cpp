@@ -199,119 +199,102 @@ inline void widen(const T* src, float* dst, int64_t n) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Micro-kernels over one chunk of 16 keys and NV row vectors starting at row vector v0. Layouts (floats):
-// q_t [head_dim][width] (queries transposed, pre-scaled), keys and values [16][head_dim], scores and weights
-// [16][width], out_t [head_dim][width]; width = row vectors x 16.
+// Micro-kernels over one chunk of 16 keys and NV row vectors starting at row vector v0, for a multiply-add
+// policy: Fp32Madd (float32 products, one an FMA) or, for bfloat16 queries and cache, Bf16Madd (vdpbf16ps: two
+// exact bfloat16 products a float32 lane, float32 sums). Either way each lane sums in a fixed order. Layouts,
+// in the policy's elements: q [head_dim / per][width] (queries transposed; Fp32Madd's pre-scaled), keys
+// [16][head_dim] (as read, widened to float32 for Fp32Madd), weights [16 / per][width] and values
+// [16 / per][head_dim] (Bf16Madd: keys 2i and 2i + 1 of a row or dim paired in 32 bits, the lower half first),
+// scores [16][width] and out_t [head_dim][width] in float32; width = row vectors x 16, per = products a lane.
 
-// scores[j][rows] = sum over d, in order, of keys[j][d] * q_t[d][rows].
-template <int NV>
-void chunk_scores(const float* q_t, const float* keys, int64_t dim, int64_t width, int64_t v0, float* scores) {
+struct Fp32Madd {
+  using Elem = float;
+  using Key = float;
+  using Lanes = Vec;
+  static constexpr int kPer = 1;
+  static Lanes load(const Elem* p) { return vload(p); }
+  static Lanes broadcast(Elem x) { return vset1(x); }
+  static Lanes key(const Key* row, int64_t step) { return vset1(row[step]); }
+  static Vec madd(Vec acc, Lanes a, Lanes b) { return vfma(a, b, acc); }
+};
+
+#if defined(__AVX512BF16__)
+struct Bf16Madd {
+  using Elem = uint32_t;
+  using Key = uint16_t;
+  using Lanes = __m512i;
+  static constexpr int kPer = 2;
+  static Lanes load(const Elem* p) { return _mm512_loadu_si512(p); }
+  static Lanes broadcast(Elem x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+  static Lanes key(const Key* row, int64_t step) {
+    uint32_t pair;
+    std::memcpy(&pair, row + 2 * step, sizeof(pair));
+    return broadcast(pair);
+  }
+  static Vec madd(Vec acc, Lanes a, Lanes b) {
+    return {_mm512_dpbf16_ps(acc.v, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b))};
+  }
+};
+constexpr bool kBf16Dot = true;
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+// scores[j][rows] = scale * sum over the head dims, in order, of keys[j][d] * q[d][rows].
+template <typename Madd, int NV>
+void chunk_scores(const typename Madd::Elem* q, const typename Madd::Key* keys, int64_t dim, int64_t width,
+                  int64_t v0, float scale, float* scores) {
   for (int j0 = 0; j0 < kLanes; j0 += 4) {
     Vec acc[4][NV];
     for (int j = 0; j < 4; ++j)
       for (int v = 0; v < NV; ++v) acc[j][v] = vset1(0.0f);
-    for (int64_t d = 0; d < dim; ++d) {
-      Vec q[NV];
-      for (int v = 0; v < NV; ++v) q[v] = vload(q_t + d * width + (v0 + v) * kLanes);
+    for (int64_t step = 0; step < dim / Madd::kPer; ++step) {
+      typename Madd::Lanes qv[NV];
+      for (int v = 0; v < NV; ++v) qv[v] = Madd::load(q + step * width + (v0 + v) * kLanes);
       for (int j = 0; j < 4; ++j) {
-        Vec k = vset1(keys[(j0 + j) * dim + d]);
-        for (int v = 0; v < NV; ++v) acc[j][v] = vfma(k, q[v], acc[j][v]);
+        typename Madd::Lanes k = Madd::key(keys + (j0 + j) * dim, step);
+        for (int v = 0; v < NV; ++v) acc[j][v] = Madd::madd(acc[j][v], k, qv[v]);
       }
     }
     for (int j = 0; j < 4; ++j)
-      for (int v = 0; v < NV; ++v) vstore(scores + (j0 + j) * width + (v0 + v) * kLanes, acc[j][v]);
+      for (int v = 0; v < NV; ++v) {
+        Vec s = scale == 1.0f ? acc[j][v] : vmul(acc[j][v], vset1(scale));
+        vstore(scores + (j0 + j) * width + (v0 + v) * kLanes, s);
+      }
   }
 }
 
-// out_t[d][rows] = out_t[d][rows] * alpha[rows] + sum over j, in order, of weights[j][rows] * values[j][d].
-template <int NV, int DB>
-inline void chunk_values_block(const float* weights, const float* values, const float* alpha, int64_t dim,
-                               int64_t width, int64_t v0, int64_t d0, float* out_t) {
+// out_t[d][rows] = out_t[d][rows] * alpha[rows] + sum over the keys, in order, of weights[j][rows] * values[j][d].
+template <typename Madd, int NV, int DB>
+inline void chunk_values_block(const typename Madd::Elem* weights, const typename Madd::Elem* values,
+                               const float* alpha, int64_t dim, int64_t width, int64_t v0, int64_t d0,
+                               float* out_t) {
   Vec acc[DB][NV];
   for (int v = 0; v < NV; ++v) {
     Vec a = vload(alpha + (v0 + v) * kLanes);
     for (int dd = 0; dd < DB; ++dd) acc[dd][v] = vmul(vload(out_t + (d0 + dd) * width + (v0 + v) * kLanes), a);
   }
-  for (int j = 0; j < kLanes; ++j) {
-    Vec w[NV];
-    for (int v = 0; v < NV; ++v) w[v] = vload(weights + j * width + (v0 + v) * kLanes);
+  for (int j = 0; j < kLanes / Madd::kPer; ++j) {
+    typename Madd::Lanes w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = Madd::load(weights + j * width + (v0 + v) * kLanes);
     for (int dd = 0; dd < DB; ++dd) {
-      Vec x = vset1(values[j * dim + d0 + dd]);
-      for (int v = 0; v < NV; ++v) acc[dd][v] = vfma(w[v], x, acc[dd][v]);
+      typename Madd::Lanes x = Madd::broadcast(values[j * dim + d0 + dd]);
+      for (int v = 0; v < NV; ++v) acc[dd][v] = Madd::madd(acc[dd][v], w[v], x);
     }
   }
   for (int dd = 0; dd < DB; ++dd)
     for (int v = 0; v < NV; ++v) vstore(out_t + (d0 + dd) * width + (v0 + v) * kLanes, acc[dd][v]);
 }
 
-template <int NV>
-void chunk_values(const float* weights, const float* values, const float* alpha, int64_t dim, int64_t width,
-                  int64_t v0, float* out_t) {
+template <typename Madd, int NV>
+void chunk_values(const typename Madd::Elem* weights, const typename Madd::Elem* values, const float* alpha,
+                  int64_t dim, int64_t width, int64_t v0, float* out_t) {
   int64_t d = 0;
-  for (; d + 4 <= dim; d += 4) chunk_values_block<NV, 4>(weights, values, alpha, dim, width, v0, d, out_t);
-  for (; d < dim; ++d) chunk_values_block<NV, 1>(weights, values, alpha, dim, width, v0, d, out_t);
+  for (; d + 4 <= dim; d += 4) chunk_values_block<Madd, NV, 4>(weights, values, alpha, dim, width, v0, d, out_t);
+  for (; d < dim; ++d) chunk_values_block<Madd, NV, 1>(weights, values, alpha, dim, width, v0, d, out_t);
 }
 
 #if defined(__AVX512BF16__)
-// bfloat16 K/V and queries: the same products with vdpbf16ps, two bfloat16 products a float32 lane per
-// instruction (exact products, float32 sums, a fixed order per lane). Pairs are packed in 32-bit lanes, the
-// lower half first: q2 [head_dim / 2][width] (a row's dims 2p, 2p + 1), keys [16][head_dim] as stored,
-// weights w2 [8][width] (keys 2i, 2i + 1 of a row) and values v2 [8][head_dim] (keys 2i, 2i + 1 of a dim).
-inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
-
-template <int NV>
-void chunk_scores_bf16(const uint32_t* q2, const uint16_t* keys, int64_t dim, int64_t width, int64_t v0,
-                       float q_scale, float* scores) {
-  const __m512 scale = _mm512_set1_ps(q_scale);
-  for (int j0 = 0; j0 < kLanes; j0 += 4) {
-    __m512 acc[4][NV];
-    for (int j = 0; j < 4; ++j)
-      for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < dim / 2; ++p) {
-      __m512i q[NV];
-      for (int v = 0; v < NV; ++v) q[v] = _mm512_loadu_si512(q2 + p * width + (v0 + v) * kLanes);
-      for (int j = 0; j < 4; ++j) {
-        uint32_t pair;
-        std::memcpy(&pair, keys + (j0 + j) * dim + 2 * p, sizeof(pair));
-        __m512i k = _mm512_set1_epi32(static_cast<int>(pair));
-        for (int v = 0; v < NV; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], as_bh(k), as_bh(q[v]));
-      }
-    }
-    for (int j = 0; j < 4; ++j)
-      for (int v = 0; v < NV; ++v)
-        _mm512_storeu_ps(scores + (j0 + j) * width + (v0 + v) * kLanes, _mm512_mul_ps(acc[j][v], scale));
-  }
-}
-
-template <int NV, int DB>
-inline void chunk_values_bf16_block(const uint32_t* w2, const uint32_t* v2, const float* alpha, int64_t dim,
-                                    int64_t width, int64_t v0, int64_t d0, float* out_t) {
-  __m512 acc[DB][NV];
-  for (int v = 0; v < NV; ++v) {
-    __m512 a = _mm512_loadu_ps(alpha + (v0 + v) * kLanes);
-    for (int dd = 0; dd < DB; ++dd)
-      acc[dd][v] = _mm512_mul_ps(_mm512_loadu_ps(out_t + (d0 + dd) * width + (v0 + v) * kLanes), a);
-  }
-  for (int i = 0; i < kLanes / 2; ++i) {
-    __m512i w[NV];
-    for (int v = 0; v < NV; ++v) w[v] = _mm512_loadu_si512(w2 + i * width + (v0 + v) * kLanes);
-    for (int dd = 0; dd < DB; ++dd) {
-      __m512i x = _mm512_set1_epi32(static_cast<int>(v2[i * dim + d0 + dd]));
-      for (int v = 0; v < NV; ++v) acc[dd][v] = _mm512_dpbf16_ps(acc[dd][v], as_bh(w[v]), as_bh(x));
-    }
-  }
-  for (int dd = 0; dd < DB; ++dd)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(out_t + (d0 + dd) * width + (v0 + v) * kLanes, acc[dd][v]);
-}
-
-template <int NV>
-void chunk_values_bf16(const uint32_t* w2, const uint32_t* v2, const float* alpha, int64_t dim, int64_t width,
-                       int64_t v0, float* out_t) {
-  int64_t d = 0;
-  for (; d + 4 <= dim; d += 4) chunk_values_bf16_block<NV, 4>(w2, v2, alpha, dim, width, v0, d, out_t);
-  for (; d < dim; ++d) chunk_values_bf16_block<NV, 1>(w2, v2, alpha, dim, width, v0, d, out_t);
-}
-
 // Packs the bfloat16-rounded weights of keys 2i and 2i + 1 (float32 with zero low halves) into pairs.
 inline void pack_weights(const float* weights, int64_t width, int64_t num_vecs, uint32_t* w2) {
   for (int i = 0; i < kLanes / 2; ++i)
@@ -322,9 +305,6 @@ inline void pack_weights(const float* weights, int64_t width, int64_t num_vecs, 
       _mm512_storeu_si512(w2 + i * width + v * kLanes, pair);
     }
 }
-constexpr bool kBf16Dot = true;
-#else
-constexpr bool kBf16Dot = false;
 #endif
 
 template <typename F>
@@ -450,14 +430,14 @@ void attend_tile(const WorkItem& item, const Q* query, int64_t q_stride_t, int64
       }
     }
     for_vector_groups(num_vecs, [&](auto nv, int64_t v0) {
+      constexpr int NV = decltype(nv)::value;
 #if defined(__AVX512BF16__)
       if (pairs) {
-        chunk_scores_bf16<decltype(nv)::value>(buf.q2.data(), buf.keys_bf16.data(), dim, width, v0, q_scale,
-                                               buf.scores.data());
+        chunk_scores<Bf16Madd, NV>(buf.q2.data(), buf.keys_bf16.data(), dim, width, v0, q_scale, buf.scores.data());
         return;
       }
 #endif
-      chunk_scores<decltype(nv)::value>(buf.q_t.data(), buf.keys.data(), dim, width, v0, buf.scores.data());
+      chunk_scores<Fp32Madd, NV>(buf.q_t.data(), buf.keys.data(), dim, width, v0, 1.0f, buf.scores.data());
     });
     // Online softmax, lane-wise: running max, the old state's scale, weights and running sum.
     const Vec neg_inf = vset1(-std::numeric_limits<float>::infinity());
@@ -490,15 +470,15 @@ void attend_tile(const WorkItem& item, const Q* query, int64_t q_stride_t, int64
     if (pairs) pack_weights(buf.weights.data(), width, num_vecs, buf.w2.data());
 #endif
     for_vector_groups(num_vecs, [&](auto nv, int64_t v0) {
+      constexpr int NV = decltype(nv)::value;
 #if defined(__AVX512BF16__)
       if (pairs) {
-        chunk_values_bf16<decltype(nv)::value>(buf.w2.data(), buf.v2.data(), buf.alpha.data(), dim, width, v0,
-                                               buf.out_t.data());
+        chunk_values<Bf16Madd, NV>(buf.w2.data(), buf.v2.data(), buf.alpha.data(), dim, width, v0, buf.out_t.data());
         return;
       }
 #endif
-      chunk_values<decltype(nv)::value>(buf.weights.data(), buf.values.data(), buf.alpha.data(), dim, width, v0,
-                                        buf.out_t.data());
+      chunk_values<Fp32Madd, NV>(buf.weights.data(), buf.values.data(), buf.alpha.data(), dim, width, v0,
+                                 buf.out_t.data());
     });
   }
   for (int64_t d = 0; d < dim; ++d)
