@@ -240,27 +240,20 @@ constexpr bool kBf16Dot = true;
 constexpr bool kBf16Dot = false;
 #endif
 
-// scores[j][rows] = scale * sum over the head dims, in order, of keys[j][d] * q[d][rows].
-template <typename Madd, int NV>
+// scores[j][rows] = scale * sum over the head dims, in order, of keys[j][d] * q[d][rows]: one row vector at a
+// time against all 16 keys (16 accumulators), so the tile's queries stream through once a chunk.
+template <typename Madd>
 void chunk_scores(const typename Madd::Elem* q, const typename Madd::Key* keys, int64_t dim, int64_t width,
-                  int64_t v0, float scale, float* scores) {
-  for (int j0 = 0; j0 < kLanes; j0 += 4) {
-    Vec acc[4][NV];
-    for (int j = 0; j < 4; ++j)
-      for (int v = 0; v < NV; ++v) acc[j][v] = vset1(0.0f);
+                  int64_t num_vecs, float scale, float* scores) {
+  for (int64_t v = 0; v < num_vecs; ++v) {
+    Vec acc[kLanes];
+    for (int j = 0; j < kLanes; ++j) acc[j] = vset1(0.0f);
     for (int64_t step = 0; step < dim / Madd::kPer; ++step) {
-      typename Madd::Lanes qv[NV];
-      for (int v = 0; v < NV; ++v) qv[v] = Madd::load(q + step * width + (v0 + v) * kLanes);
-      for (int j = 0; j < 4; ++j) {
-        typename Madd::Lanes k = Madd::key(keys + (j0 + j) * dim, step);
-        for (int v = 0; v < NV; ++v) acc[j][v] = Madd::madd(acc[j][v], k, qv[v]);
-      }
+      typename Madd::Lanes qv = Madd::load(q + step * width + v * kLanes);
+      for (int j = 0; j < kLanes; ++j) acc[j] = Madd::madd(acc[j], Madd::key(keys + j * dim, step), qv);
     }
-    for (int j = 0; j < 4; ++j)
-      for (int v = 0; v < NV; ++v) {
-        Vec s = scale == 1.0f ? acc[j][v] : vmul(acc[j][v], vset1(scale));
-        vstore(scores + (j0 + j) * width + (v0 + v) * kLanes, s);
-      }
+    for (int j = 0; j < kLanes; ++j)
+      vstore(scores + j * width + v * kLanes, scale == 1.0f ? acc[j] : vmul(acc[j], vset1(scale)));
   }
 }
 
@@ -327,7 +320,6 @@ struct WorkItem {
   int64_t first_query;  // batch row of the tile's first query
   int64_t num_queries;
   int64_t first_pos;  // position of the tile's first query
-  int64_t cost;
 };
 
 struct Buffers {
@@ -429,16 +421,12 @@ void attend_tile(const WorkItem& item, const Q* query, int64_t q_stride_t, int64
         widen(v_cache + slot * slot_stride + item.kv_head * dim, v_row, dim);
       }
     }
-    for_vector_groups(num_vecs, [&](auto nv, int64_t v0) {
-      constexpr int NV = decltype(nv)::value;
 #if defined(__AVX512BF16__)
-      if (pairs) {
-        chunk_scores<Bf16Madd, NV>(buf.q2.data(), buf.keys_bf16.data(), dim, width, v0, q_scale, buf.scores.data());
-        return;
-      }
+    if (pairs)
+      chunk_scores<Bf16Madd>(buf.q2.data(), buf.keys_bf16.data(), dim, width, num_vecs, q_scale, buf.scores.data());
+    else
 #endif
-      chunk_scores<Fp32Madd, NV>(buf.q_t.data(), buf.keys.data(), dim, width, v0, 1.0f, buf.scores.data());
-    });
+      chunk_scores<Fp32Madd>(buf.q_t.data(), buf.keys.data(), dim, width, num_vecs, 1.0f, buf.scores.data());
     // Online softmax, lane-wise: running max, the old state's scale, weights and running sum.
     const Vec neg_inf = vset1(-std::numeric_limits<float>::infinity());
     for (int64_t v = 0; v < num_vecs; ++v) {
@@ -508,7 +496,9 @@ void run_items(const std::vector<WorkItem>& items, const at::Tensor& query, cons
   Q* o = out.data_ptr<Q>();
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_items);
-  // Items go out one at a time, the costliest first, so that uneven tiles still balance over the threads.
+  // Items go out one at a time in their order: a thread's next tile mostly reads the same request's K/V (from its
+  // own L2, not the L3 or memory), and each (request, KV head) ends with its cheapest tiles, which balances the
+  // threads however uneven the tiles.
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     Buffers buf(dim, width);
@@ -578,14 +568,12 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_
       const int64_t id = tables[r * table_width + b];
       TORCH_CHECK(id >= 0 && id < num_blocks, "request ", r, ": block id ", id, " out of range");
     }
-    for (int64_t t = 0; t < num_new; t += tile_queries) {
-      const int64_t nq = std::min(tile_queries, num_new - t);
-      const int64_t pos = seq_len - num_new + t;
-      const int64_t keys = pos + nq - (win > 0 ? std::max<int64_t>(pos - win + 1, 0) : 0);
-      for (int64_t h = 0; h < kv_heads; ++h) items.push_back({r, h, start + t, nq, pos, keys * nq});
-    }
+    // A (request, KV head)'s tiles one after another, its last (costliest) first: see run_items.
+    const int64_t num_tiles = (num_new + tile_queries - 1) / tile_queries;
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t t = (num_tiles - 1) * tile_queries; t >= 0; t -= tile_queries)
+        items.push_back({r, h, start + t, std::min(tile_queries, num_new - t), seq_len - num_new + t});
   }
-  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
 
   at::Tensor out = at::empty({num_tokens, heads * dim}, query.options());
   if (items.empty()) return out;
