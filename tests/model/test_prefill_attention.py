@@ -96,6 +96,22 @@ def test_the_kernel_takes_the_prefills_and_groups_keep_the_decodes(kernel) -> No
     assert decodes.prefill_requests is None and decodes.beside_prefill is None
 
 
+@pytest.mark.parametrize(
+    ("query_dtype", "cache_dtype"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)]
+)
+def test_queries_of_another_dtype_than_the_cache(
+    kernel, query_dtype, cache_dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel reads each in its own dtype (the output is the query's), as torch's path converts."""
+    step = Step([0, 13, 40], [30, 20, 9], 6, 2, 32, 16, cache_dtype, window=None)
+    step.query, step.key, step.value = (t.to(query_dtype) for t in (step.query, step.key, step.value))
+    _, ours = step.attend()
+    monkeypatch.setattr(attention_mod, "_prefill_kernel", lambda: None)
+    _, expected = step.attend()
+    assert ours.dtype == query_dtype
+    torch.testing.assert_close(ours, expected, atol=1.6e-2, rtol=1.6e-2)
+
+
 def test_a_dtype_the_kernel_does_not_take_runs_on_the_torch_path(kernel, monkeypatch: pytest.MonkeyPatch) -> None:
     step = Step([0, 13, 5], [9, 20, 1], 4, 2, 16, 4, torch.float64, window=None)
     _, ours = step.attend()

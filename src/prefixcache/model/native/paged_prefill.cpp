@@ -378,6 +378,7 @@ void attend_tile(const WorkItem& item, const Q* query, int64_t q_stride_t, int64
   const int64_t last_pos = item.first_pos + item.num_queries - 1;
   // bfloat16 pairs multiply with vdpbf16ps (the scale applied to the scores), other dtypes in float32.
   const bool pairs = bf16_dot<KV, Q>() && dim % 2 == 0;
+  constexpr bool kBf16Weights = std::is_same_v<KV, c10::BFloat16> && std::is_same_v<Q, c10::BFloat16>;
   // Rows are (query, head of the group), query-major; padding rows repeat the last row's positions.
   std::fill(buf.q_t.begin(), buf.q_t.begin() + dim * width, 0.0f);
   std::fill(buf.q2.begin(), buf.q2.end(), 0u);
@@ -449,8 +450,8 @@ void attend_tile(const WorkItem& item, const Q* query, int64_t q_stride_t, int64
         float* w = buf.weights.data() + j * width + col;
         Vec p = vexp2(vsub(vload(w), shift));
         sum = vadd(sum, p);
-        // Weights of bfloat16 values in bfloat16, as SDPA's kernels take them (the sum keeps float32's).
-        vstore(w, std::is_same_v<KV, c10::BFloat16> ? vround_bf16(p) : p);
+        // A bfloat16 model's weights in bfloat16, as SDPA's kernels take them (the sum keeps float32's).
+        vstore(w, kBf16Weights ? vround_bf16(p) : p);
       }
       vstore(buf.sum.data() + col, sum);
     }
