@@ -27,6 +27,7 @@ import signal
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import zmq
@@ -52,6 +53,10 @@ from prefixcache.engine.messages import (
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500  # how often an idle core checks that its parent is alive
+# How long an OpenMP worker of the core spins at the end of a parallel region before it sleeps (libgomp's
+# GOMP_SPINCOUNT, in pause loops of ~20 ns here; libgomp's own default is 300,000): see core_environment.
+CORE_SPIN_COUNT = "30000"
+OMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 UTILITY_METHODS = frozenset({"reset_prefix_cache", "stats", "lookup"})
 _PR_SET_PDEATHSIG = 1
 
@@ -190,6 +195,41 @@ def _die_with_parent() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def core_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables the engine core process starts with on top of ``environ`` (the server's): a short OpenMP
+    spin, ``GOMP_SPINCOUNT=CORE_SPIN_COUNT``, unless ``environ`` sets ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``
+    itself (the user's choice wins; GOMP_SPINCOUNT would override their OMP_WAIT_POLICY).
+
+    A batch-1 decode step is about 150 parallel regions, and a worker that finishes its share waits at each
+    one's end for the others. libgomp's default spins ~300,000 pause loops (milliseconds) before it sleeps:
+    on a quiet machine that bridges the gaps, but where other processes share the cores (another engine, the
+    API process, anything) a spinning worker burns the time slices its descheduled partner needs, and every
+    barrier costs whole slices. Measured on the shared 2-core host at a load average of 9 (``benchmarks/
+    omp_wait.py``, docs/architecture.md#threads-and-cores): a 2-thread GGUF step took 1,380 ms (eager) and 873 ms
+    (compiled) with libgomp's default against 74 / 50 ms sleeping at once (PASSIVE) and 77 / 43 ms on one
+    thread. A short spin keeps the in-step gaps (tens of microseconds) spinning and gives the CPU up soon
+    after. libgomp reads these once, as torch loads, hence the child's environment rather than a call."""
+    if any(name in environ for name in OMP_WAIT_VARIABLES):
+        return {}
+    return {"GOMP_SPINCOUNT": CORE_SPIN_COUNT}
+
+
+@contextlib.contextmanager
+def _environment(overrides: Mapping[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``overrides`` while the block runs (a spawned child inherits it as it starts), then as
+    it was."""
+    saved = {name: os.environ.get(name) for name in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 class EngineStartupError(RuntimeError):
     """The engine core could not start (its settings cannot run here, or it died while loading)."""
 
@@ -214,8 +254,10 @@ class EngineCoreProcess:
         self.info: EngineInfo | None = None
 
     async def start(self) -> EngineInfo:
-        """Start the child and wait for its handshake; raises EngineStartupError if it fails or exits first."""
-        self.process.start()
+        """Start the child (its environment: :func:`core_environment`) and wait for its handshake; raises
+        EngineStartupError if it fails or exits first."""
+        with _environment(core_environment(os.environ)):
+            self.process.start()
         while not await self._outputs.poll(100):
             if not self.process.is_alive():
                 raise EngineStartupError(f"the engine core exited during startup (exit code {self.process.exitcode})")
