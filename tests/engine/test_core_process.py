@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from prefixcache.engine.core_process import CORE_SPIN_COUNT, _environment, _never_preempt_the_step, core_environment
+from prefixcache.engine.core_process import CORE_WAIT_POLICY, _environment, _never_preempt_the_step, core_environment
 
 
 def thread_policies() -> dict[str, set[int]]:
@@ -43,15 +43,15 @@ def test_the_io_thread_that_sends_outputs_runs_as_batch_and_the_loop_keeps_its_p
         context.term()
 
 
-def test_the_core_gets_a_short_openmp_spin_when_the_user_set_none():
-    assert core_environment({"OMP_NUM_THREADS": "2", "PATH": "/bin"}) == {"GOMP_SPINCOUNT": CORE_SPIN_COUNT}
+def test_the_core_sleeps_at_openmp_barriers_when_the_user_set_no_policy():
+    assert core_environment({"OMP_NUM_THREADS": "2", "PATH": "/bin"}) == {"OMP_WAIT_POLICY": CORE_WAIT_POLICY}
 
 
 @pytest.mark.parametrize(
     "user", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "passive"}, {"GOMP_SPINCOUNT": "infinite"}]
 )
 def test_a_wait_policy_or_spin_count_the_user_set_is_left_as_it_is(user):
-    # GOMP_SPINCOUNT would override the user's OMP_WAIT_POLICY in libgomp, so neither is added beside either
+    # either one decides how libgomp waits: nothing is added beside it
     assert core_environment(user) == {}
 
 

@@ -53,9 +53,8 @@ from prefixcache.engine.messages import (
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500  # how often an idle core checks that its parent is alive
-# How long an OpenMP worker of the core spins at the end of a parallel region before it sleeps (libgomp's
-# GOMP_SPINCOUNT, in pause loops of ~20 ns here; libgomp's own default is 300,000): see core_environment.
-CORE_SPIN_COUNT = "30000"
+# OpenMP's wait policy in the engine core process unless the user's environment sets one: see core_environment.
+CORE_WAIT_POLICY = "PASSIVE"
 OMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 UTILITY_METHODS = frozenset({"reset_prefix_cache", "stats", "lookup"})
 _PR_SET_PDEATHSIG = 1
@@ -196,22 +195,24 @@ def _die_with_parent() -> None:
 
 
 def core_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables the engine core process starts with on top of ``environ`` (the server's): a short OpenMP
-    spin, ``GOMP_SPINCOUNT=CORE_SPIN_COUNT``, unless ``environ`` sets ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``
-    itself (the user's choice wins; GOMP_SPINCOUNT would override their OMP_WAIT_POLICY).
+    """The variables the engine core process starts with on top of ``environ`` (the server's):
+    ``OMP_WAIT_POLICY=PASSIVE`` (an OpenMP worker sleeps as soon as it waits), unless ``environ`` sets
+    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` itself (the user's choice wins; either decides libgomp's spin).
 
     A batch-1 decode step is about 150 parallel regions, and a worker that finishes its share waits at each
-    one's end for the others. libgomp's default spins ~300,000 pause loops (milliseconds) before it sleeps:
-    on a quiet machine that bridges the gaps, but where other processes share the cores (another engine, the
-    API process, anything) a spinning worker burns the time slices its descheduled partner needs, and every
-    barrier costs whole slices. Measured on the shared 2-core host at a load average of 9 (``benchmarks/
-    omp_wait.py``, docs/architecture.md#threads-and-cores): a 2-thread GGUF step took 1,380 ms (eager) and 873 ms
-    (compiled) with libgomp's default against 74 / 50 ms sleeping at once (PASSIVE) and 77 / 43 ms on one
-    thread. A short spin keeps the in-step gaps (tens of microseconds) spinning and gives the CPU up soon
-    after. libgomp reads these once, as torch loads, hence the child's environment rather than a call."""
+    one's end for the others. libgomp's default spins (~300,000 pause loops, milliseconds) before it sleeps.
+    Where other processes share the cores (another engine, the API process and its clients, anything), a
+    spinning worker burns the time slices its descheduled partner needs, and each barrier then costs whole
+    slices. Measured on the shared 2-core host at a load average of 7-10 (``benchmarks/omp_wait.py``, each setting
+    its own process; docs/architecture.md#threads-and-cores): a 2-thread GGUF step at batch 1 took 1,380 ms
+    (eager) and 873 ms (compiled) with libgomp's default, 1,694 / 506 ms spinning (ACTIVE), 495 / 414 ms with a
+    tenth of the default spin (GOMP_SPINCOUNT=30000), against 60-74 / 46-50 ms sleeping at once, about one
+    thread's 77 / 43 ms. On a machine the engine has to itself, spinning bridges the gaps between regions
+    better: there ``OMP_WAIT_POLICY=ACTIVE`` (or libgomp's default, ``GOMP_SPINCOUNT=300000``) may be faster.
+    libgomp reads these once, as torch loads, hence the child's environment rather than a call."""
     if any(name in environ for name in OMP_WAIT_VARIABLES):
         return {}
-    return {"GOMP_SPINCOUNT": CORE_SPIN_COUNT}
+    return {"OMP_WAIT_POLICY": CORE_WAIT_POLICY}
 
 
 @contextlib.contextmanager
