@@ -203,12 +203,13 @@ def core_environment(environ: Mapping[str, str]) -> dict[str, str]:
     one's end for the others. libgomp's default spins (~300,000 pause loops, milliseconds) before it sleeps.
     Where other processes share the cores (another engine, the API process and its clients, anything), a
     spinning worker burns the time slices its descheduled partner needs, and each barrier then costs whole
-    slices. Measured on the shared 2-core host at a load average of 7-10 (``benchmarks/omp_wait.py``, each setting
+    slices. Measured on the shared 2-core host at a load average of 5-10 (``benchmarks/omp_wait.py``, each setting
     its own process; docs/architecture.md#threads-and-cores): a 2-thread GGUF step at batch 1 took 1,380 ms
     (eager) and 873 ms (compiled) with libgomp's default, 1,694 / 506 ms spinning (ACTIVE), 495 / 414 ms with a
-    tenth of the default spin (GOMP_SPINCOUNT=30000), against 60-74 / 46-50 ms sleeping at once, about one
-    thread's 77 / 43 ms. On a machine the engine has to itself, spinning bridges the gaps between regions
-    better: there ``OMP_WAIT_POLICY=ACTIVE`` (or libgomp's default, ``GOMP_SPINCOUNT=300000``) may be faster.
+    tenth of the default spin (GOMP_SPINCOUNT=30000) and 103 / 93 ms with a hundredth, against 59-74 / 36-50 ms
+    sleeping at once, about one thread's 77 / 43 ms. On a machine the engine has to itself, spinning bridges the
+    gaps between regions better: there ``OMP_WAIT_POLICY=ACTIVE`` (or libgomp's default,
+    ``GOMP_SPINCOUNT=300000``) may be faster.
     libgomp reads these once, as torch loads, hence the child's environment rather than a call."""
     if any(name in environ for name in OMP_WAIT_VARIABLES):
         return {}
