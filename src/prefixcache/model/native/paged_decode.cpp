@@ -13,7 +13,8 @@
 // output; a second pass combines the splits of each (request, KV head) in order.
 //
 // Vectors are 16 float32 lanes: AVX-512 registers where the compiler targets AVX-512 (F, BW, VL: bfloat16 and
-// half rows widened in registers, a polynomial exp), else arrays of 16 that the compiler vectorises as it can.
+// half rows widened in registers, a polynomial exp; with AVX512-BF16 a bfloat16 query's dot products with
+// bfloat16 keys taken on the pairs directly), else arrays of 16 that the compiler vectorises as it can.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,7 +32,13 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PREFIXCACHE_AVX512 1
 #include <immintrin.h>
+#if defined(__AVX512BF16__)
+// bfloat16 queries and keys: dot products on pairs of bfloat16 (exact products, float32 sums), no widening.
+#define PREFIXCACHE_AVX512_BF16 1
 #endif
+#endif
+
+#include <type_traits>
 
 namespace {
 
@@ -81,6 +88,25 @@ inline Vec exp_nonpositive(Vec x) {
   for (float c : {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f}) p = fma(p, r, splat(c));
   return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, k));
 }
+// Lane i of the result: the sum of row i of 16 rows of 16 floats (a transpose and add: three shuffles' worth
+// of work a row instead of a horizontal sum each).
+inline Vec sum_rows(const float* rows) {
+  Vec x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i) {
+    const Vec a = load(rows + 32 * i), b = load(rows + 32 * i + 16);
+    x[i] = add(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // per 128 bits: a02 b02 a13 b13
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = add(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));  // 4 rows
+  }
+  for (int i = 0; i < 2; ++i) {
+    z[i] = add(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88), _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
+  }
+  return add(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
+inline float max_lanes(Vec a) { return _mm512_reduce_max_ps(a); }
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 #else
 struct Vec {
   float v[kLanes];
@@ -126,30 +152,84 @@ inline Vec exp_nonpositive(Vec x) {
   for (int64_t i = 0; i < kLanes; ++i) x.v[i] = std::exp(x.v[i]);
   return x;
 }
+inline Vec sum_rows(const float* rows) {
+  Vec r;
+  for (int64_t i = 0; i < kLanes; ++i) r.v[i] = sum_lanes(load(rows + i * kLanes));
+  return r;
+}
+inline float max_lanes(Vec a) { return *std::max_element(a.v, a.v + kLanes); }
+inline Vec vmax(Vec a, Vec b) {
+  for (int64_t i = 0; i < kLanes; ++i) a.v[i] = std::max(a.v[i], b.v[i]);
+  return a;
+}
 #endif
 
 struct Shapes {
   int64_t batch, heads, kv_heads, group, dim, block_size, table_width, num_splits;
   int64_t chunks;      // 16-lane chunks of a head (the last one partial when head_dim is not a multiple of 16)
   int64_t padded_dim;  // chunks * 16: the stride of the float32 rows of queries and outputs
+  float scale;
 };
+
+// Whether the scores are dot products of bfloat16 pairs (bfloat16 query and keys, AVX512-BF16).
+template <typename QT, typename KT>
+constexpr bool kPairDots =
+#if defined(PREFIXCACHE_AVX512_BF16)
+    std::is_same_v<QT, c10::BFloat16> && std::is_same_v<KT, c10::BFloat16>;
+#else
+    false;
+#endif
+constexpr int64_t kPairLanes = 32;  // bfloat16 values in a 512-bit vector
 
 // The lanes of chunk c of a head.
 inline int64_t lanes_of(const Shapes& s, int64_t c) { return std::min(kLanes, s.dim - c * kLanes); }
 
-// Per thread: the group's scaled queries and running outputs (rows of padded_dim, zero past head_dim), a tile
-// of scores per head, the tile's row offsets.
+// Asks for the n rows of a tile (head_dim values each) before they are needed: a tile's rows lie in blocks
+// anywhere in the cache, which the hardware's stride prefetchers cannot guess.
+template <typename KT>
+inline void prefetch_rows(const KT* cache, const int64_t* rows, int64_t n, int64_t dim) {
+  constexpr int64_t kLine = 64;
+  const int64_t bytes = dim * static_cast<int64_t>(sizeof(KT));
+  for (int64_t j = 0; j < n; ++j) {
+    const char* row = reinterpret_cast<const char*>(cache + rows[j]);
+    for (int64_t b = 0; b < bytes; b += kLine) __builtin_prefetch(row + b, 0, 3);
+  }
+}
+
+// Per thread: the group's queries (float32 rows of padded_dim, or bfloat16 rows of pair_dim for pair dots; zero
+// past head_dim), their running outputs, a tile of scores per head (and their 16 lanes before the sum), the
+// tile's row offsets.
 struct Scratch {
-  std::vector<float> q, out, scores, max, sum;
+  std::vector<float> q, out, scores, lanes, max, sum;
+  std::vector<c10::BFloat16> q_pairs;
   std::vector<int64_t> rows;
+  int64_t pair_dim;
   explicit Scratch(const Shapes& s)
-      : q(s.group * s.padded_dim), out(s.group * s.padded_dim), scores(s.group * kTileTokens), max(s.group),
-        sum(s.group), rows(kTileTokens) {}
+      : q(s.group * s.padded_dim), out(s.group * s.padded_dim), scores(s.group * kTileTokens),
+        lanes(s.group * kTileTokens * kLanes), max(s.group),
+        sum(s.group), rows(2 * kTileTokens), pair_dim((s.dim + kPairLanes - 1) / kPairLanes * kPairLanes) {
+    q_pairs.resize(s.group * pair_dim);
+  }
 };
 
+#if defined(PREFIXCACHE_AVX512_BF16)
+// q . k for G heads on bfloat16 pairs, in 16 lanes a head: each key row read once.
+template <int G>
+inline void pair_dots(const Shapes& s, const c10::BFloat16* q, int64_t pair_dim, const c10::BFloat16* k,
+                      __m512* acc) {
+  for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < pair_dim; c += kPairLanes) {
+    const int64_t n = std::min(kPairLanes, s.dim - c);
+    const __mmask32 mask = n == kPairLanes ? ~__mmask32(0) : static_cast<__mmask32>((1u << n) - 1);
+    const __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(mask, k + c);
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)_mm512_loadu_si512(q + g * pair_dim + c), kv);
+  }
+}
+#endif
+
 // Heads [g0, g0 + G) of one split: keys [begin, end) of the request's table. The scratch rows of these heads
-// hold their scaled queries and, on return, their unnormalised outputs, max and sum.
-template <typename KT, int G>
+// hold their queries and, on return, their unnormalised outputs, max and sum.
+template <typename KT, int G, bool kPairs>
 void attend_heads(const Shapes& s, const KT* k_cache, const KT* v_cache, const int64_t* table, int64_t kvh,
                   int64_t begin, int64_t end, int64_t g0, Scratch& w) {
   const int64_t pd = s.padded_dim;
@@ -159,30 +239,52 @@ void attend_heads(const Shapes& s, const KT* k_cache, const KT* v_cache, const i
   float* maxes = w.max.data() + g0;
   float* sums = w.sum.data() + g0;
   const int64_t row_stride = s.kv_heads * s.dim;  // between the rows of a block
-  for (int64_t t0 = begin; t0 < end; t0 += kTileTokens) {
+  // Each tile's row offsets, found (and its key rows asked for) while the tile before it is computed.
+  auto find_rows = [&](int64_t t0, int64_t* rows) {
     const int64_t n = std::min(kTileTokens, end - t0);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t t = t0 + j;
-      w.rows[j] = (table[t / s.block_size] * s.block_size + t % s.block_size) * row_stride + kvh * s.dim;
+    for (int64_t j = 0, block = t0 / s.block_size, offset = t0 % s.block_size; j < n; ++j) {
+      rows[j] = (table[block] * s.block_size + offset) * row_stride + kvh * s.dim;
+      if (++offset == s.block_size) offset = 0, ++block;
     }
-    // Scores: each key row is read once for the G heads.
+    prefetch_rows(k_cache, rows, n, s.dim);
+  };
+  find_rows(begin, w.rows.data());
+  for (int64_t t0 = begin, tile = 0; t0 < end; t0 += kTileTokens, ++tile) {
+    const int64_t n = std::min(kTileTokens, end - t0);
+    const int64_t* rows = w.rows.data() + (tile % 2) * kTileTokens;
+    prefetch_rows(v_cache, rows, n, s.dim);
+    // Scores: each key row is read once for the G heads; 16 lanes a head and key, summed 16 keys at a time.
+    float* lanes = w.lanes.data();
     for (int64_t j = 0; j < n; ++j) {
-      const KT* k = k_cache + w.rows[j];
+      const KT* k = k_cache + rows[j];
       Vec acc[G];
-      for (int g = 0; g < G; ++g) acc[g] = zero();
-      for (int64_t c = 0; c < s.chunks; ++c) {
-        const Vec kv = load_n(k + c * kLanes, lanes_of(s, c));
-        for (int g = 0; g < G; ++g) acc[g] = fma(load(q + g * pd + c * kLanes), kv, acc[g]);
+#if defined(PREFIXCACHE_AVX512_BF16)
+      if constexpr (kPairs) {
+        pair_dots<G>(s, w.q_pairs.data() + g0 * w.pair_dim, w.pair_dim, k, acc);
+      } else
+#endif
+      {
+        for (int g = 0; g < G; ++g) acc[g] = zero();
+        for (int64_t c = 0; c < s.chunks; ++c) {
+          const Vec kv = load_n(k + c * kLanes, lanes_of(s, c));
+          for (int g = 0; g < G; ++g) acc[g] = fma(load(q + g * pd + c * kLanes), kv, acc[g]);
+        }
       }
-      for (int g = 0; g < G; ++g) scores[g * kTileTokens + j] = sum_lanes(acc[g]);
+      for (int g = 0; g < G; ++g) store(lanes + (g * kTileTokens + j) * kLanes, acc[g]);
     }
     // Online softmax: the tile's weights against the new running max; earlier outputs and sums rescaled.
     float rescale[G];
     for (int g = 0; g < G; ++g) {
       float* sc = scores + g * kTileTokens;
-      const float old_max = maxes[g];
-      const float new_max = std::max(old_max, *std::max_element(sc, sc + n));
+      Vec top = splat(-std::numeric_limits<float>::infinity());
+      for (int64_t j = 0; j < n; j += kLanes) {
+        // lanes past n sum rows no key wrote: their scores are set to -inf (weight 0) below
+        store(sc + j, mul(sum_rows(lanes + (g * kTileTokens + j) * kLanes), splat(s.scale)));
+      }
       std::fill(sc + n, sc + kTileTokens, -std::numeric_limits<float>::infinity());  // a last, short tile
+      for (int64_t j = 0; j < n; j += kLanes) top = vmax(top, load(sc + j));
+      const float old_max = maxes[g];
+      const float new_max = std::max(old_max, max_lanes(top));
       Vec total = zero();
       for (int64_t j = 0; j < n; j += kLanes) {
         const Vec e = exp_nonpositive(add(load(sc + j), splat(-new_max)));
@@ -193,12 +295,13 @@ void attend_heads(const Shapes& s, const KT* k_cache, const KT* v_cache, const i
       maxes[g] = new_max;
       sums[g] = sums[g] * rescale[g] + sum_lanes(total);
     }
+    if (t0 + kTileTokens < end) find_rows(t0 + kTileTokens, w.rows.data() + ((tile + 1) % 2) * kTileTokens);
     // Outputs: chunk by chunk, the G heads' accumulators in registers over the tile's value rows.
     for (int64_t c = 0; c < s.chunks; ++c) {
       Vec acc[G];
       for (int g = 0; g < G; ++g) acc[g] = mul(load(out + g * pd + c * kLanes), splat(rescale[g]));
       for (int64_t j = 0; j < n; ++j) {
-        const Vec vv = load_n(v_cache + w.rows[j] + c * kLanes, lanes_of(s, c));
+        const Vec vv = load_n(v_cache + rows[j] + c * kLanes, lanes_of(s, c));
         for (int g = 0; g < G; ++g) acc[g] = fma(splat(scores[g * kTileTokens + j]), vv, acc[g]);
       }
       for (int g = 0; g < G; ++g) store(out + g * pd + c * kLanes, acc[g]);
@@ -206,18 +309,18 @@ void attend_heads(const Shapes& s, const KT* k_cache, const KT* v_cache, const i
   }
 }
 
-template <typename KT>
+template <typename KT, bool kPairs>
 void attend_group_chunk(const Shapes& s, const KT* k_cache, const KT* v_cache, const int64_t* table, int64_t kvh,
                         int64_t begin, int64_t end, int64_t g0, int64_t count, Scratch& w) {
   switch (count) {
-    case 1: return attend_heads<KT, 1>(s, k_cache, v_cache, table, kvh, begin, end, g0, w);
-    case 2: return attend_heads<KT, 2>(s, k_cache, v_cache, table, kvh, begin, end, g0, w);
-    case 3: return attend_heads<KT, 3>(s, k_cache, v_cache, table, kvh, begin, end, g0, w);
-    case 4: return attend_heads<KT, 4>(s, k_cache, v_cache, table, kvh, begin, end, g0, w);
-    case 5: return attend_heads<KT, 5>(s, k_cache, v_cache, table, kvh, begin, end, g0, w);
-    case 6: return attend_heads<KT, 6>(s, k_cache, v_cache, table, kvh, begin, end, g0, w);
-    case 7: return attend_heads<KT, 7>(s, k_cache, v_cache, table, kvh, begin, end, g0, w);
-    default: return attend_heads<KT, kMaxGroup>(s, k_cache, v_cache, table, kvh, begin, end, g0, w);
+    case 1: return attend_heads<KT, 1, kPairs>(s, k_cache, v_cache, table, kvh, begin, end, g0, w);
+    case 2: return attend_heads<KT, 2, kPairs>(s, k_cache, v_cache, table, kvh, begin, end, g0, w);
+    case 3: return attend_heads<KT, 3, kPairs>(s, k_cache, v_cache, table, kvh, begin, end, g0, w);
+    case 4: return attend_heads<KT, 4, kPairs>(s, k_cache, v_cache, table, kvh, begin, end, g0, w);
+    case 5: return attend_heads<KT, 5, kPairs>(s, k_cache, v_cache, table, kvh, begin, end, g0, w);
+    case 6: return attend_heads<KT, 6, kPairs>(s, k_cache, v_cache, table, kvh, begin, end, g0, w);
+    case 7: return attend_heads<KT, 7, kPairs>(s, k_cache, v_cache, table, kvh, begin, end, g0, w);
+    default: return attend_heads<KT, kMaxGroup, kPairs>(s, k_cache, v_cache, table, kvh, begin, end, g0, w);
   }
 }
 
@@ -229,19 +332,25 @@ inline int64_t partial_row(const Shapes& s) { return s.dim + 2; }
 template <typename QT, typename KT>
 void attend_split(const Shapes& s, const QT* query, int64_t q_stride_b, int64_t q_stride_h, const KT* k_cache,
                   const KT* v_cache, const int64_t* table, int64_t b, int64_t kvh, int64_t begin, int64_t end,
-                  float scale, Scratch& w, float* partial) {
+                  Scratch& w, float* partial) {
   const int64_t pd = s.padded_dim;
   for (int64_t g = 0; g < s.group; ++g) {
     const QT* src = query + b * q_stride_b + (kvh * s.group + g) * q_stride_h;
-    float* q = w.q.data() + g * pd;
-    for (int64_t d = 0; d < s.dim; ++d) q[d] = to_float(src[d]) * scale;
-    std::fill(q + s.dim, q + pd, 0.0f);
+    if constexpr (kPairDots<QT, KT>) {
+      c10::BFloat16* q = w.q_pairs.data() + g * w.pair_dim;
+      std::copy(src, src + s.dim, q);
+      std::fill(q + s.dim, q + w.pair_dim, c10::BFloat16(0.0f));
+    } else {
+      float* q = w.q.data() + g * pd;
+      for (int64_t d = 0; d < s.dim; ++d) q[d] = to_float(src[d]);
+      std::fill(q + s.dim, q + pd, 0.0f);
+    }
     w.max[g] = -std::numeric_limits<float>::infinity();
     w.sum[g] = 0.0f;
   }
   std::fill(w.out.begin(), w.out.end(), 0.0f);
   for (int64_t g0 = 0; g0 < s.group; g0 += kMaxGroup) {
-    attend_group_chunk<KT>(s, k_cache, v_cache, table, kvh, begin, end, g0, std::min<int64_t>(kMaxGroup, s.group - g0),
+    attend_group_chunk<KT, kPairDots<QT, KT>>(s, k_cache, v_cache, table, kvh, begin, end, g0, std::min<int64_t>(kMaxGroup, s.group - g0),
                            w);
   }
   const int64_t row = partial_row(s);
@@ -285,7 +394,7 @@ void combine(const Shapes& s, const float* partial, int64_t b, int64_t kvh, int6
 
 template <typename QT, typename KT>
 void run(const Shapes& s, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-         const int64_t* tables, const int64_t* lens, float scale, const std::optional<int64_t>& window,
+         const int64_t* tables, const int64_t* lens, const std::optional<int64_t>& window,
          at::Tensor& out) {
   const QT* q = query.const_data_ptr<QT>();
   const int64_t q_stride_b = query.stride(0), q_stride_h = query.stride(1);
@@ -301,8 +410,8 @@ void run(const Shapes& s, const at::Tensor& query, const at::Tensor& k_cache, co
       const int64_t first = first_key(lens[b], window) + split * kSplitTokens;
       const int64_t last = std::min(lens[b], first + kSplitTokens);
       if (first >= last) continue;  // past this request's keys: never combined
-      attend_split<QT, KT>(s, q, q_stride_b, q_stride_h, k, v, tables + b * s.table_width, b, kvh, first, last, scale,
-                           scratch, partial.data() + item * split_size);
+      attend_split<QT, KT>(s, q, q_stride_b, q_stride_h, k, v, tables + b * s.table_width, b, kvh, first, last, scratch,
+                           partial.data() + item * split_size);
     }
   });
   QT* o = out.mutable_data_ptr<QT>();
@@ -316,15 +425,15 @@ void run(const Shapes& s, const at::Tensor& query, const at::Tensor& k_cache, co
 
 template <typename QT>
 void run_for_cache(const Shapes& s, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                   const int64_t* tables, const int64_t* lens, float scale, const std::optional<int64_t>& window,
+                   const int64_t* tables, const int64_t* lens, const std::optional<int64_t>& window,
                    at::Tensor& out) {
   switch (k_cache.scalar_type()) {
     case at::kFloat:
-      return run<QT, float>(s, query, k_cache, v_cache, tables, lens, scale, window, out);
+      return run<QT, float>(s, query, k_cache, v_cache, tables, lens, window, out);
     case at::kBFloat16:
-      return run<QT, c10::BFloat16>(s, query, k_cache, v_cache, tables, lens, scale, window, out);
+      return run<QT, c10::BFloat16>(s, query, k_cache, v_cache, tables, lens, window, out);
     case at::kHalf:
-      return run<QT, c10::Half>(s, query, k_cache, v_cache, tables, lens, scale, window, out);
+      return run<QT, c10::Half>(s, query, k_cache, v_cache, tables, lens, window, out);
     default:
       TORCH_CHECK(false, "paged_decode_attention: the K/V cache must be float32, bfloat16 or float16, not ",
                   k_cache.scalar_type());
@@ -379,17 +488,16 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   if (batch == 0) return out;
   const int64_t chunks = (dim + kLanes - 1) / kLanes;
   const Shapes s{batch, heads, kv_heads, heads / kv_heads, dim, block_size, width, splits_of(longest),
-                 chunks, chunks * kLanes};
-  const float scale_f = static_cast<float>(scale);
+                 chunks, chunks * kLanes, static_cast<float>(scale)};
   switch (q.scalar_type()) {
     case at::kFloat:
-      run_for_cache<float>(s, q, k_cache, v_cache, table_data, len_data, scale_f, window, out);
+      run_for_cache<float>(s, q, k_cache, v_cache, table_data, len_data, window, out);
       break;
     case at::kBFloat16:
-      run_for_cache<c10::BFloat16>(s, q, k_cache, v_cache, table_data, len_data, scale_f, window, out);
+      run_for_cache<c10::BFloat16>(s, q, k_cache, v_cache, table_data, len_data, window, out);
       break;
     case at::kHalf:
-      run_for_cache<c10::Half>(s, q, k_cache, v_cache, table_data, len_data, scale_f, window, out);
+      run_for_cache<c10::Half>(s, q, k_cache, v_cache, table_data, len_data, window, out);
       break;
     default:
       TORCH_CHECK(false, "paged_decode_attention: the query must be float32, bfloat16 or float16, not ",
