@@ -37,6 +37,8 @@ from prefixcache.model.native import native_ops
 _GROUP_CALL_COST = 2048
 # Longest run of queries attended in one call when a request has earlier context (see _segments).
 _QUERY_CHUNK = 512
+# What the native decode kernel reads and writes (it sums in float32: a float64 model keeps torch's path).
+_NATIVE_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
 
 
 @dataclass(slots=True)
@@ -268,7 +270,7 @@ class DecodeAttention:
         cls, inputs: DecodeInputs, block_size: int, windows: Iterable[int | None], dtype: torch.dtype
     ) -> DecodeAttention:
         """The attention of a decode step for layers of ``windows`` (masks in ``dtype``, built once a step)."""
-        if inputs.native:
+        if inputs.native and dtype in _NATIVE_DTYPES:
             return cls(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens, {}, native=True)
         kv_len = inputs.block_tables.shape[1] * block_size
         k_pos = torch.arange(kv_len, device=inputs.seq_lens.device)
@@ -539,7 +541,12 @@ def _group_attention(
     workspace: GatherWorkspace | None,
 ) -> torch.Tensor:
     """Attention of one group; inputs and output are the group's tokens in group order."""
-    if group.max_q == 1 and native_decode_available(query.device):
+    if (
+        group.max_q == 1
+        and query.dtype in _NATIVE_DTYPES
+        and k_cache.dtype in _NATIVE_DTYPES
+        and native_decode_available(query.device)
+    ):
         return torch.ops.prefixcache.paged_decode_attention(
             query, k_cache, v_cache, group.block_tables, group.kv_lens, scale, sliding_window
         )

@@ -137,3 +137,12 @@ def test_bad_tables_are_refused(seq_lens: list[int], table_entry: int | None, ma
     tables = torch.tensor([[1, 0]]) if table_entry is None else torch.tensor([[table_entry, 0]])
     with pytest.raises(RuntimeError, match=match):
         torch.ops.prefixcache.paged_decode_attention(query, k_cache, v_cache, tables, torch.tensor(seq_lens), 1.0, None)
+
+
+def test_a_float64_model_keeps_the_torch_path() -> None:
+    """The kernel sums in float32: a float64 decode step runs torch's gather and SDPA even where it is built."""
+    inputs, query, key, value, caches = decode_case([20, 7], 16, 4, 2, 32, torch.float64)
+    attention = DecodeAttention.build(inputs._replace(native=True), 16, [None], torch.float64)
+    assert not attention.native
+    ours = attention.attend(query, key, value, caches, 1 / math.sqrt(32), None, GatherWorkspace())
+    torch.testing.assert_close(ours, attend(inputs, False, query, key, value, caches, None), atol=0, rtol=0)
