@@ -14,6 +14,10 @@ of them over their K/V where it lies in the cache (no gather, no padding, no mas
 query that depends only on its keys, so a prompt's outputs are the same bit for bit however it was split into
 cached and new tokens.
 
+On CPU, where prefixcache's kernels are built (:func:`~prefixcache.model.native.native_ops`), requests that decode
+one token (a decode step, and the one-query groups of a mixed step) skip the gather and the mask: the
+``prefixcache::paged_decode_attention`` kernel reads each request's K/V rows in place through its block table.
+
 Metadata built for a sliding window W (a KV cache group of sliding-window layers) gathers each query chunk's
 keys from the block holding its first visible key (position q - W + 1) on: the blocks before it are never read,
 so a cache may have freed them and put a null block in their place in the table.
@@ -37,6 +41,8 @@ from prefixcache.model.native import native_ops
 _GROUP_CALL_COST = 2048
 # Longest run of queries attended in one call when a request has earlier context (see _segments).
 _QUERY_CHUNK = 512
+# What the native decode kernel reads and writes (it sums in float32: a float64 model keeps torch's path).
+_NATIVE_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
 
 
 @dataclass(slots=True)
@@ -68,6 +74,9 @@ class AttentionGroup:
     fresh: bool
     # [num_reqs] position of each segment's first gathered key (a block start), or None when all are 0.
     kv_start: torch.Tensor | None
+    # [num_reqs] keys of each segment in its gathered table (its last position + 1 - its kv_start): what the
+    # native decode kernel reads of a one-query group.
+    kv_lens: torch.Tensor
     # The longest distance from a gathered key to a query of its segment: a window longer than this hides
     # nothing, so its mask is the plain causal one.
     max_reach: int
@@ -239,7 +248,9 @@ class AttentionMetadata:
         block_tables = self.block_tables
         if block_tables.shape[1] == 1:  # a second (masked) column: one graph of a compiled step for every width
             block_tables = F.pad(block_tables, (0, 1))
-        return DecodeInputs(self.slot_mapping, block_tables, self.seq_lens)
+        return DecodeInputs(
+            self.slot_mapping, block_tables, self.seq_lens, native_decode_available(self.seq_lens.device)
+        )
 
 
 class DecodeInputs(NamedTuple):
@@ -253,12 +264,16 @@ class DecodeInputs(NamedTuple):
     block_tables: torch.Tensor
     # [B] tokens of each request after this step.
     seq_lens: torch.Tensor
+    # Whether the layers run the native decode kernel (:func:`native_decode_available`), decided before the step
+    # (a compiled step's graph is traced with the kernel's op or without it, and guarded on this).
+    native: bool
 
 
 @dataclass(slots=True)
 class DecodeAttention:
     """A step of decodes only (one new token a request, keys from position 0): its attention is one K/V write
-    and one SDPA call over each request's blocks, padded to the longest table and masked per window.
+    and, with the native kernel, one ``paged_decode_attention`` call reading each request's blocks in place; else
+    one SDPA call over each request's blocks gathered, padded to the longest table and masked per window.
 
     Tensors only (no per-step Python decisions in the layers), so a compiled step's graph depends on nothing but
     the batch size and the table width.
@@ -268,14 +283,20 @@ class DecodeAttention:
     slot_mapping: torch.Tensor
     # [B, num_blocks] block table of each request, padded with 0.
     block_tables: torch.Tensor
-    # Per sliding window of the layers (None: none) the additive mask [B, 1, 1, num_blocks * block_size].
+    # [B] tokens of each request after this step.
+    seq_lens: torch.Tensor
+    # Per sliding window of the layers (None: none) the additive mask [B, 1, 1, num_blocks * block_size]; none
+    # with the native kernel, which takes the window itself.
     masks: dict[int | None, torch.Tensor]
+    native: bool
 
     @classmethod
     def build(
         cls, inputs: DecodeInputs, block_size: int, windows: Iterable[int | None], dtype: torch.dtype
     ) -> DecodeAttention:
         """The attention of a decode step for layers of ``windows`` (masks in ``dtype``, built once a step)."""
+        if inputs.native and dtype in _NATIVE_DTYPES:
+            return cls(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens, {}, native=True)
         kv_len = inputs.block_tables.shape[1] * block_size
         k_pos = torch.arange(kv_len, device=inputs.seq_lens.device)
         seq_lens = inputs.seq_lens[:, None]
@@ -285,7 +306,7 @@ class DecodeAttention:
             if window is not None:
                 allowed &= k_pos >= seq_lens - window
             masks[window] = torch.where(allowed, 0.0, float("-inf")).to(dtype)[:, None, None]
-        return cls(inputs.slot_mapping, inputs.block_tables, masks)
+        return cls(inputs.slot_mapping, inputs.block_tables, inputs.seq_lens, masks, native=False)
 
     def attend(
         self,
@@ -297,9 +318,13 @@ class DecodeAttention:
         sliding_window: int | None,
         workspace: GatherWorkspace | None,
     ) -> torch.Tensor:
-        """Write the new K/V, then attend over the gathered blocks; returns ``[B, num_heads * head_dim]``."""
+        """Write the new K/V, then attend over the requests' blocks; returns ``[B, num_heads * head_dim]``."""
         k_cache, v_cache = kv_cache
         write_kv_cache(key, value, k_cache, v_cache, self.slot_mapping)
+        if self.native:
+            return torch.ops.prefixcache.paged_decode_attention(
+                query, k_cache, v_cache, self.block_tables, self.seq_lens, scale, sliding_window
+            )
         keys, values = _gather_kv(k_cache, v_cache, self.block_tables, workspace, query.dtype)
         return _decode_sdpa(query, keys, values, self.masks[sliding_window], scale)
 
@@ -404,6 +429,7 @@ def _build_group(
         pad_index=pad_index,
         fresh=fresh,
         kv_start=to_dev(kv_start) if first_block.any() else None,
+        kv_lens=to_dev(seq_lens - kv_start),
         max_reach=int((seq_lens - 1 - kv_start).max()),
     )
 
@@ -591,6 +617,15 @@ def _group_attention(
     workspace: GatherWorkspace | None,
 ) -> torch.Tensor:
     """Attention of one group; inputs and output are the group's tokens in group order."""
+    if (
+        group.max_q == 1
+        and query.dtype in _NATIVE_DTYPES
+        and k_cache.dtype in _NATIVE_DTYPES
+        and native_decode_available(query.device)
+    ):
+        return torch.ops.prefixcache.paged_decode_attention(
+            query, k_cache, v_cache, group.block_tables, group.kv_lens, scale, sliding_window
+        )
     _, num_heads, head_dim = query.shape
     kv_heads = k_cache.shape[2]
     mask = group.mask(sliding_window, query.dtype)
@@ -647,3 +682,29 @@ def _sdpa_gqa_supported(device: torch.device, mask: torch.Tensor | None) -> bool
     slow math kernel; expanding K/V instead keeps the memory-efficient kernel. The CPU kernel handles both.
     """
     return device.type == "cpu" or mask is None
+
+
+def native_decode_available(device: torch.device) -> bool:
+    """Whether decodes on ``device`` run prefixcache's ``paged_decode_attention`` kernel (CPU, kernels built);
+    else torch's gather and SDPA. Registers the op's fake implementation first (what a compiled step traces)."""
+    if device.type != "cpu" or native_ops() is None:
+        return False
+    _register_paged_decode_fake()
+    return True
+
+
+@cache
+def _register_paged_decode_fake() -> None:
+    """The output's shape and dtype (``[B, heads * head_dim]`` in the query's), for tracing the op as opaque."""
+
+    @torch.library.register_fake("prefixcache::paged_decode_attention")
+    def _(
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        return query.new_empty(query.shape[0], query.shape[1] * query.shape[2])
