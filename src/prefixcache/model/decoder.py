@@ -102,8 +102,8 @@ class RMSNorm(nn.Module):
     """RMSNorm computed in float32, as HF does.
 
     Llama's scales by ``weight`` after casting back; Gemma's (``unit_offset``) by ``1 + weight`` before. On CPU
-    it is one call of prefixcache's fused kernel (the same math; the sum of squares may differ in float32's last
-    bit), and :meth:`add_forward` adds the residual stream in the same call.
+    it is one call of prefixcache's fused kernel (the same math and roundings; its sum of squares, in another
+    order, may differ in float32's last bits), and :meth:`add_forward` adds the residual stream in the same call.
     """
 
     def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
