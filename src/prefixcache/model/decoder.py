@@ -17,7 +17,7 @@ import math
 import time
 import types
 from collections.abc import Callable, Iterable, Sequence
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from torch import nn
 
 from prefixcache.model.attention import AttentionMetadata, DecodeAttention, DecodeInputs, GatherWorkspace
 from prefixcache.model.config import SUPPORTED_ARCHITECTURES, KVCacheGroup, ModelConfig
+from prefixcache.model.native import native_ops
 from prefixcache.model.recurrent import RECURRENT_MODULE_NAMES, build_recurrent_layer, state_dtype
 from prefixcache.model.state import StateMetadata
 
@@ -38,6 +39,41 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
 }
+# prefixcache's fused CPU kernel (model/native/fused_ops.cpp) of ``act(gate) * up`` for each activation.
+_FUSED_ACTIVATIONS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fused_ops_loaded() -> bool:
+    """Whether the norms, RoPE and gated activations can run as prefixcache's fused CPU kernels (one call each
+    instead of 3-8 torch ops, which at batch 1 cost more in dispatch than in arithmetic).
+
+    Modules decide once, at construction; each call then also needs a CPU tensor of a dtype the kernels take
+    (:func:`_runs_fused`), else the torch code runs: other devices, float64, or no kernels (``native_ops()`` is
+    None: no compiler, ``PREFIXCACHE_NATIVE_KERNELS=0``).
+    """
+    if native_ops() is None:
+        return False
+    _register_fused_fakes()
+    return True
+
+
+def _runs_fused(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in _FUSED_DTYPES
+
+
+@cache
+def _register_fused_fakes() -> None:
+    """The kernels' shapes without running them (fake impls), so that ``torch.compile`` traces them as opaque ops
+    in a compiled step; the in-place ones return nothing (their schemas declare what they mutate)."""
+    register = torch.library.register_fake
+    register("prefixcache::rms_norm")(
+        lambda x, weight, eps, unit_offset: torch.empty_like(x, memory_format=torch.contiguous_format)
+    )
+    register("prefixcache::add_rms_norm_")(lambda x, residual, weight, eps, unit_offset: None)
+    register("prefixcache::rotary_embedding_")(lambda x, cos, signed_sin: None)
+    for name in _FUSED_ACTIVATIONS.values():
+        register(f"prefixcache::{name}")(lambda x: x.new_empty((*x.shape[:-1], x.shape[-1] // 2)))
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -65,7 +101,9 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any] | None) ->
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, as HF does.
 
-    Llama's scales by ``weight`` after casting back; Gemma's (``unit_offset``) by ``1 + weight`` before.
+    Llama's scales by ``weight`` after casting back; Gemma's (``unit_offset``) by ``1 + weight`` before. On CPU
+    it is one call of prefixcache's fused kernel (the same math and roundings; its sum of squares, in another
+    order, may differ in float32's last bits), and :meth:`add_forward` adds the residual stream in the same call.
     """
 
     def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
@@ -73,8 +111,24 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(size) if unit_offset else torch.ones(size))
         self.eps = eps
         self.unit_offset = unit_offset
+        self.fused = fused_ops_loaded()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and _runs_fused(x) and self.weight.dtype == x.dtype:
+            return torch.ops.prefixcache.rms_norm(x, self.weight, self.eps, self.unit_offset)
+        return self._torch_forward(x)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``: a pre-norm layer's residual add and the norm after it. The
+        fused kernel computes them in place (the sum into ``residual``, its norm into ``x``), so both must be the
+        step's own tensors."""
+        if self.fused and _runs_fused(x) and self.weight.dtype == x.dtype:
+            torch.ops.prefixcache.add_rms_norm_(x, residual, self.weight, self.eps, self.unit_offset)
+            return x, residual
+        residual = x + residual
+        return self._torch_forward(residual), residual
+
+    def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         # F.rms_norm computes x * rsqrt(mean(x^2) + eps), HF's ops in HF's order, in one call.
         x32 = F.rms_norm(x.to(torch.float32), self.weight.shape, eps=self.eps)
@@ -90,8 +144,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def _partial_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    """RoPE on the first ``rotary_dim`` dims of each head; the rest pass through."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, fused: bool) -> torch.Tensor:
+    """RoPE on the first ``cos.shape[-1]`` dims of each head of ``x`` ``[T, heads, head_dim]`` (all of them, or
+    partial RoPE's); the rest pass through. With ``fused`` (a module's :func:`fused_ops_loaded`), on CPU,
+    prefixcache's kernel rotates ``x`` in place, the same values bit for bit: ``x`` must be the step's own."""
+    if fused and _runs_fused(x):
+        torch.ops.prefixcache.rotary_embedding_(x, cos, signed_sin)
+        return x
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return apply_rope(x, cos, signed_sin)
     rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
     return torch.cat((apply_rope(rotated, cos, signed_sin), passed), dim=-1)
 
@@ -119,6 +181,7 @@ class DecoderAttention(nn.Module):
         self.split_sizes = [2 * q_size if self.output_gate else q_size, kv_size, kv_size]
         self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split_sizes), bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.fused = fused_ops_loaded()
         self.q_norm = self.k_norm = None
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, config.norm_unit_offset)
@@ -141,7 +204,7 @@ class DecoderAttention(nn.Module):
         if self.rotary_dim == self.head_dim and self.q_norm is None and not self.output_gate:
             # Q and K side by side in the projection: one rotation for both
             qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = rotate(qk, cos, sin, self.fused).split([self.num_heads, self.num_kv_heads], dim=1)
         else:
             q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
             if self.output_gate:
@@ -150,10 +213,8 @@ class DecoderAttention(nn.Module):
             k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            if self.rotary_dim == self.head_dim:
-                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            elif self.rotary_dim:
-                q, k = _partial_rope(q, cos, sin, self.rotary_dim), _partial_rope(k, cos, sin, self.rotary_dim)
+            if self.rotary_dim:
+                q, k = rotate(q, cos, sin, self.fused), rotate(k, cos, sin, self.fused)
         out = metadata.attend(q, k, v, kv_cache, self.scale, self.sliding_window, workspace)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(num_tokens, -1))
@@ -167,11 +228,18 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.intermediate_size = config.intermediate_size
         self.act = _ACTIVATIONS[config.hidden_act]
+        # act(gate) * up in one call on CPU (the same values; tanh-GELU's may differ in float32's last bit)
+        self.fused_act = (
+            getattr(torch.ops.prefixcache, _FUSED_ACTIVATIONS[config.hidden_act]) if fused_ops_loaded() else None
+        )
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_act is not None and _runs_fused(gate_up):
+            return self.down_proj(self.fused_act(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -204,18 +272,29 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
 
-    def forward(self, x: torch.Tensor, *mixer_inputs: Any) -> torch.Tensor:
-        """``mixer_inputs``: attention's (cos, sin, kv_cache, metadata, workspace) or a recurrent layer's (its
-        state tensors, StateMetadata)."""
-        mixed = getattr(self, self.mixer_name)(self.input_layernorm(x), *mixer_inputs)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, *mixer_inputs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on the residual stream ``x + residual`` (at the first layer ``x``, the embeddings, and no
+        residual); returns the layer's output and the stream before it, whose sum is the stream after it. Each
+        residual add is left to the norm after it (:meth:`RMSNorm.add_forward`, one fused call on CPU), which may
+        overwrite ``x`` and ``residual``. ``mixer_inputs``: attention's (cos, sin, kv_cache, metadata, workspace)
+        or a recurrent layer's (its state tensors, StateMetadata)."""
+        if residual is None:
+            residual, normed = x, self.input_layernorm(x)
+        else:
+            normed, residual = self.input_layernorm.add_forward(x, residual)
+        mixed = getattr(self, self.mixer_name)(normed, *mixer_inputs)
         if self.sandwich_norm:
-            x = x + self.post_attention_layernorm(mixed)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            normed, residual = self.pre_feedforward_layernorm.add_forward(
+                self.post_attention_layernorm(mixed), residual
+            )
+            return self.post_feedforward_layernorm(self.mlp(normed)), residual
         if self.residual_multiplier is not None:
-            x = x + mixed * self.residual_multiplier
-            return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
-        x = x + mixed
-        return x + self.mlp(self.post_attention_layernorm(x))
+            normed, residual = self.post_attention_layernorm.add_forward(mixed * self.residual_multiplier, residual)
+            return self.mlp(normed) * self.residual_multiplier, residual
+        normed, residual = self.post_attention_layernorm.add_forward(mixed, residual)
+        return self.mlp(normed), residual
 
 
 class DecoderModel(nn.Module):
@@ -416,14 +495,15 @@ class DecoderForCausalLM(nn.Module):
             x = x * torch.tensor(self.config.embed_scale, dtype=torch.float32).to(x.dtype)
         ropes = self._rope(positions, x.dtype)
         group_of = self._layouts[len(group_metadata)][0]
+        residual = None
         for i, layer in enumerate(self.model.layers):
             if layer.is_attention:
                 cos, sin = ropes[self._layer_rope[i]]
                 kv = self._kv_index[i]
-                x = layer(x, cos, sin, kv_caches[kv], group_metadata[group_of[kv]], workspace)
+                x, residual = layer(x, residual, cos, sin, kv_caches[kv], group_metadata[group_of[kv]], workspace)
             else:
-                x = layer(x, state_cache[self._state_index[i]], state_metadata)  # type: ignore[index]
-        return self.model.norm(x)
+                x, residual = layer(x, residual, state_cache[self._state_index[i]], state_metadata)  # type: ignore[index]
+        return self.model.norm.add_forward(x, residual)[0]
 
     def _decode(
         self,

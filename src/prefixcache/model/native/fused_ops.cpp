@@ -1,0 +1,369 @@
+// Fused elementwise ops of a decoder layer: RMSNorm (alone, or with the residual add before it, in place),
+// RoPE on a head tensor in place, and the gated MLP's activation (SiLU or tanh-GELU of the gate times up).
+//
+// At batch 1 each of these is several torch ops of a few microseconds of dispatch each over a few hundred
+// elements; here each is one call. The math is the torch fallback's in model/decoder.py, op for op: every value
+// the fallback rounds to the tensor's dtype (bfloat16, float16) is rounded here at the same point, products and
+// sums are separate instructions (no fused multiply-add), and exp / tanh are SLEEF's, as ATen's vectorized CPU
+// kernels use. What may differ is the order of the RMSNorm's sum of squares (a float32 rounding, ~1e-7).
+// Each row (token, or token and head) is computed alone, so a row's result never depends on the batch around it
+// or on the threads; rows are split over threads (at::parallel_for) only when there are many.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#include <sleef.h>
+#define PREFIXCACHE_FUSED_AVX512 1
+#endif
+
+// The fallback rounds each product before the sum: no contraction into fused multiply-adds (g++ contracts at -O3).
+#pragma GCC optimize("fp-contract=off")
+
+// float32, bfloat16 and float16 (the decoder runs float64 on torch's ops).
+#define DISPATCH_FUSED(TYPE, NAME, ...)                                                                   \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                               \
+                                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+namespace {
+
+// Elements a thread takes at least before at::parallel_for splits rows (a decode step's rows stay on one thread).
+constexpr int64_t kGrainElements = 1 << 15;
+
+// Rows of a tensor whose last dim is contiguous: the leading dims, each with its stride (any layout: a view of
+// the fused QKV projection's output is strided across tokens).
+struct Rows {
+  int64_t count = 1;
+  int64_t width = 0;
+  int64_t sizes[4] = {1, 1, 1, 1};
+  int64_t strides[4] = {0, 0, 0, 0};
+  int dims = 0;
+
+  explicit Rows(const at::Tensor& t) {
+    TORCH_CHECK(t.dim() >= 1 && t.dim() <= 5, "prefixcache fused ops take 1 to 5 dims, got ", t.dim());
+    TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1, "prefixcache fused ops need the last dim contiguous");
+    width = t.size(-1);
+    dims = static_cast<int>(t.dim()) - 1;
+    for (int d = 0; d < dims; ++d) {
+      sizes[d] = t.size(d);
+      strides[d] = t.stride(d);
+      count *= sizes[d];
+    }
+  }
+
+  // Element offset of row ``r`` (row-major over the leading dims).
+  int64_t offset(int64_t r) const {
+    int64_t off = 0;
+    for (int d = dims - 1; d >= 0; --d) {
+      off += (r % sizes[d]) * strides[d];
+      r /= sizes[d];
+    }
+    return off;
+  }
+};
+
+int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(width, 1)); }
+
+// Scalar conversions (the portable path, and per element where vectors do not fit).
+template <typename T>
+inline float to_float(T v) {
+  return static_cast<float>(v);
+}
+// ``v`` rounded to T and back: what the fallback's intermediate tensor of dtype T holds.
+template <typename T>
+inline float round_to(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+#ifdef PREFIXCACHE_FUSED_AVX512
+// 16 floats from ``n`` (<= 16) elements of T; the rest of the lanes zero.
+inline __mmask16 lanes(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+
+inline __m512 load(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(lanes(n), p); }
+inline __m512 load(const at::BFloat16* p, int64_t n) {
+  __m256i bits = _mm256_maskz_loadu_epi16(lanes(n), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load(const at::Half* p, int64_t n) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes(n), p)); }
+
+// bfloat16 rounding as c10's (round to nearest even; NaN to the canonical quiet NaN): the float's bits, low 16 zero.
+inline __m512i bf16_bits(__m512 v) {
+  __m512i i = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(i, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(i, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC00000));
+}
+
+inline void store(float* p, __m512 v, int64_t n) { _mm512_mask_storeu_ps(p, lanes(n), v); }
+inline void store(at::BFloat16* p, __m512 v, int64_t n) {
+  _mm256_mask_storeu_epi16(p, lanes(n), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)));
+}
+inline void store(at::Half* p, __m512 v, int64_t n) {
+  _mm256_mask_storeu_epi16(p, lanes(n), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+template <typename T>
+inline __m512 round_to(__m512 v);
+template <>
+inline __m512 round_to<float>(__m512 v) {
+  return v;
+}
+template <>
+inline __m512 round_to<at::BFloat16>(__m512 v) {
+  return _mm512_castsi512_ps(bf16_bits(v));
+}
+template <>
+inline __m512 round_to<at::Half>(__m512 v) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif
+
+// ---- RMSNorm ---------------------------------------------------------------------------------------------------
+
+// 1 / sqrt(mean(x^2) + eps) of one row, from float32 values (``x`` already in T's precision).
+template <typename T>
+inline float inverse_rms(const T* x, int64_t n, float eps) {
+  float sum = 0.f;
+  int64_t i = 0;
+#ifdef PREFIXCACHE_FUSED_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  for (; i < n; i += 16) {
+    __m512 v = load(x + i, n - i);
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#else
+  for (; i < n; ++i) {
+    float v = to_float(x[i]);
+    sum += v * v;
+  }
+#endif
+  float mean = sum / static_cast<float>(n);
+  return 1.f / std::sqrt(mean + eps);
+}
+
+// out = the normed row, as the fallback computes it: Llama's ``weight * T(x * r)``, Gemma's ``T(x * r * (1 + w))``.
+template <typename T>
+inline void norm_row(const T* x, const T* w, T* out, int64_t n, float r, bool unit_offset) {
+#ifdef PREFIXCACHE_FUSED_AVX512
+  const __m512 vr = _mm512_set1_ps(r);
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t i = 0; i < n; i += 16) {
+    int64_t m = n - i;
+    __m512 y = _mm512_mul_ps(load(x + i, m), vr);
+    __m512 wv = load(w + i, m);
+    store(out + i, unit_offset ? _mm512_mul_ps(y, _mm512_add_ps(one, wv)) : _mm512_mul_ps(wv, round_to<T>(y)), m);
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) {
+    float y = to_float(x[i]) * r;
+    float wv = to_float(w[i]);
+    out[i] = static_cast<T>(unit_offset ? y * (1.f + wv) : wv * round_to<T>(y));
+  }
+#endif
+}
+
+void check_norm_weight(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "prefixcache::rms_norm runs on CPU tensors");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1) && weight.is_contiguous(),
+              "prefixcache::rms_norm: weight must be contiguous [", x.size(-1), "]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "prefixcache::rms_norm: weight dtype ", weight.scalar_type(),
+              " differs from the input's ", x.scalar_type());
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool unit_offset) {
+  check_norm_weight(x, weight);
+  Rows rows(x);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const int64_t n = rows.width;
+  DISPATCH_FUSED(x.scalar_type(), "prefixcache_rms_norm", [&] {
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* wp = weight.const_data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows.count, grain_rows(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* row = xp + rows.offset(r);
+        norm_row(row, wp, op + r * n, n, inverse_rms(row, n, static_cast<float>(eps)), unit_offset);
+      }
+    });
+  });
+  return out;
+}
+
+// residual = T(x + residual); x = norm(residual): the residual stream's add and the next norm in one pass each.
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps, bool unit_offset) {
+  check_norm_weight(x, weight);
+  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(),
+              "prefixcache::add_rms_norm_: x and residual must have one shape and dtype");
+  Rows xr(x), rr(residual);
+  const int64_t n = xr.width;
+  DISPATCH_FUSED(x.scalar_type(), "prefixcache_add_rms_norm", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.const_data_ptr<scalar_t>();
+    at::parallel_for(0, xr.count, grain_rows(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* xrow = xp + xr.offset(r);
+        scalar_t* rrow = rp + rr.offset(r);
+#ifdef PREFIXCACHE_FUSED_AVX512
+        for (int64_t i = 0; i < n; i += 16) {
+          int64_t m = n - i;
+          store(rrow + i, _mm512_add_ps(load(xrow + i, m), load(rrow + i, m)), m);
+        }
+#else
+        for (int64_t i = 0; i < n; ++i) rrow[i] = static_cast<scalar_t>(to_float(xrow[i]) + to_float(rrow[i]));
+#endif
+        norm_row(rrow, wp, xrow, n, inverse_rms(rrow, n, static_cast<float>(eps)), unit_offset);
+      }
+    });
+  });
+}
+
+// ---- RoPE ------------------------------------------------------------------------------------------------------
+
+// x [T, heads, head_dim] rotated in place on its first R dims by cos / signed sin [T, 1, R] (or [T, R]): HF's
+// ``x * cos + rotate_half(x) * sin`` with the halves of R as the (real, imaginary) pairs, written as the fallback's
+// ``x * cos + roll(x) * signed_sin`` (signed_sin = cat(-sin, sin)), each product and the sum rounded to T.
+void rotary_embedding_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin) {
+  TORCH_CHECK(x.device().is_cpu(), "prefixcache::rotary_embedding_ runs on CPU tensors");
+  TORCH_CHECK(x.dim() == 3, "prefixcache::rotary_embedding_: x must be [tokens, heads, head_dim]");
+  TORCH_CHECK(cos.sizes() == signed_sin.sizes() && cos.strides() == signed_sin.strides(),
+              "prefixcache::rotary_embedding_: cos and sin must have one shape and layout");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && signed_sin.scalar_type() == x.scalar_type(),
+              "prefixcache::rotary_embedding_: cos and sin must be in x's dtype");
+  TORCH_CHECK((cos.dim() == 3 && cos.size(1) == 1) || cos.dim() == 2,
+              "prefixcache::rotary_embedding_: cos must be [tokens, 1, rotary_dim] or [tokens, rotary_dim]");
+  const int64_t tokens = x.size(0), heads = x.size(1), rotary = cos.size(-1), half = rotary / 2;
+  TORCH_CHECK(cos.size(0) == tokens && rotary % 2 == 0 && rotary <= x.size(2) && cos.stride(-1) == 1,
+              "prefixcache::rotary_embedding_: cos must hold an even rotary_dim <= head_dim for each token");
+  Rows rows(x);
+  const int64_t cos_stride = cos.stride(0);
+  DISPATCH_FUSED(x.scalar_type(), "prefixcache_rotary", [&] {
+    using T = scalar_t;
+    T* xp = x.data_ptr<T>();
+    const T* cp = cos.const_data_ptr<T>();
+    const T* sp = signed_sin.const_data_ptr<T>();
+    at::parallel_for(0, tokens * heads, grain_rows(rotary), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        T* row = xp + rows.offset(r);
+        const T* c = cp + (r / heads) * cos_stride;
+        const T* s = sp + (r / heads) * cos_stride;
+#ifdef PREFIXCACHE_FUSED_AVX512
+        for (int64_t i = 0; i < half; i += 16) {
+          int64_t m = half - i;
+          __m512 lo = load(row + i, m), hi = load(row + half + i, m);
+          __m512 new_lo = _mm512_add_ps(round_to<T>(_mm512_mul_ps(lo, load(c + i, m))),
+                                        round_to<T>(_mm512_mul_ps(hi, load(s + i, m))));
+          __m512 new_hi = _mm512_add_ps(round_to<T>(_mm512_mul_ps(hi, load(c + half + i, m))),
+                                        round_to<T>(_mm512_mul_ps(lo, load(s + half + i, m))));
+          store(row + i, new_lo, m);
+          store(row + half + i, new_hi, m);
+        }
+#else
+        for (int64_t i = 0; i < half; ++i) {
+          float lo = to_float(row[i]), hi = to_float(row[half + i]);
+          float new_lo = round_to<T>(lo * to_float(c[i])) + round_to<T>(hi * to_float(s[i]));
+          float new_hi = round_to<T>(hi * to_float(c[half + i])) + round_to<T>(lo * to_float(s[half + i]));
+          row[i] = static_cast<T>(new_lo);
+          row[half + i] = static_cast<T>(new_hi);
+        }
+#endif
+      }
+    });
+  });
+}
+
+// ---- gated activations -----------------------------------------------------------------------------------------
+
+// ATen's formulas (its vectorized CPU kernels): silu(x) = x / (1 + exp(-x)); tanh-GELU(x) =
+// 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))).
+struct Silu {
+#ifdef PREFIXCACHE_FUSED_AVX512
+  static __m512 apply(__m512 x) {
+    __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), x));
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  }
+#endif
+  static float apply(float x) { return x / (1.f + std::exp(-x)); }
+};
+
+struct GeluTanh {
+  // sqrt(2) * 2/sqrt(pi) * 0.5 = sqrt(2/pi), in double and then rounded, as ATen's kBetaVec
+  static constexpr float kBeta = static_cast<float>(1.41421356237309504880 * 1.12837916709551257390 * 0.5);
+  static constexpr float kKappa = 0.044715f;
+#ifdef PREFIXCACHE_FUSED_AVX512
+  static __m512 apply(__m512 x) {
+    __m512 cube = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+    __m512 inner = _mm512_mul_ps(_mm512_set1_ps(kBeta), _mm512_add_ps(x, _mm512_mul_ps(_mm512_set1_ps(kKappa), cube)));
+    __m512 half_x = _mm512_mul_ps(_mm512_set1_ps(0.5f), x);
+    return _mm512_mul_ps(half_x, _mm512_add_ps(_mm512_set1_ps(1.f), Sleef_tanhf16_u10(inner)));
+  }
+#endif
+  static float apply(float x) {
+    float inner = kBeta * (x + kKappa * (x * x * x));
+    return 0.5f * x * (1.f + std::tanh(inner));
+  }
+};
+
+// [..., 2I] (gate, then up) -> [..., I]: T(T(act(gate)) * up), as the fallback's ``act(gate) * up``.
+template <typename Act>
+at::Tensor act_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu(), "prefixcache gated activations run on CPU tensors");
+  TORCH_CHECK(x.size(-1) % 2 == 0, "prefixcache gated activations need gate and up: an even last dim");
+  Rows rows(x);
+  const int64_t n = rows.width / 2;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor out = at::empty(shape, x.options());
+  DISPATCH_FUSED(x.scalar_type(), "prefixcache_act_and_mul", [&] {
+    using T = scalar_t;
+    const T* xp = x.const_data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, rows.count, grain_rows(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* gate = xp + rows.offset(r);
+        const T* up = gate + n;
+        T* o = op + r * n;
+#ifdef PREFIXCACHE_FUSED_AVX512
+        for (int64_t i = 0; i < n; i += 16) {
+          int64_t m = n - i;
+          store(o + i, _mm512_mul_ps(round_to<T>(Act::apply(load(gate + i, m))), load(up + i, m)), m);
+        }
+#else
+        for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(round_to<T>(Act::apply(to_float(gate[i]))) * to_float(up[i]));
+#endif
+      }
+    });
+  });
+  return out;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) { return act_and_mul<Silu>(x); }
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x) { return act_and_mul<GeluTanh>(x); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(prefixcache, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, bool unit_offset) -> ()");
+  m.def("rotary_embedding_(Tensor(a!) x, Tensor cos, Tensor signed_sin) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(prefixcache, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("rotary_embedding_", &rotary_embedding_);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
+}

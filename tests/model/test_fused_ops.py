@@ -1,0 +1,212 @@
+"""prefixcache's fused CPU kernels of the decoder (model/native/fused_ops.cpp) against the torch code they replace.
+
+The torch code is the reference and the fallback: the kernels must give its values (exactly where the math is the
+same order, else within the stated rounding), and a model without the kernels must still run it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from prefixcache.model import decoder, load_model
+from prefixcache.model.decoder import _ACTIVATIONS, RMSNorm, fused_ops_loaded, rotate
+from tests.model.conftest import VOCAB_SIZE, PagedRunner
+
+pytestmark = pytest.mark.skipif(not fused_ops_loaded(), reason="prefixcache's CPU kernels cannot be built here")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (rows, width): one token, a width that is no multiple of the 16-float vectors, and enough rows to use threads.
+SHAPES = [(1, 576), (5, 100), (300, 576)]
+
+
+def close_to(dtype: torch.dtype) -> dict[str, float]:
+    """The stated tolerance against torch's ops: in bfloat16 and float16 one rounding of the dtype (a float32
+    difference moving a rounding); in float32 a few of its roundings (the sum of squares in another order over
+    many rows: up to 3 eps relative; tanh-GELU's ``1 + tanh`` cancelling near zero: 8 eps absolute, for values of
+    order 1 to 10)."""
+    eps = torch.finfo(dtype).eps
+    return {"rtol": 4 * eps, "atol": 16 * eps} if dtype == torch.float32 else {"rtol": 2 * eps, "atol": eps}
+
+
+def rows_in_a_wider_tensor(rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """``[rows, width]`` values as a view strided across rows, as the fused QKV projection's slices are."""
+    wide = torch.randn(rows, width + 24, generator=torch.Generator().manual_seed(seed)) * 3
+    return wide.to(dtype)[:, 8 : 8 + width]
+
+
+def random_norm(width: int, dtype: torch.dtype, unit_offset: bool) -> RMSNorm:
+    norm = RMSNorm(width, 1e-5, unit_offset).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(width, generator=torch.Generator().manual_seed(7)))
+    return norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "width"), SHAPES)
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_rms_norm_matches_torch(dtype: torch.dtype, rows: int, width: int, unit_offset: bool) -> None:
+    norm = random_norm(width, dtype, unit_offset)
+    x = rows_in_a_wider_tensor(rows, width, dtype, seed=1)
+    fused = norm(x)
+    assert fused.is_contiguous() and fused.dtype == dtype
+    torch.testing.assert_close(fused, norm._torch_forward(x), **close_to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "width"), SHAPES)
+def test_add_rms_norm_writes_the_sum_and_its_norm_in_place(dtype: torch.dtype, rows: int, width: int) -> None:
+    norm = random_norm(width, dtype, unit_offset=False)
+    x = rows_in_a_wider_tensor(rows, width, dtype, seed=2)
+    residual = rows_in_a_wider_tensor(rows, width, dtype, seed=3)
+    expected_sum = x + residual
+    expected = norm._torch_forward(expected_sum)
+    normed, summed = norm.add_forward(x, residual)
+    assert normed is x and summed is residual  # in place
+    assert torch.equal(summed, expected_sum)  # the residual add is exact: one rounding of the float32 sum
+    torch.testing.assert_close(normed, expected, **close_to(dtype))
+
+
+def rope_tables(positions: torch.Tensor, rotary_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin ``[T, 1, rotary_dim]``, as the decoder builds them (``_rope``)."""
+    inv_freq = decoder.rope_inv_freq(rotary_dim, 10000.0, None)
+    freqs = (positions[:, None].float() * inv_freq)[:, None, :]
+    sin = freqs.sin().to(dtype)
+    return torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("tokens", "heads", "head_dim", "rotary_dim"),
+    [(1, 12, 64, 64), (7, 5, 80, 80), (40, 3, 64, 32)],  # SmolLM2's Q and K; a half of 40; partial RoPE
+)
+def test_rotary_embedding_is_the_torch_rotation_in_place(
+    dtype: torch.dtype, tokens: int, heads: int, head_dim: int, rotary_dim: int
+) -> None:
+    """Bit for bit in every dtype (each product and the sum rounded as torch's ops round them), on a view of a
+    wider tensor whose other elements stay untouched."""
+    qkv = rows_in_a_wider_tensor(tokens, heads * head_dim + 16, dtype, seed=4)
+    before = qkv.clone()
+    x = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    cos, signed_sin = rope_tables(torch.arange(tokens) * 37 + 5, rotary_dim, dtype)
+    expected = rotate(x.clone(), cos, signed_sin, fused=False)
+    assert rotate(x, cos, signed_sin, fused=True) is x
+    assert torch.equal(x, expected)
+    assert torch.equal(qkv[:, heads * head_dim :], before[:, heads * head_dim :])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "width"), SHAPES)
+@pytest.mark.parametrize(("activation", "op"), list(decoder._FUSED_ACTIVATIONS.items()))
+def test_gated_activation_matches_torch(dtype: torch.dtype, rows: int, width: int, activation: str, op: str) -> None:
+    """``act(gate) * up``: SLEEF's exp and tanh as torch's vectorized kernels; float32's last bit may differ (a
+    vector tail, and tanh-GELU's order of products), a reduced float's rounding then rarely does."""
+    gate_up = rows_in_a_wider_tensor(rows, 2 * width, dtype, seed=5)
+    gate, up = gate_up.split(width, dim=-1)
+    fused = getattr(torch.ops.prefixcache, op)(gate_up)
+    torch.testing.assert_close(fused, _ACTIVATIONS[activation](gate) * up, **close_to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_does_not_depend_on_the_batch_or_threads(dtype: torch.dtype) -> None:
+    """Each row is computed alone: the same token gives the same values in a decode step and in a long prefill
+    split over threads (what makes outputs with and without the prefix cache identical)."""
+    norm = random_norm(576, dtype, unit_offset=False)
+    x = rows_in_a_wider_tensor(512, 576, dtype, seed=6)
+    residual = rows_in_a_wider_tensor(512, 576, dtype, seed=7)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        normed, summed = norm.add_forward(x.clone(), residual.clone())
+        activated = torch.ops.prefixcache.silu_and_mul(torch.cat((x, residual), dim=-1))
+    finally:
+        torch.set_num_threads(threads)
+    for row in (0, 255, 511):
+        alone, alone_sum = norm.add_forward(x[row : row + 1].clone(), residual[row : row + 1].clone())
+        assert torch.equal(alone, normed[row : row + 1]) and torch.equal(alone_sum, summed[row : row + 1])
+        pair = torch.cat((x[row : row + 1], residual[row : row + 1]), dim=-1)
+        assert torch.equal(torch.ops.prefixcache.silu_and_mul(pair), activated[row : row + 1])
+
+
+def test_kernels_refuse_what_they_cannot_compute() -> None:
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="weight dtype"):
+        torch.ops.prefixcache.rms_norm(x, torch.ones(64, dtype=torch.bfloat16), 1e-5, False)
+    with pytest.raises(RuntimeError, match="last dim contiguous"):
+        torch.ops.prefixcache.rms_norm(x.t(), torch.ones(2), 1e-5, False)
+    cos, signed_sin = rope_tables(torch.arange(2), 64, torch.float32)
+    with pytest.raises(RuntimeError, match="rotary_dim <= head_dim"):
+        torch.ops.prefixcache.rotary_embedding_(torch.randn(2, 3, 32), cos, signed_sin)
+    with pytest.raises(RuntimeError, match="even last dim"):
+        torch.ops.prefixcache.silu_and_mul(torch.randn(2, 7))
+
+
+class _PrefixcacheOps(TorchDispatchMode):
+    """The prefixcache kernels a block of code calls, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.called: set[str] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func.namespace == "prefixcache":
+            self.called.add(func._opname)
+        return func(*args, **(kwargs or {}))
+
+
+def greedy_logits(model: decoder.DecoderForCausalLM, steps: int = 3) -> list[torch.Tensor]:
+    """A prompt, then ``steps`` greedy decode steps: each step's logits."""
+    runner = PagedRunner(model, block_size=4)
+    tokens = torch.randint(0, VOCAB_SIZE, (13,), generator=torch.Generator().manual_seed(3)).tolist()
+    out = [runner.step([("a", tokens)])["a"]]
+    for _ in range(steps):
+        out.append(runner.step([("a", [int(out[-1][-1].argmax())])])["a"])
+    return out
+
+
+# Llama's RoPE of Q and K together; Qwen3's q/k norms; Gemma 3's sandwich and unit-offset norms and tanh-GELU.
+@pytest.mark.parametrize(
+    ("kind", "ops"),
+    [
+        ("llama", {"rms_norm", "add_rms_norm_", "rotary_embedding_", "silu_and_mul"}),
+        ("qwen3_window", {"rms_norm", "add_rms_norm_", "rotary_embedding_", "silu_and_mul"}),
+        ("gemma3", {"rms_norm", "add_rms_norm_", "rotary_embedding_", "gelu_tanh_and_mul"}),
+    ],
+)
+def test_model_with_the_kernels_computes_the_torch_fallback(
+    kind: str, ops: set[str], checkpoint_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A float32 model runs its norms, RoPE and activation as the kernels, and a model built where they are
+    unavailable (``native_ops()`` None) runs torch's ops alone; their logits agree to float32 rounding and
+    their greedy tokens are the same."""
+    fused = load_model(checkpoint_dirs[kind]).model
+    with monkeypatch.context() as patch:
+        patch.setattr(decoder, "native_ops", lambda: None)
+        fallback = load_model(checkpoint_dirs[kind]).model
+    with _PrefixcacheOps() as fused_calls:
+        fused_logits = greedy_logits(fused)
+    with _PrefixcacheOps() as fallback_calls:
+        fallback_logits = greedy_logits(fallback)
+    assert fused_calls.called == ops
+    assert fallback_calls.called == set()
+    for ours, theirs in zip(fused_logits, fallback_logits, strict=True):
+        assert ours.argmax(-1).tolist() == theirs.argmax(-1).tolist()
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_model_with_the_kernels_stays_near_the_fallback(
+    checkpoint_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In bfloat16 every value the fallback rounds is rounded at the same point, so the layers differ only where
+    a sum of squares' last float32 bit moves a rounding: logits within bfloat16's resolution of the logits'
+    scale."""
+    fused = load_model(checkpoint_dirs["llama"], dtype=torch.bfloat16).model
+    with monkeypatch.context() as patch:
+        patch.setattr(decoder, "native_ops", lambda: None)
+        fallback = load_model(checkpoint_dirs["llama"], dtype=torch.bfloat16).model
+    for ours, theirs in zip(greedy_logits(fused), greedy_logits(fallback), strict=True):
+        torch.testing.assert_close(ours, theirs, atol=2**-6 * theirs.abs().max().item(), rtol=2**-7)
