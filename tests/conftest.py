@@ -13,6 +13,16 @@ from tests.helpers import (
 )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def native_kernels_built():
+    """prefixcache's CPU kernels, built (or found built) in the default cache folder before any test points
+    ``PREFIXCACHE_CACHE_DIR`` at a temporary one: the loader answers once per process, and the servers the tests
+    start load the same build instead of compiling their own."""
+    from prefixcache.model.native import native_ops
+
+    native_ops()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     """A tiny random-weight Llama checkpoint directory with tokenizer and chat template."""
