@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -229,3 +230,31 @@ def test_smollm2_quantized_matches_its_float_reference() -> None:
         llm.engine.close()
     native = any(isinstance(m, GGUFLinear) for m in quantized.model.modules())
     assert_agrees_until_a_near_tie(*runs, *((NEAR_TIE_INT8, LOGPROB_BOUND_INT8) if native else ()))
+
+
+@needs_native
+def test_a_compiled_decode_step_runs_the_native_kernels(tmp_path: Path, monkeypatch) -> None:
+    """``compile_decode`` traces GGUFLinear's ops (their fake implementations) and its steps give the eager ones'."""
+    from tests.model.conftest import PagedRunner
+    from tests.model.test_decoder import assert_compiled_matches
+
+    if shutil.which("g++") is None:
+        pytest.skip("no C++ compiler (g++) for inductor's CPU kernels")
+    monkeypatch.setenv("PREFIXCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    model = load_model(tiny_gguf(tmp_path, "Q4_1"), quantized=True).model
+    assert any(isinstance(m, GGUFLinear) for m in model.modules())
+
+    def decode() -> list[dict[str, torch.Tensor]]:
+        runner = PagedRunner(model, block_size=4, num_blocks=64)
+        out = runner.step([(rid, prompt) for rid, prompt in zip("ab", PROMPTS, strict=False)])
+        steps = []
+        for _ in range(3):
+            out = runner.step([(rid, [int(logits[-1].argmax())]) for rid, logits in out.items()])
+            steps.append(out)
+        return steps
+
+    eager = decode()
+    runner = PagedRunner(model, block_size=4, num_blocks=64)
+    assert model.compile_decode(runner.kv_caches, runner.groups, runner.block_size) is not None
+    with torch.inference_mode():
+        assert_compiled_matches(decode(), eager)

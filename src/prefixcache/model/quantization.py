@@ -289,15 +289,20 @@ class GGUFLinear(nn.Module):
 
     def __init__(self, q: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None, bias: torch.Tensor | None) -> None:
         super().__init__()
+        ops = gguf_ops()
+        if ops is None:
+            raise RuntimeError("GGUFLinear needs prefixcache's native CPU kernels, which are unavailable here")
         self.out_features, self.in_features = q.shape
         self.four_bit = minimum is not None
+        # the op itself, not its packet: one dispatch lookup less a call (a decode step makes 211)
+        self._matmul = (ops.gguf_q4_matmul if self.four_bit else ops.gguf_q8_matmul).default  # type: ignore[attr-defined]
         self.register_buffer("packed", pack_gguf_weight(q, scale, minimum))
         self.bias = None if bias is None else nn.Parameter(bias.detach().cpu(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = torch.ops.prefixcache
-        matmul = ops.gguf_q4_matmul if self.four_bit else ops.gguf_q8_matmul
-        out = matmul(x.reshape(-1, self.in_features), self.packed, self.out_features)
+        if x.dim() == 2 and self.bias is None:
+            return self._matmul(x, self.packed, self.out_features)  # the decoder's case
+        out = self._matmul(x.reshape(-1, self.in_features), self.packed, self.out_features)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.view(*x.shape[:-1], self.out_features)

@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define PREFIXCACHE_VNNI512 1
@@ -56,6 +57,51 @@ struct QuantizedRows {
   int64_t k, blocks;
 };
 
+#ifdef PREFIXCACHE_VNNI512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+// One block of 32 activations: its int8 values into q, its scale; returns the sum of q.
+template <typename T>
+inline int32_t quantize_block(const T* src, int8_t* q, float* step) {
+#if defined(PREFIXCACHE_VNNI512)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>) {
+    const __m512 a = load16(src), b = load16(src + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+    // rounded to nearest even, as lrintf in the default rounding mode
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inverse)));
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inverse)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
+    *step = d;
+    return _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  }
+#endif
+  float v[kBlock];
+  float amax = 0.f;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    v[i] = static_cast<float>(src[i]);
+    amax = std::max(amax, std::fabs(v[i]));
+  }
+  const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+  int32_t qsum = 0;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const int32_t value = static_cast<int32_t>(std::lrintf(v[i] * inverse));
+    qsum += value;
+    q[i] = static_cast<int8_t>(value);
+  }
+  *step = d;
+  return qsum;
+}
+
 template <typename T>
 QuantizedRows quantize_rows(const at::Tensor& x) {
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
@@ -68,21 +114,9 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       for (int64_t b = 0; b < blocks; ++b) {
-        float v[kBlock];
-        float amax = 0.f;
-        for (int64_t i = 0; i < kBlock; ++i) {
-          v[i] = static_cast<float>(src[m * k + b * kBlock + i]);
-          amax = std::max(amax, std::fabs(v[i]));
-        }
-        const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
-        int32_t qsum = 0;
-        for (int64_t i = 0; i < kBlock; ++i) {
-          const int32_t value = static_cast<int32_t>(std::lrintf(v[i] * inverse));
-          qsum += value;
-          q[m * k + b * kBlock + i] = static_cast<int8_t>(value);
-        }
-        step[m * blocks + b] = d;
-        sums[m * blocks + b] = d * static_cast<float>(qsum);
+        const int64_t at = m * blocks + b;
+        const int32_t qsum = quantize_block(src + m * k + b * kBlock, q + m * k + b * kBlock, step + at);
+        sums[at] = step[at] * static_cast<float>(qsum);
       }
     }
   });
