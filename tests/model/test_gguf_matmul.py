@@ -124,3 +124,51 @@ def test_a_compiled_graph_traces_the_kernel_as_one_op() -> None:
     x = torch.randn(3, 128)
     compiled = torch.compile(lambda t: torch.relu(layer(t)) * 2, fullgraph=True, dynamic=False)
     torch.testing.assert_close(compiled(x), torch.relu(layer(x)) * 2, rtol=1e-6, atol=1e-6)
+
+
+PORTABLE_CHECK = """
+import sys
+import numpy as np
+import torch
+from torch.utils import cpp_extension
+
+from prefixcache.model.native import _ninja_on_path
+from prefixcache.model.quantization import pack_gguf_weight
+
+_ninja_on_path()
+cpp_extension.load(name="gguf_portable", sources=[sys.argv[1]], build_directory=sys.argv[2], is_python_module=False,
+                   extra_cflags=["-O2", "-march=x86-64-v3", "-std=c++17"])  # AVX2 without AVX-512: the scalar path
+rng = np.random.default_rng(0)
+for four_bit in (True, False):
+    n, k = 37, 96
+    scale = (rng.random((n, k // 32)) * 0.02).astype(np.float16).astype(np.float32)
+    q = rng.integers(0, 16, (n, k)).astype(np.uint8) if four_bit else rng.integers(-128, 128, (n, k)).astype(np.int8)
+    minimum = (-rng.random(scale.shape) * 0.1).astype(np.float16).astype(np.float32) if four_bit else None
+    w = torch.from_numpy(q).float() * torch.from_numpy(scale).repeat_interleave(32, 1)
+    if four_bit:
+        w = w + torch.from_numpy(minimum).repeat_interleave(32, 1)
+    x = torch.randn(5, k)
+    blocks = x.view(5, -1, 32)
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    xq = (torch.round(blocks * (1 / step)) * step).view(5, k)
+    op = torch.ops.prefixcache.gguf_q4_matmul if four_bit else torch.ops.prefixcache.gguf_q8_matmul
+    torch.testing.assert_close(op(x, pack_gguf_weight(q, scale, minimum), n), xq @ w.t(), rtol=1e-5, atol=1e-5)
+print("portable ok")
+"""
+
+
+@pytest.mark.slow
+def test_the_portable_path_computes_the_same_products(tmp_path) -> None:
+    """Built for a CPU without AVX-512 (in a process of its own: the ops' names are the same), the scalar loops
+    give the same products over the same tiles."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import prefixcache.model.native as native
+
+    source = Path(native.__file__).parent / "gguf_matmul.cpp"
+    result = subprocess.run(
+        [sys.executable, "-c", PORTABLE_CHECK, str(source), str(tmp_path)], capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0 and "portable ok" in result.stdout, result.stderr[-3000:]
