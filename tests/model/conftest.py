@@ -215,7 +215,7 @@ class PagedRunner:
         self.block_size = block_size
         self.groups = tuple(groups or model.config.kv_cache_groups(hybrid=False))
         self.free_out_of_window = free_out_of_window
-        dtype = model.model.embed_tokens.weight.dtype
+        dtype = model.model.norm.weight.dtype  # a float parameter even where the weights are quantized
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, dtype, "cpu", self.groups)
         self.free = [b for b in range(num_blocks) if b != self.NULL_BLOCK]
         random.Random(seed).shuffle(self.free)

@@ -10,9 +10,15 @@ Q6_K, Q5_*, ...) is requantized per output channel to int8 (``_weight_int8pack_m
 fine as the source for the types below 8 bits; for Q8_0 the per-channel scale is the row's largest block
 scale. Float tensors (norms, F16/F32 weights) stay as the model loaded them.
 
-The kernels are CPU and CUDA ops of torch (``_weight_int4pack_mm_for_cpu``, ``_weight_int4pack_mm``,
-``_weight_int8pack_mm``); where one is missing for the device the weight is dequantized once and runs as a
-plain matmul, so the quantized model runs anywhere the float one does.
+On a CPU with prefixcache's own kernels (``native/gguf_matmul.cpp``, see :func:`gguf_ops`), Q4_0, Q4_1, Q4_K
+and Q8_0 run as :class:`GGUFLinear` instead: the same integers and scales (float16) repacked into tiles of 16
+rows, times activations quantized per block of 32 to int8, with integer dot products as llama.cpp computes
+them; they read the weights at close to the memory's speed where torch's kernels read a quarter of it.
+
+torch's kernels are CPU and CUDA ops (``_weight_int4pack_mm_for_cpu``, ``_weight_int4pack_mm``,
+``_weight_int8pack_mm``): the fallback, for other devices and where the native kernels are unavailable. Where
+one is missing for the device the weight is dequantized once and runs as a plain matmul, so the quantized model
+runs anywhere the float one does.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ConcatLinear", "Int4Linear", "Int8Linear", "QuantizedEmbedding", "quantize_from_gguf"]
+__all__ = ["ConcatLinear", "GGUFLinear", "Int4Linear", "Int8Linear", "QuantizedEmbedding", "quantize_from_gguf"]
 
 if TYPE_CHECKING:
     from prefixcache.model.decoder import DecoderForCausalLM
@@ -47,7 +53,8 @@ _INT4_K_MULTIPLE = 2 * GROUP_SIZE
 @dataclass(slots=True)
 class GGUFWeight:
     """One GGUF weight with HF's row order: ``[N, K]``; ``q``, ``scale``, ``minimum`` set for the 4-bit types
-    (``q`` integers 0..15 ``[N, K]``, the others ``[N, K / 32]``), ``dense`` (float32) for every type."""
+    (``q`` integers 0..15 ``[N, K]``, the others ``[N, K / 32]``), ``q`` (int8) and ``scale`` for Q8_0,
+    ``dense`` (float32) for every type."""
 
     type_name: str
     dense: np.ndarray
@@ -90,6 +97,10 @@ def read_gguf_weight(tensor: object, row_order: np.ndarray | None = None) -> GGU
     weight = GGUFWeight(qtype.name, dense)
     type_size = gguf.GGML_QUANT_SIZES[qtype][1]
     affine = _four_bit_affine(qtype.name, raw.reshape(-1, type_size)) if raw.dtype == np.uint8 else None
+    if qtype.name == "Q8_0":
+        blocks = raw.reshape(-1, type_size)
+        weight.q = blocks[:, 2:].copy().view(np.int8).reshape(rows, cols)
+        weight.scale = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(rows, cols // GROUP_SIZE)
     if affine is not None:
         scale, minimum = (a.reshape(rows, cols // GROUP_SIZE) for a in affine)
         step = np.repeat(scale, GROUP_SIZE, axis=1)
@@ -213,6 +224,103 @@ class Int8Linear(_WeightOnlyLinear):
         return (self.q[ids].to(torch.float32) * self.scale[ids, None].float()).to(dtype)
 
 
+TILE_ROWS = 16  # output rows a tile of GGUFLinear's packed weights interleaves (one 512-bit lane each)
+_NATIVE_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+
+
+@cache
+def gguf_ops() -> object | None:
+    """``torch.ops.prefixcache`` with the GGUF matmul kernels (their fake implementations registered, so a
+    compiled step traces them as opaque ops), or None where the native kernels are unavailable."""
+    from prefixcache.model.native import native_ops
+
+    ops = native_ops()
+    if ops is None or not hasattr(ops, "gguf_q4_matmul"):
+        return None
+    for name in ("gguf_q4_matmul", "gguf_q8_matmul"):
+        torch.library.register_fake(f"prefixcache::{name}")(_fake_gguf_matmul)
+    return ops
+
+
+def _runs_natively(device: torch.device | str) -> bool:
+    return torch.device(device).type == "cpu" and gguf_ops() is not None
+
+
+def _fake_gguf_matmul(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], n)
+
+
+def _tiles(array: np.ndarray, lane_bytes: int) -> np.ndarray:
+    """``[N, K / 32, lane_bytes * chunks]`` per-row block bytes as ``[N / 16, K / 32, chunks, 16, lane_bytes]``
+    -> ``[N / 16, K / 32, chunks * 16 * lane_bytes]``: each chunk's bytes of the tile's 16 rows side by side."""
+    rows, blocks, width = array.shape
+    tiled = array.reshape(rows // TILE_ROWS, TILE_ROWS, blocks, width // lane_bytes, lane_bytes)
+    return tiled.transpose(0, 2, 3, 1, 4).reshape(rows // TILE_ROWS, blocks, -1)
+
+
+def pack_gguf_weight(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None) -> torch.Tensor:
+    """A Q4_* (``q`` 0..15, ``minimum`` given) or Q8_0 (``q`` int8, no ``minimum``) ``[N, K]`` weight in the
+    tiles ``native/gguf_matmul.cpp`` reads: uint8 ``[ceil(N / 16), K / 32, 320 or 544]``, rows past N zero."""
+    rows, cols = q.shape
+    padded = -(-rows // TILE_ROWS) * TILE_ROWS
+
+    def pad(a: np.ndarray) -> np.ndarray:
+        return np.pad(a, ((0, padded - rows), (0, 0)))
+
+    def halves(a: np.ndarray) -> np.ndarray:  # float16 per row and block: [N / 16, K / 32, 16 * 2 bytes]
+        return _tiles(pad(a).astype(np.float16).view(np.uint8).reshape(padded, -1, 2), 2)
+
+    blocks = pad(q).reshape(padded, cols // GROUP_SIZE, GROUP_SIZE)
+    if minimum is None:
+        parts = [_tiles(blocks.view(np.uint8), 4), halves(scale)]
+    else:  # byte i of a block: q[i] in its low nibble, q[i + 16] in its high one (the GGUF's Q4_0 order)
+        nibbles = blocks[:, :, :16].astype(np.uint8) | blocks[:, :, 16:].astype(np.uint8) << 4
+        parts = [_tiles(nibbles, 4), halves(scale), halves(minimum)]
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=2)))
+
+
+class GGUFLinear(nn.Module):
+    """A linear layer over a GGUF's block-quantized weight with prefixcache's CPU kernels (:func:`gguf_ops`):
+    ``y = x @ w.T + b``, ``w = scale * q + minimum`` per block of 32 (Q4_0, Q4_1, Q4_K) or ``scale * q`` (Q8_0),
+    the activations quantized per block to int8 inside the kernel. Any float dtype in, the same dtype out.
+
+    Also an embedding (:meth:`rows`), so a tied Q8_0 embedding and its output projection share one copy.
+    """
+
+    def __init__(self, q: np.ndarray, scale: np.ndarray, minimum: np.ndarray | None, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        ops = gguf_ops()
+        if ops is None:
+            raise RuntimeError("GGUFLinear needs prefixcache's native CPU kernels, which are unavailable here")
+        self.out_features, self.in_features = q.shape
+        self.four_bit = minimum is not None
+        # the op itself, not its packet: one dispatch lookup less a call (a decode step makes 211)
+        self._matmul = (ops.gguf_q4_matmul if self.four_bit else ops.gguf_q8_matmul).default  # type: ignore[attr-defined]
+        self.register_buffer("packed", pack_gguf_weight(q, scale, minimum))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().cpu(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and self.bias is None:
+            return self._matmul(x, self.packed, self.out_features)  # the decoder's case
+        out = self._matmul(x.reshape(-1, self.in_features), self.packed, self.out_features)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized rows ``ids`` of a Q8_0 weight (an embedding lookup), in ``dtype``."""
+        if self.four_bit:
+            raise TypeError("rows() reads a Q8_0 table; this layer holds 4-bit weights")
+        flat = ids.reshape(-1)
+        count, blocks = flat.numel(), self.in_features // GROUP_SIZE
+        tiles = self.packed[flat // TILE_ROWS]  # [n, K / 32, 544]
+        lane, picked = flat % TILE_ROWS, torch.arange(count)
+        q = tiles[..., : 32 * TILE_ROWS].view(count, blocks, 8, TILE_ROWS, 4)[picked, :, :, lane]
+        scale = tiles[..., 32 * TILE_ROWS :].contiguous().view(torch.float16)[picked, :, lane]
+        dense = q.view(torch.int8).float().view(count, blocks, GROUP_SIZE) * scale.float()[..., None]
+        return dense.view(*ids.shape, self.in_features).to(dtype)
+
+
 class ConcatLinear(nn.Module):
     """Several linear layers whose outputs are concatenated: a fused projection (QKV, gate-up) whose parts the
     GGUF stores in types that cannot share one kernel (Q4_K_M keeps some V and down weights in Q6_K)."""
@@ -227,9 +335,10 @@ class ConcatLinear(nn.Module):
 
 
 class QuantizedEmbedding(nn.Module):
-    """An embedding looked up from an :class:`Int8Linear` (shared with the output projection when tied)."""
+    """An embedding looked up from an :class:`Int8Linear` or a Q8_0 :class:`GGUFLinear` (shared with the output
+    projection when tied)."""
 
-    def __init__(self, table: Int8Linear, dtype: torch.dtype) -> None:
+    def __init__(self, table: Int8Linear | GGUFLinear, dtype: torch.dtype) -> None:
         super().__init__()
         self.table = table
         self.dtype = dtype
@@ -248,12 +357,18 @@ def int8_per_channel(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def build_linear(parts: Sequence[GGUFWeight], bias: torch.Tensor | None, device: torch.device | str) -> nn.Module:
     """One module for the row-wise concatenation of ``parts`` (a fused projection's pieces, in order).
 
-    All 4-bit with shapes the int4 kernel takes: one :class:`Int4Linear`. Otherwise a part that is 4-bit
+    On a CPU with the native kernels (:func:`gguf_ops`), parts all of one type family (4-bit: Q4_0, Q4_1, Q4_K;
+    or Q8_0) become one :class:`GGUFLinear`, and a mix is a :class:`ConcatLinear` of each part's own module.
+    Otherwise, all 4-bit with shapes the int4 kernel takes: one :class:`Int4Linear`; else a part that is 4-bit
     stays int4 on its own and the rest become int8, concatenated by :class:`ConcatLinear`.
     """
+    if _runs_natively(device):
+        native = _native_linear(parts, bias)
+        if native is not None:
+            return native
 
     def int4_ok(w: GGUFWeight) -> bool:
-        return w.q is not None and w.q.shape[0] % _INT4_N_MULTIPLE == 0 and w.q.shape[1] % _INT4_K_MULTIPLE == 0
+        return w.minimum is not None and w.q.shape[0] % _INT4_N_MULTIPLE == 0 and w.q.shape[1] % _INT4_K_MULTIPLE == 0
 
     def as_tensor(arrays: list[np.ndarray]) -> torch.Tensor:
         return torch.from_numpy(np.concatenate(arrays, axis=0))
@@ -270,6 +385,21 @@ def build_linear(parts: Sequence[GGUFWeight], bias: torch.Tensor | None, device:
         return Int8Linear(*int8_per_channel(as_tensor([w.dense for w in parts])), bias, device)
     biases = [None] * len(parts) if bias is None else list(bias.split([w.dense.shape[0] for w in parts]))
     return ConcatLinear([build_linear([w], b, device) for w, b in zip(parts, biases, strict=True)])
+
+
+def _native_linear(parts: Sequence[GGUFWeight], bias: torch.Tensor | None) -> nn.Module | None:
+    """:class:`GGUFLinear` for ``parts`` of one family, a :class:`ConcatLinear` of each part's module for a
+    mix, or None if none can run natively (those types take the torch kernels)."""
+    families = [("q4" if w.minimum is not None else "q8") if w.type_name in _NATIVE_TYPES else None for w in parts]
+    if families[0] is not None and len(set(families)) == 1:
+        q = np.concatenate([w.q for w in parts])  # type: ignore[misc]
+        scale = np.concatenate([w.scale for w in parts])  # type: ignore[misc]
+        minimum = np.concatenate([w.minimum for w in parts]) if families[0] == "q4" else None  # type: ignore[misc]
+        return GGUFLinear(q, scale, minimum, bias)
+    if all(family is None for family in families):
+        return None
+    biases = [None] * len(parts) if bias is None else list(bias.split([w.dense.shape[0] for w in parts]))
+    return ConcatLinear([build_linear([w], b, "cpu") for w, b in zip(parts, biases, strict=True)])
 
 
 def module_bytes(module: nn.Module) -> int:
@@ -331,7 +461,12 @@ def quantize_from_gguf(model: DecoderForCausalLM, gguf_path: Path, device: torch
     embed_name = gguf_name("model.embed_tokens.weight")
     if embed_name in quantized:
         dtype = model.model.norm.weight.dtype
-        table = Int8Linear(*int8_per_channel(torch.from_numpy(weight("model.embed_tokens.weight").dense)), None, device)
+        embed = weight("model.embed_tokens.weight")
+        table: Int8Linear | GGUFLinear
+        if embed.type_name == "Q8_0" and _runs_natively(device):
+            table = GGUFLinear(embed.q, embed.scale, None, None)  # type: ignore[arg-type]
+        else:
+            table = Int8Linear(*int8_per_channel(torch.from_numpy(embed.dense)), None, device)
         model.model.embed_tokens = QuantizedEmbedding(table, dtype)
         if model.lm_head is None:
             model.lm_head = table  # tied: the output projection reads the same int8 table

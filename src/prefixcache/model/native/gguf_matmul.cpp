@@ -1,0 +1,331 @@
+// Matrix products with a GGUF's block-quantized weights, as llama.cpp computes them: the activations are
+// quantized per block of 32 to int8 and each block's dot product is an integer one (AVX-512 VNNI `vpdpbusd`:
+// unsigned 8-bit times signed 8-bit, four at a time into 32-bit lanes), scaled in float32 by the weight's and
+// the activation's block scales. torch's weight-only kernels dequantize in their inner loop and read 4-7 GB/s
+// a core; integer dot products over the packed bytes keep up with the memory.
+//
+// The weights are repacked at load (prefixcache/model/quantization.py, `pack_gguf_weight`) into tiles of 16
+// output rows, one lane of a 512-bit register a row, so that one load holds 4 bytes of each of 16 rows, one
+// `vpdpbusd` against 4 activation bytes broadcast to every lane advances 16 dot products, and the tile's 16
+// outputs come out of the lanes with no horizontal sums. A tile's blocks follow each other in one stream:
+// - q4 (Q4_0, Q4_1, Q4_K: w = scale * q + min, q in 0..15), 320 bytes a block of 16 rows x 32 weights: 4 chunks
+//   x 16 rows x 4 bytes, byte j of chunk c holding q[4c + j] (low nibble) and q[16 + 4c + j] (high nibble), the
+//   GGUF's Q4_0 byte order; then the 16 rows' scales and the 16 minimums as float16.
+// - q8 (Q8_0: w = scale * q, q int8), 544 bytes a block: 8 chunks x 16 rows x 4 bytes (q[4c + j]), then the 16
+//   scales as float16. `vpdpbusd` wants unsigned weights: flipping the sign bit gives q + 128, and
+//   `- 128 * scale * (sum of the block's quantized activations)` takes the 128 back out exactly.
+// The minimum's term is min times the sum of the block's quantized activations (scale * sum of q), as llama.cpp's
+// Q8_1 has it: with the float sum instead, the two terms of a weight centred on zero (min = -8 * scale) cancel
+// each other's but not the quantization's error, 1.8% of the output on SmolLM2's layers against 1.0%.
+//
+// Up to 4 activation rows share each unpacked weight register (a decode batch reads its weights once), so M
+// rows cost one pass over the weights per 4 rows, from the cache after the first. A portable path computes the
+// same products with scalar loops where AVX-512 VNNI is absent.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PREFIXCACHE_VNNI512 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kTileRows = 16;
+constexpr int64_t kQ4BlockBytes = 320;  // 256 of nibbles, 32 of scales, 32 of minimums
+constexpr int64_t kQ8BlockBytes = 544;  // 512 of int8, 32 of scales
+constexpr int64_t kMaxRows = 4;         // activation rows a weight register is used for
+
+// The activations quantized per block of 32: q int8 [M, K], their scale (amax / 127) and, per block, the sum of
+// the quantized activations times their scale.
+struct QuantizedRows {
+  at::Tensor storage;
+  const int8_t* q;
+  const float* step;
+  const float* sums;
+  int64_t k, blocks;
+};
+
+#ifdef PREFIXCACHE_VNNI512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+// One block of 32 activations: its int8 values into q, its scale; returns the sum of q.
+template <typename T>
+inline int32_t quantize_block(const T* src, int8_t* q, float* step) {
+#if defined(PREFIXCACHE_VNNI512)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>) {
+    const __m512 a = load16(src), b = load16(src + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+    // rounded to nearest even, as lrintf in the default rounding mode
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inverse)));
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inverse)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
+    *step = d;
+    return _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  }
+#endif
+  float v[kBlock];
+  float amax = 0.f;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    v[i] = static_cast<float>(src[i]);
+    amax = std::max(amax, std::fabs(v[i]));
+  }
+  const float d = amax / 127.f, inverse = d > 0.f ? 1.f / d : 0.f;
+  int32_t qsum = 0;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const int32_t value = static_cast<int32_t>(std::lrintf(v[i] * inverse));
+    qsum += value;
+    q[i] = static_cast<int8_t>(value);
+  }
+  *step = d;
+  return qsum;
+}
+
+template <typename T>
+QuantizedRows quantize_rows(const at::Tensor& x) {
+  const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
+  // one allocation: int8 rows, then the float scales and sums
+  at::Tensor storage = at::empty({rows * k + 8 * rows * blocks + 64}, x.options().dtype(at::kChar));
+  int8_t* q = storage.data_ptr<int8_t>();
+  float* step = reinterpret_cast<float*>(q + (rows * k + 63) / 64 * 64);
+  float* sums = step + rows * blocks;
+  const T* src = x.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t at = m * blocks + b;
+        const int32_t qsum = quantize_block(src + m * k + b * kBlock, q + m * k + b * kBlock, step + at);
+        sums[at] = step[at] * static_cast<float>(qsum);
+      }
+    }
+  });
+  return {storage, q, step, sums, k, blocks};
+}
+
+template <typename T>
+inline void store_tile(T* out, int64_t rows, const float* values) {
+  for (int64_t r = 0; r < rows; ++r) out[r] = static_cast<T>(values[r]);
+}
+
+inline float half_at(const uint8_t* tile, int64_t offset, int64_t row) {
+  c10::Half h;
+  std::memcpy(&h, tile + offset + 2 * row, 2);
+  return static_cast<float>(h);
+}
+
+#ifdef PREFIXCACHE_VNNI512
+
+// How far ahead of its loads a tile asks for its weights (a few blocks of the same stream): the hardware's
+// prefetchers alone left one core at about a third of its streaming bandwidth.
+constexpr int64_t kPrefetchBytes = 2048;
+
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// 16 rows [tile] times activation rows [m0, m0 + MT), the 16 x MT results into values[m][row]
+template <int MT>
+void q4_tile(const uint8_t* __restrict tile, const QuantizedRows& x, int64_t m0, float (*values)[kTileRows]) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.blocks; ++b, tile += kQ4BlockBytes) {
+    _mm_prefetch(reinterpret_cast<const char*>(tile + kPrefetchBytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(tile + kPrefetchBytes + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(tile + kPrefetchBytes + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(tile + kPrefetchBytes + 192), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(tile + kPrefetchBytes + 256), _MM_HINT_T0);
+    __m512i dot[MT];
+    for (int m = 0; m < MT; ++m) dot[m] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      const __m512i w = _mm512_loadu_si512(tile + 64 * c);
+      const __m512i lo = _mm512_and_si512(w, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* qx = x.q + (m0 + m) * x.k + b * kBlock + 4 * c;
+        dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(load4(qx)));
+        dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(load4(qx + 16)));
+      }
+    }
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 256)));
+    const __m512 minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 288)));
+    for (int m = 0; m < MT; ++m) {
+      const int64_t at = (m0 + m) * x.blocks + b;
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_mul_ps(scale, _mm512_set1_ps(x.step[at])), acc[m]);
+      acc[m] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(x.sums[at]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(values[m], acc[m]);
+}
+
+template <int MT>
+void q8_tile(const uint8_t* __restrict tile, const QuantizedRows& x, int64_t m0, float (*values)[kTileRows]) {
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.blocks; ++b, tile += kQ8BlockBytes) {
+    for (int64_t line = 0; line < kQ8BlockBytes; line += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(tile + kPrefetchBytes + line), _MM_HINT_T0);
+    }
+    __m512i dot[MT];
+    for (int m = 0; m < MT; ++m) dot[m] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; ++c) {
+      const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(tile + 64 * c), sign);
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* qx = x.q + (m0 + m) * x.k + b * kBlock + 4 * c;
+        dot[m] = _mm512_dpbusd_epi32(dot[m], w, _mm512_set1_epi32(load4(qx)));
+      }
+    }
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 512)));
+    for (int m = 0; m < MT; ++m) {
+      const int64_t at = (m0 + m) * x.blocks + b;
+      const __m512 dots = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_set1_ps(x.step[at]),
+                                          _mm512_set1_ps(-128.f * x.sums[at]));
+      acc[m] = _mm512_fmadd_ps(dots, scale, acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(values[m], acc[m]);
+}
+
+#else  // portable: the same products with scalar loops, over the same layouts
+
+template <int MT>
+void q4_tile(const uint8_t* tile, const QuantizedRows& x, int64_t m0, float (*values)[kTileRows]) {
+  for (int m = 0; m < MT; ++m) std::fill(values[m], values[m] + kTileRows, 0.f);
+  for (int64_t b = 0; b < x.blocks; ++b, tile += kQ4BlockBytes) {
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* qx = x.q + (m0 + m) * x.k + b * kBlock;
+      const int64_t at = (m0 + m) * x.blocks + b;
+      for (int64_t r = 0; r < kTileRows; ++r) {
+        int32_t dot = 0;
+        for (int64_t c = 0; c < 4; ++c) {
+          for (int64_t j = 0; j < 4; ++j) {
+            const uint8_t byte = tile[64 * c + 4 * r + j];
+            dot += (byte & 15) * qx[4 * c + j] + (byte >> 4) * qx[16 + 4 * c + j];
+          }
+        }
+        values[m][r] += static_cast<float>(dot) * (half_at(tile, 256, r) * x.step[at]) +
+                        half_at(tile, 288, r) * x.sums[at];
+      }
+    }
+  }
+}
+
+template <int MT>
+void q8_tile(const uint8_t* tile, const QuantizedRows& x, int64_t m0, float (*values)[kTileRows]) {
+  for (int m = 0; m < MT; ++m) std::fill(values[m], values[m] + kTileRows, 0.f);
+  for (int64_t b = 0; b < x.blocks; ++b, tile += kQ8BlockBytes) {
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* qx = x.q + (m0 + m) * x.k + b * kBlock;
+      const int64_t at = (m0 + m) * x.blocks + b;
+      for (int64_t r = 0; r < kTileRows; ++r) {
+        int32_t dot = 0;
+        for (int64_t c = 0; c < 8; ++c) {
+          for (int64_t j = 0; j < 4; ++j) dot += static_cast<int8_t>(tile[64 * c + 4 * r + j]) * qx[4 * c + j];
+        }
+        values[m][r] += static_cast<float>(dot) * x.step[at] * half_at(tile, 512, r);
+      }
+    }
+  }
+}
+
+#endif
+
+template <bool Q4>
+void run_tile(const uint8_t* tile, const QuantizedRows& x, int64_t m0, int64_t rows, float (*values)[kTileRows]) {
+  switch (rows) {
+#define PREFIXCACHE_ROWS(MT)                      \
+  case MT:                                        \
+    if constexpr (Q4) q4_tile<MT>(tile, x, m0, values); \
+    else q8_tile<MT>(tile, x, m0, values);        \
+    break;
+    PREFIXCACHE_ROWS(1)
+    PREFIXCACHE_ROWS(2)
+    PREFIXCACHE_ROWS(3)
+    PREFIXCACHE_ROWS(4)
+#undef PREFIXCACHE_ROWS
+  }
+}
+
+at::Tensor tiled_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool q4) {
+  const int64_t block_bytes = q4 ? kQ4BlockBytes : kQ8BlockBytes;
+  TORCH_CHECK(x.dim() == 2, "x must be [M, K], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  packed.size(2) == block_bytes,
+              "packed weights must be contiguous uint8 [N / 16, K / 32, ", block_bytes, "], got ", packed.sizes());
+  const int64_t m = x.size(0), k = x.size(1), tiles = packed.size(0);
+  TORCH_CHECK(packed.size(1) * kBlock == k, "x has K = ", k, " but the weights ", packed.size(1) * kBlock);
+  TORCH_CHECK(n > (tiles - 1) * kTileRows && n <= tiles * kTileRows, "n = ", n, " does not fit ", tiles, " tiles");
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return out;
+  const at::Tensor xc = x.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gguf_matmul", [&] {
+    const QuantizedRows quantized = quantize_rows<scalar_t>(xc);
+    const uint8_t* weights = packed.data_ptr<uint8_t>();
+    scalar_t* y = out.data_ptr<scalar_t>();
+    const int64_t tile_bytes = packed.size(1) * block_bytes;
+    // about 32 KiB of weights a task, enough to amortize one, small enough to split a 576-row product in two
+    const int64_t grain = std::max<int64_t>(1, 32768 / tile_bytes);
+    at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+      float values[kMaxRows][kTileRows];
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t rows = std::min(kTileRows, n - t * kTileRows);
+        for (int64_t m0 = 0; m0 < m; m0 += kMaxRows) {
+          const int64_t mt = std::min(kMaxRows, m - m0);
+          if (q4) {
+            run_tile<true>(weights + t * tile_bytes, quantized, m0, mt, values);
+          } else {
+            run_tile<false>(weights + t * tile_bytes, quantized, m0, mt, values);
+          }
+          for (int64_t i = 0; i < mt; ++i) store_tile(y + (m0 + i) * n + t * kTileRows, rows, values[i]);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+at::Tensor gguf_q4_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  return tiled_matmul(x, packed, n, true);
+}
+
+at::Tensor gguf_q8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  return tiled_matmul(x, packed, n, false);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(prefixcache, m) {
+  m.def("gguf_q4_matmul(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("gguf_q8_matmul(Tensor x, Tensor packed, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(prefixcache, CPU, m) {
+  m.impl("gguf_q4_matmul", &gguf_q4_matmul);
+  m.impl("gguf_q8_matmul", &gguf_q8_matmul);
+}
