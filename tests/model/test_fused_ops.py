@@ -168,6 +168,9 @@ def greedy_logits(model: decoder.DecoderForCausalLM, steps: int = 3) -> list[tor
     return out
 
 
+FUSED_OPS = {"rms_norm", "add_rms_norm_", "rotary_embedding_", "silu_and_mul", "gelu_tanh_and_mul"}
+
+
 # Llama's RoPE of Q and K together; Qwen3's q/k norms; Gemma 3's sandwich and unit-offset norms and tanh-GELU.
 @pytest.mark.parametrize(
     ("kind", "ops"),
@@ -191,11 +194,14 @@ def test_model_with_the_kernels_computes_the_torch_fallback(
         fused_logits = greedy_logits(fused)
     with _PrefixcacheOps() as fallback_calls:
         fallback_logits = greedy_logits(fallback)
-    assert fused_calls.called == ops
-    assert fallback_calls.called == set()
+    # The attention kernels run in both models: only the fused kernels' calls tell them apart.
+    assert fused_calls.called & FUSED_OPS == ops
+    assert fallback_calls.called & FUSED_OPS == set()
     for ours, theirs in zip(fused_logits, fallback_logits, strict=True):
         assert ours.argmax(-1).tolist() == theirs.argmax(-1).tolist()
-        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+        # The norms' sums of squares differ by a few float32 roundings, and the layers carry that to the logits
+        # (1.1e-5 seen on Gemma 3's, whose sandwich norms run 4 a layer).
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-5)
 
 
 def test_bfloat16_model_with_the_kernels_stays_near_the_fallback(

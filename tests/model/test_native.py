@@ -62,10 +62,16 @@ def test_decode_falls_back_to_torch_without_the_kernels(
         pytest.skip("prefixcache's CPU kernels are not built here: nothing to compare the fallback with")
     model = load_model(checkpoint_dirs[kind]).model
     calls: list[int] = []
-    kernel = torch.ops.prefixcache.paged_decode_attention
+    real_ops = torch.ops.prefixcache
+    kernel = real_ops.paged_decode_attention
 
     class CountingOps:
+        """The kernels' namespace with the decode kernel's calls counted (the other kernels as they are)."""
+
         paged_decode_attention = staticmethod(lambda *args: calls.append(1) or kernel(*args))
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real_ops, name)
 
     monkeypatch.setattr(torch.ops, "prefixcache", CountingOps())
     native = decode(model)
