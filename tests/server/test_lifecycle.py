@@ -64,15 +64,6 @@ def family(server: ServerProcess) -> list[int]:
     return [server.process.pid, *(c.pid for c in psutil.Process(server.process.pid).children(recursive=True))]
 
 
-def test_the_engine_core_starts_with_the_openmp_environment_core_environment_gives(server):
-    from prefixcache.engine.core_process import core_environment
-
-    expected = core_environment(os.environ)  # the tests' own OMP_WAIT_POLICY or GOMP_SPINCOUNT, if set, win
-    environ = core_process(server).environ()  # what the core started with, which libgomp read
-    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
-        assert environ.get(name) == expected.get(name, os.environ.get(name))
-
-
 def test_start_and_stop_leave_no_process(start_server):
     server = start_server()
     pids = family(server)

@@ -27,7 +27,6 @@ import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping
 from typing import Any
 
 import zmq
@@ -53,9 +52,6 @@ from prefixcache.engine.messages import (
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500  # how often an idle core checks that its parent is alive
-# OpenMP's wait policy in the engine core process unless the user's environment sets one: see core_environment.
-CORE_WAIT_POLICY = "PASSIVE"
-OMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 UTILITY_METHODS = frozenset({"reset_prefix_cache", "stats", "lookup"})
 _PR_SET_PDEATHSIG = 1
 
@@ -194,44 +190,6 @@ def _die_with_parent() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def core_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables the engine core process starts with on top of ``environ`` (the server's):
-    ``OMP_WAIT_POLICY=PASSIVE`` (an OpenMP worker sleeps as soon as it waits), unless ``environ`` sets
-    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` itself (the user's choice wins; either decides libgomp's spin).
-
-    A batch-1 decode step is about 150 parallel regions, and a worker that finishes its share waits at each
-    one's end for the others. libgomp's default spins (~300,000 pause loops, milliseconds) before it sleeps.
-    Where other processes share the cores (another engine, the API process and its clients, anything), a
-    spinning worker burns the time slices its descheduled partner needs, and each barrier then costs whole
-    slices. Measured on the shared 2-core host at a load average of 5-10 (``benchmarks/omp_wait.py``, each setting
-    its own process; docs/architecture.md#threads-and-cores): a 2-thread GGUF step at batch 1 took 1,380 ms
-    (eager) and 873 ms (compiled) with libgomp's default, 1,694 / 506 ms spinning (ACTIVE), 495 / 414 ms with a
-    tenth of the default spin (GOMP_SPINCOUNT=30000) and 103 / 93 ms with a hundredth, against 59-74 / 36-50 ms
-    sleeping at once, about one thread's 77 / 43 ms. On a machine the engine has to itself, spinning bridges the
-    gaps between regions better: there ``OMP_WAIT_POLICY=ACTIVE`` (or libgomp's default,
-    ``GOMP_SPINCOUNT=300000``) may be faster.
-    libgomp reads these once, as torch loads, hence the child's environment rather than a call."""
-    if any(name in environ for name in OMP_WAIT_VARIABLES):
-        return {}
-    return {"OMP_WAIT_POLICY": CORE_WAIT_POLICY}
-
-
-@contextlib.contextmanager
-def _environment(overrides: Mapping[str, str]) -> Iterator[None]:
-    """``os.environ`` with ``overrides`` while the block runs (a spawned child inherits it as it starts), then as
-    it was."""
-    saved = {name: os.environ.get(name) for name in overrides}
-    os.environ.update(overrides)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 class EngineStartupError(RuntimeError):
     """The engine core could not start (its settings cannot run here, or it died while loading)."""
 
@@ -256,10 +214,8 @@ class EngineCoreProcess:
         self.info: EngineInfo | None = None
 
     async def start(self) -> EngineInfo:
-        """Start the child (its environment: :func:`core_environment`) and wait for its handshake; raises
-        EngineStartupError if it fails or exits first."""
-        with _environment(core_environment(os.environ)):
-            self.process.start()
+        """Start the child and wait for its handshake; raises EngineStartupError if it fails or exits first."""
+        self.process.start()
         while not await self._outputs.poll(100):
             if not self.process.is_alive():
                 raise EngineStartupError(f"the engine core exited during startup (exit code {self.process.exitcode})")
