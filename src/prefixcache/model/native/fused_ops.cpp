@@ -10,6 +10,8 @@
 // or on the threads; rows are split over threads (at::parallel_for) only when there are many.
 
 #include <ATen/ATen.h>
+
+#include "elements.h"
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -72,10 +74,7 @@ struct Rows {
 int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(width, 1)); }
 
 // Scalar conversions (the portable path, and per element where vectors do not fit).
-template <typename T>
-inline float to_float(T v) {
-  return static_cast<float>(v);
-}
+using prefixcache_native::to_float;
 // ``v`` rounded to T and back: what the fallback's intermediate tensor of dtype T holds.
 template <typename T>
 inline float round_to(float v) {

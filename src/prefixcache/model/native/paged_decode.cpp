@@ -17,6 +17,8 @@
 // bfloat16 keys taken on the pairs directly), else arrays of 16 that the compiler vectorises as it can.
 
 #include <ATen/ATen.h>
+
+#include "elements.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -51,9 +53,7 @@ constexpr int64_t kSplitTokens = 256;
 // Query heads of one KV head attended together (their accumulators held in registers); more are done in turns.
 constexpr int kMaxGroup = 8;
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
+using prefixcache_native::to_float;
 
 #if defined(PREFIXCACHE_AVX512)
 using Vec = __m512;

@@ -19,6 +19,8 @@
 // the compiler vectorises as it can.
 
 #include <ATen/ATen.h>
+
+#include "elements.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -47,9 +49,7 @@ constexpr int64_t kTileRows = 64;
 // Row vectors one micro-kernel call keeps in registers.
 constexpr int kMaxVecs = 4;
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
+using prefixcache_native::to_float;
 
 // ---------------------------------------------------------------------------------------------------------
 // 16 float lanes
