@@ -103,3 +103,22 @@ def test_retention_counters_by_priority_class_and_retained_blocks_by_tenant():
     assert found[("prefixcache:kv_cache_block_expirations_total", "low")] == 0
     assert found[("prefixcache:kv_cache_retained_blocks", "tenant-a")] == 1
     assert ("prefixcache:kv_cache_retained_blocks", "") not in found  # the latest batch has no such tenant
+
+
+def test_stats_like_the_last_change_nothing_and_a_changed_stats_object_still_counts():
+    """Stats equal to the last batch's are skipped, compared as they were then (a caller may change them since)."""
+    metrics = ServerMetrics("m")
+    host = TierStats("CPU", capacity_bytes=1024, hits=3)
+    stats = engine_stats([host], prefix_cache_queries=10, prefix_cache_hits=4, kv_events_dropped=1)
+    metrics.update(stats)
+    metrics.update(stats)
+    again = [TierStats("CPU", capacity_bytes=1024, hits=3)]
+    metrics.update(engine_stats(again, prefix_cache_queries=10, prefix_cache_hits=4, kv_events_dropped=1))
+    found = samples(metrics)
+    assert found[("prefixcache:prefix_cache_queries_total", None)] == 10
+    assert found[("prefixcache:kv_events_dropped_total", None)] == 1
+    host.hits = 5
+    metrics.update(stats)  # the same object, changed
+    assert samples(metrics)[("prefixcache:kv_offload_hits_total", "cpu")] == 5
+    metrics.update(engine_stats([host], prefix_cache_queries=12, prefix_cache_hits=4, kv_events_dropped=1))
+    assert samples(metrics)[("prefixcache:prefix_cache_queries_total", None)] == 12

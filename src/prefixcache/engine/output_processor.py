@@ -29,6 +29,7 @@ class _RequestState:
     stop_search_start: int = 0  # a stop string must end after the text of the first min_tokens tokens
     prompt_logprobs: list[dict[int, float] | None] | None = None
     logprobs: list[dict[int, float]] | None = None
+    stop_holdback: int = 0  # the params' (frozen), not worked out again each step
 
 
 class OutputProcessor:
@@ -48,6 +49,7 @@ class OutputProcessor:
                 request.sampling_params.spaces_between_special_tokens,
             ),
             logprobs=None if request.sampling_params.logprobs is None else [],
+            stop_holdback=request.sampling_params.stop_holdback,
         )
 
     def abort_request(self, request_id: str) -> bool:
@@ -112,7 +114,7 @@ def _request_output(
 ) -> RequestOutput:
     visible = len(state.text)
     if finish_reason is None:
-        visible -= state.params.stop_holdback  # may still turn into a stop string
+        visible -= state.stop_holdback  # may still turn into a stop string
     new_text = state.text[state.num_emitted_chars : visible]
     state.num_emitted_chars = max(state.num_emitted_chars, visible)
     completion = CompletionOutput(

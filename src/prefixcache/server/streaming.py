@@ -37,8 +37,11 @@ class RequestStreamingResponse(StreamingResponse):
             self._stream.abort()
 
 
+_to_json = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps's, without a new encoder per chunk
+
+
 def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    return f"data: {_to_json(payload)}\n\n"
 
 
 def record_outputs(record: RequestRecord, stream: RequestStream, outputs: dict[int, RequestOutput], n: int) -> None:
