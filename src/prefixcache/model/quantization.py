@@ -300,12 +300,19 @@ class GGUFLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().cpu(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self._buffers["packed"]  # a dict lookup: ``self.packed`` goes through nn.Module.__getattr__
         if x.dim() == 2 and self.bias is None:
-            return self._matmul(x, self.packed, self.out_features)  # the decoder's case
-        out = self._matmul(x.reshape(-1, self.in_features), self.packed, self.out_features)
+            return self._matmul(x, packed, self.out_features)  # the decoder's case
+        out = self._matmul(x.reshape(-1, self.in_features), packed, self.out_features)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.view(*x.shape[:-1], self.out_features)
+
+    # Called straight, without nn.Module.__call__'s hook machinery: a one-tile call took 3.1-5.3 us through it and
+    # 2.1-2.3 us straight (the op itself 1.8; best and median, load average 5), and a decode step makes 211. No
+    # forward hooks are ever registered on these layers (they would be skipped); torch.compile traces the call as
+    # it does any module's.
+    __call__ = forward
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized rows ``ids`` of a Q8_0 weight (an embedding lookup), in ``dtype``."""
