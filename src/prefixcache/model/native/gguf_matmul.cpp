@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -384,11 +385,22 @@ at::Tensor gguf_q8_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t
   return tiled_matmul(x, packed, n, false);
 }
 
+// Which path this build runs: the scalar loops are slower than torch's int4 / int8 kernels, so the loader keeps
+// those where it is "scalar".
+std::string gguf_matmul_isa() {
+#ifdef PREFIXCACHE_VNNI512
+  return "avx512-vnni";
+#else
+  return "scalar";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(prefixcache, m) {
   m.def("gguf_q4_matmul(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("gguf_q8_matmul(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("gguf_matmul_isa() -> str", &gguf_matmul_isa);  // no tensor to dispatch on: one kernel for every key
 }
 
 TORCH_LIBRARY_IMPL(prefixcache, CPU, m) {
