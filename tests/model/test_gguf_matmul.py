@@ -172,3 +172,24 @@ def test_the_portable_path_computes_the_same_products(tmp_path) -> None:
         [sys.executable, "-c", PORTABLE_CHECK, str(source), str(tmp_path)], capture_output=True, text=True, timeout=900
     )
     assert result.returncode == 0 and "portable ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_the_kernels_say_which_path_they_were_built_for(caplog) -> None:
+    """The build reports AVX-512 VNNI on a host that has it; a scalar build leaves the GGUF's weights to torch's
+    kernels (faster than the scalar loops), and says why."""
+    from pathlib import Path
+
+    import prefixcache.model.quantization as quantization
+
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
+    vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= set(flags)
+    assert torch.ops.prefixcache.gguf_matmul_isa() == ("avx512-vnni" if vnni else "scalar")
+
+    class ScalarOps:
+        def gguf_matmul_isa(self) -> str:
+            return "scalar"
+
+    with caplog.at_level("INFO", logger=quantization.__name__):
+        assert not quantization._vector_kernels(ScalarOps())
+    assert "no AVX-512 VNNI" in caplog.text and "torch's" in caplog.text
+    assert quantization._vector_kernels(torch.ops.prefixcache) == vnni
