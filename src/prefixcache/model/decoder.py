@@ -188,6 +188,7 @@ class DecoderAttention(nn.Module):
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         self.split_sizes = [2 * q_size if self.output_gate else q_size, kv_size, kv_size]
+        self.head_splits = [config.num_heads, config.num_kv_heads, config.num_kv_heads]
         self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split_sizes), bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
         self.fused = fused_ops_loaded()
@@ -207,27 +208,26 @@ class DecoderAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        q_size, kv_size, _ = self.split_sizes
-        v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        gate = qk = None
-        if self.rotary_dim == self.head_dim and self.q_norm is None and not self.output_gate:
-            # Q and K side by side in the projection: one rotation for both
-            qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        else:
-            q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
-            if self.output_gate:
-                q, gate = q.reshape(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        gate = None
+        if self.output_gate:
+            q_size = self.split_sizes[0]
+            q, gate = qkv[:, :q_size].reshape(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            k, v = qkv[:, q_size:].view(num_tokens, 2 * self.num_kv_heads, self.head_dim).chunk(2, dim=1)
             q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-            k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-            if self.q_norm is not None and self.k_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
+        else:
+            # the Q, K and V heads side by side in the projection: views of it, in two ops
+            heads = qkv.view(num_tokens, -1, self.head_dim)
+            q, k, v = heads.split(self.head_splits, dim=1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         k_cache, v_cache = kv_cache
         if self.rotary_dim and self._writes_fused(k, k_cache):
             torch.ops.prefixcache.rotary_kv_write_(q, k, v, k_cache, v_cache, metadata.slot_mapping, cos, sin)
         else:
-            if qk is not None:
-                q, k = rotate(qk, cos, sin, self.fused).split([self.num_heads, self.num_kv_heads], dim=1)
+            if self.rotary_dim == self.head_dim and self.q_norm is None and not self.output_gate:
+                # Q and K side by side in the projection: one rotation for both
+                qk = heads[:, : self.num_heads + self.num_kv_heads]
+                q, k = rotate(qk, cos, sin, self.fused).split(self.head_splits[:2], dim=1)
             elif self.rotary_dim:
                 q, k = rotate(q, cos, sin, self.fused), rotate(k, cos, sin, self.fused)
             write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
