@@ -203,11 +203,12 @@ class AttentionMetadata:
         positions = np.arange(num_tokens) - np.repeat(query_start[:-1] - computed, new)
         slots = tables[token_req, positions // block_size] * block_size + positions % block_size
 
+        device = torch.device(device)
+
         def to_dev(a: np.ndarray) -> torch.Tensor:
             tensor = torch.from_numpy(np.ascontiguousarray(a))
             return tensor if tensor.device == device else tensor.to(device)
 
-        device = torch.device(device)
         segments = _Segments(computed, new, query_start, tables, block_size, sliding_window, to_dev)
         prefill_requests = beside_prefill = None
         prefill = new > 1

@@ -217,7 +217,7 @@ class DecoderAttention(nn.Module):
         else:
             # the Q, K and V heads side by side in the projection: views of it, in two ops
             heads = qkv.view(num_tokens, -1, self.head_dim)
-            q, k, v = heads.split(self.head_splits, dim=1)
+            q, k, v = heads.split_with_sizes(self.head_splits, dim=1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         k_cache, v_cache = kv_cache
@@ -227,7 +227,7 @@ class DecoderAttention(nn.Module):
             if self.rotary_dim == self.head_dim and self.q_norm is None and not self.output_gate:
                 # Q and K side by side in the projection: one rotation for both
                 qk = heads[:, : self.num_heads + self.num_kv_heads]
-                q, k = rotate(qk, cos, sin, self.fused).split(self.head_splits[:2], dim=1)
+                q, k = rotate(qk, cos, sin, self.fused).split_with_sizes(self.head_splits[:2], dim=1)
             elif self.rotary_dim:
                 q, k = rotate(q, cos, sin, self.fused), rotate(k, cos, sin, self.fused)
             write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
