@@ -209,13 +209,16 @@ class AttentionMetadata:
             tensor = torch.from_numpy(np.ascontiguousarray(a))
             return tensor if tensor.device == device else tensor.to(device)
 
-        segments = _Segments(computed, new, query_start, tables, block_size, sliding_window, to_dev)
+        @cache
+        def segments() -> _Segments:  # only where groups are built: a step of decodes needs none
+            return _Segments(computed, new, query_start, tables, block_size, sliding_window, to_dev)
+
         prefill_requests = beside_prefill = None
         prefill = new > 1
         if prefill.any() and device.type == "cpu" and _prefill_kernel() is not None:
             prefill_requests = to_dev(np.flatnonzero(prefill))
-            others = np.flatnonzero(~prefill[segments.req])
-            beside_prefill = segments.groups(others) if len(others) else ()
+            others = np.flatnonzero(~prefill[segments().req])
+            beside_prefill = segments().groups(others) if len(others) else ()
         return cls(
             slot_mapping=to_dev(slots),
             block_tables=to_dev(tables),
@@ -227,7 +230,7 @@ class AttentionMetadata:
             block_size=block_size,
             max_seq_len=int(seq_lens.max()),
             decodes_only=num_tokens == num_reqs,
-            _plan_groups=lambda: segments.groups(np.arange(len(segments.req))),
+            _plan_groups=lambda: segments().groups(np.arange(len(segments().req))),
             sliding_window=sliding_window,
             prefill_requests=prefill_requests,
             beside_prefill=beside_prefill,

@@ -239,8 +239,8 @@ class DecoderAttention(nn.Module):
     def _writes_fused(self, k: torch.Tensor, k_cache: torch.Tensor) -> bool:
         """Whether RoPE and the K/V write run as one ``rotary_kv_write_`` call (eager, on CPU, the cache in K's
         dtype): the same values bit for bit as :func:`rotate` and :func:`write_kv_cache`, one op a layer instead
-        of three. A compiled step takes the torch ops, which inductor fuses into its own kernels: the opaque op
-        in the graph made the step slower (1.1x)."""
+        of three. A compiled step takes the torch ops, which inductor fuses into its own kernels: with the opaque
+        op in its graph an earlier measurement had the compiled step 1.1x slower."""
         return self.fused and _runs_fused(k) and k_cache.dtype == k.dtype and not torch.compiler.is_compiling()
 
 
