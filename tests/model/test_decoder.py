@@ -181,6 +181,39 @@ def test_metadata_build() -> None:
     assert meta.last_token_indices.tolist() == [2, 4, 5]
     assert meta.block_tables.tolist() == [[7, 2, 0], [4, 0, 0], [5, 6, 0]]
     assert meta.slot_mapping.dtype == torch.int64 and meta.num_tokens == 6
+    assert meta.max_seq_len == 9 and not meta.decodes_only
+
+
+def test_decode_metadata_builds_its_groups_only_when_asked() -> None:
+    """A step of decodes takes DecodeAttention: its SDPA groups are left unbuilt unless something reads them."""
+    meta = AttentionMetadata.build([[7, 2, 9], [4]], [9, 2], [1, 1], 4, "cpu")
+    assert meta.decodes_only and meta.max_seq_len == 10 and meta.decode_inputs() is not None
+    assert meta._groups is None
+    (group,) = meta.groups
+    assert group.max_q == 1 and group.kv_lens.tolist() == [10, 3]
+    assert meta.groups is meta.groups  # built once
+
+
+def test_rope_tables_grow_and_keep_each_positions_values(models) -> None:
+    """cos and signed sin of a position from the model's tables are those computed from the position alone (HF's
+    float32 order, then cast), and stay the same when a longer sequence doubles the tables."""
+    model = models["llama"]
+    (inv_freq,) = model._inv_freq_cpu
+    dtype = model.model.norm.weight.dtype
+
+    def alone(positions: torch.Tensor) -> torch.Tensor:
+        freqs = (positions[:, None].float() * inv_freq)[:, None, :]
+        sin = freqs.sin().to(dtype)
+        return torch.cat((torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1)), 1)
+
+    positions = torch.tensor([0, 1, 63, 4095])
+    rows = model._rope(positions, 4096)[0]
+    assert torch.equal(rows, alone(positions))
+    assert model._rope_tables_for(positions.device, dtype, 1)[0].shape[0] == 4096
+    longer = torch.tensor([0, 1, 63, 4095, 9000])
+    longer_rows = model._rope(longer, 9001)[0]
+    assert model._rope_tables_for(positions.device, dtype, 1)[0].shape[0] == 16384
+    assert torch.equal(longer_rows[:4], rows) and torch.equal(longer_rows, alone(longer))
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from prefixcache.model import decoder, load_model
+from prefixcache.model.attention import write_kv_cache
 from prefixcache.model.decoder import _ACTIVATIONS, RMSNorm, fused_ops_loaded, rotate
 from tests.model.conftest import VOCAB_SIZE, PagedRunner
 
@@ -99,6 +100,66 @@ def test_rotary_embedding_is_the_torch_rotation_in_place(
     assert torch.equal(qkv[:, heads * head_dim :], before[:, heads * head_dim :])
 
 
+# (tokens, heads, kv_heads, head_dim, rotary_dim, slots): SmolLM2's GQA decode; a prefill over three blocks of 4,
+# in no slot order; MQA with partial RoPE.
+KV_WRITES = [
+    (1, 9, 3, 64, 64, [13]),
+    (6, 4, 2, 32, 32, [8, 1, 2, 3, 30, 17]),
+    (3, 6, 1, 80, 40, [5, 0, 31]),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "head_dim", "rotary_dim", "slots"), KV_WRITES)
+@pytest.mark.parametrize("side_by_side", [True, False])
+def test_rotary_kv_write_is_the_rotation_and_the_cache_write(
+    dtype: torch.dtype,
+    tokens: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    slots: list[int],
+    side_by_side: bool,
+) -> None:
+    """Bit for bit the torch path (:func:`rotate` of Q and K, then :func:`write_kv_cache`): Q and K rotated in
+    place, as views of the QKV projection (``side_by_side``) or as tensors of their own (after q/k norms), and
+    each token's K and V at its slot, in any block; the other slots untouched."""
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = rows_in_a_wider_tensor(tokens, q_size + 2 * kv_size, dtype, seed=8)
+    if side_by_side:
+        q = qkv[:, :q_size].view(tokens, heads, head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim)
+    else:
+        q = qkv[:, :q_size].reshape(tokens, heads, head_dim).clone()
+        k = qkv[:, q_size : q_size + kv_size].reshape(tokens, kv_heads, head_dim).clone()
+    v = qkv[:, q_size + kv_size :].view(tokens, kv_heads, head_dim)
+    rows = rope_tables(torch.tensor(slots) * 7 + 3, rotary_dim, dtype)
+    cache = torch.randn(8, 4, kv_heads, head_dim, generator=torch.Generator().manual_seed(9)).to(dtype)
+    slot_mapping = torch.tensor(slots)
+    expected_q, expected_k = rotate(q.clone(), *rows, fused=False), rotate(k.clone(), *rows, fused=False)
+    expected_caches = cache.clone(), cache.clone() + 1
+    write_kv_cache(expected_k, v, *expected_caches, slot_mapping)
+    caches = cache.clone(), cache.clone() + 1
+    torch.ops.prefixcache.rotary_kv_write_(q, k, v, *caches, slot_mapping, *rows)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    assert torch.equal(caches[0], expected_caches[0]) and torch.equal(caches[1], expected_caches[1])
+
+
+def test_rotary_kv_write_refuses_what_it_cannot_write() -> None:
+    q, k, v = torch.randn(2, 4, 32), torch.randn(2, 2, 32), torch.randn(2, 2, 32)
+    cos, signed_sin = rope_tables(torch.arange(2), 32, torch.float32)
+    caches = torch.zeros(2, 4, 2, 32), torch.zeros(2, 4, 2, 32)
+    with pytest.raises(RuntimeError, match="slot 8 of token 1 is outside"):
+        torch.ops.prefixcache.rotary_kv_write_(q, k, v, *caches, torch.tensor([0, 8]), cos, signed_sin)
+    with pytest.raises(RuntimeError, match="in k's dtype"):
+        bf16 = tuple(c.bfloat16() for c in caches)
+        torch.ops.prefixcache.rotary_kv_write_(q, k, v, *bf16, torch.tensor([0, 1]), cos, signed_sin)
+    with pytest.raises(RuntimeError, match="heads and head_dim"):
+        wide = torch.zeros(2, 4, 3, 32), torch.zeros(2, 4, 3, 32)
+        torch.ops.prefixcache.rotary_kv_write_(q, k, v, *wide, torch.tensor([0, 1]), cos, signed_sin)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "width"), SHAPES)
 @pytest.mark.parametrize(("activation", "op"), list(decoder._FUSED_ACTIVATIONS.items()))
@@ -168,16 +229,16 @@ def greedy_logits(model: decoder.DecoderForCausalLM, steps: int = 3) -> list[tor
     return out
 
 
-FUSED_OPS = {"rms_norm", "add_rms_norm_", "rotary_embedding_", "silu_and_mul", "gelu_tanh_and_mul"}
+FUSED_OPS = {"rms_norm", "add_rms_norm_", "rotary_embedding_", "rotary_kv_write_", "silu_and_mul", "gelu_tanh_and_mul"}
 
 
 # Llama's RoPE of Q and K together; Qwen3's q/k norms; Gemma 3's sandwich and unit-offset norms and tanh-GELU.
 @pytest.mark.parametrize(
     ("kind", "ops"),
     [
-        ("llama", {"rms_norm", "add_rms_norm_", "rotary_embedding_", "silu_and_mul"}),
-        ("qwen3_window", {"rms_norm", "add_rms_norm_", "rotary_embedding_", "silu_and_mul"}),
-        ("gemma3", {"rms_norm", "add_rms_norm_", "rotary_embedding_", "gelu_tanh_and_mul"}),
+        ("llama", {"rms_norm", "add_rms_norm_", "rotary_kv_write_", "silu_and_mul"}),
+        ("qwen3_window", {"rms_norm", "add_rms_norm_", "rotary_kv_write_", "silu_and_mul"}),
+        ("gemma3", {"rms_norm", "add_rms_norm_", "rotary_kv_write_", "gelu_tanh_and_mul"}),
     ],
 )
 def test_model_with_the_kernels_computes_the_torch_fallback(

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from prefixcache.model import attention as attention_mod
-from prefixcache.model.attention import AttentionMetadata, paged_attention
+from prefixcache.model.attention import AttentionMetadata, paged_attention, write_kv_cache
 
 # float32: the kernel and SDPA sum in different orders (measured max difference about 1e-6 on unit-scale
 # values). bfloat16: both accumulate in float32 and round the output once; one bfloat16 step at values up to 2
@@ -54,6 +54,7 @@ class Step:
         metadata = AttentionMetadata.build(self.tables, computed, new, block_size, "cpu", window)
         k_cache, v_cache = self.k_cache.clone(), self.v_cache.clone()
         scale = self.query.shape[-1] ** -0.5
+        write_kv_cache(self.key, self.value, k_cache, v_cache, metadata.slot_mapping)
         out = paged_attention(self.query, self.key, self.value, k_cache, v_cache, metadata, scale, window)
         return metadata, out
 
@@ -167,6 +168,7 @@ def test_a_query_s_output_does_not_depend_on_how_its_prompt_was_split(kernel, wi
                 value = torch.cat([other[2].view(50, kv_heads, -1)[:, :, :head_dim], value])
                 tables, computed, new = [other_table, table], [0, done], [50, n]
             meta = AttentionMetadata.build(tables, computed, new, BLOCK, "cpu", window)
+            write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
             out = paged_attention(query, key, value, k_cache, v_cache, meta, scale, window)
             outs.append(out[-n:])
             done += n

@@ -101,10 +101,11 @@ class ModelRunner:
             self.offload.after_forward(step.offload)
         out = ModelRunnerOutput()
         sampling_rows, sampling = [], []
-        starts = metadata.query_start_loc.tolist()
+        starts: list[int] | None = None
         for i, chunk in enumerate(chunks):
             request_id = chunk.request.request_id
             if chunk.request.sampling_params.prompt_logprobs is not None:
+                starts = metadata.query_start_loc.tolist() if starts is None else starts
                 try:
                     out.prompt_logprobs[request_id] = self._prompt_logprobs(hidden[starts[i] : starts[i + 1]], chunk)
                 except Exception as exc:  # one request's failure is its own
@@ -115,7 +116,11 @@ class ModelRunner:
                 sampling_rows.append(i)
                 sampling.append(chunk.request)
         if sampling:
-            logits = self.model.compute_logits(hidden[metadata.last_token_indices[sampling_rows]])
+            # A step of decodes that all sample wants every row, in order: no gather.
+            every_row = metadata.decodes_only and len(sampling_rows) == len(chunks)
+            logits = self.model.compute_logits(
+                hidden if every_row else hidden[metadata.last_token_indices[sampling_rows]]
+            )
             sampled = self.sampler.sample(logits, sampling)
             out.sampled, out.logprobs = sampled.token_ids, sampled.logprobs
             out.errors |= sampled.errors

@@ -1,14 +1,16 @@
 """Attention over a paged KV cache.
 
 The cache of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``. A step
-first writes the new tokens' K/V at ``slot_mapping`` and then every request attends to all of its keys,
-gathered block-wise from its block table. Because all writes of a layer happen before any read, a request
-may read blocks that another request of the same step is writing (a shared prefix being filled).
+first writes the new tokens' K/V at ``slot_mapping`` (:func:`write_kv_cache`, or on CPU one call with the layer's
+RoPE: the decoder's ``rotary_kv_write_``) and then every request attends to all of its keys, gathered block-wise
+from its block table. Because all writes of a layer happen before any read, a request may read blocks that
+another request of the same step is writing (a shared prefix being filled).
 
 Requests are batched into a few :class:`AttentionGroup` s, each run as one padded
 ``scaled_dot_product_attention`` call (long query runs after cached context are split into chunks first).
-Grouping, padding indices and the masks are computed once per step in :meth:`AttentionMetadata.build` (masks
-lazily, on first use) and shared by all layers. On a CPU with prefixcache's kernels (:func:`native_ops`), the
+Grouping, padding indices and the masks are computed once per step (:meth:`AttentionMetadata.build`; the
+groups and masks lazily, on first use: a step of decodes takes :class:`DecodeAttention` and never builds them)
+and shared by all layers. On a CPU with prefixcache's kernels (:func:`native_ops`), the
 requests with more than one new token skip the groups: one ``paged_prefill_attention`` call a layer attends all
 of them over their K/V where it lies in the cache (no gather, no padding, no mask), with a reduction order per
 query that depends only on its keys, so a prompt's outputs are the same bit for bit however it was split into
@@ -109,7 +111,8 @@ class AttentionGroup:
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """Everything the attention layers need about one step, built once and shared by all layers."""
+    """Everything the attention layers need about one step, built once and shared by all layers (the groups on
+    first use: :attr:`groups`)."""
 
     # [T] cache slot (block_id * block_size + offset) where each new token's K/V is written.
     slot_mapping: torch.Tensor
@@ -123,9 +126,14 @@ class AttentionMetadata:
     positions: torch.Tensor
     # [R] row of each request's last new token: the hidden states to compute logits from.
     last_token_indices: torch.Tensor
-    groups: tuple[AttentionGroup, ...]
     num_tokens: int
     block_size: int
+    # The longest request's tokens after this step (what the RoPE tables must cover).
+    max_seq_len: int
+    # Whether every request decodes one token (num_tokens == R).
+    decodes_only: bool
+    # Builds the groups (see :attr:`groups`) from the step's plain arrays, once.
+    _plan_groups: Callable[[], tuple[AttentionGroup, ...]]
     # The window the gathers start at (see the module docstring); None: every key from position 0.
     sliding_window: int | None = None
     # [P] the requests prefixcache's prefill kernel attends where it runs (a CPU with prefixcache's kernels, a
@@ -134,6 +142,15 @@ class AttentionMetadata:
     # request (torch's path, where a layer's dtype is not the kernel's).
     prefill_requests: torch.Tensor | None = None
     beside_prefill: tuple[AttentionGroup, ...] | None = None
+    _groups: tuple[AttentionGroup, ...] | None = None
+
+    @property
+    def groups(self) -> tuple[AttentionGroup, ...]:
+        """Every request's segments in padded SDPA groups (see :class:`AttentionGroup`), built on first use: a
+        step of decodes only runs :class:`DecodeAttention` instead (:meth:`decode_inputs`), which needs none."""
+        if self._groups is None:
+            self._groups = self._plan_groups()
+        return self._groups
 
     @classmethod
     def build(
@@ -186,32 +203,22 @@ class AttentionMetadata:
         positions = np.arange(num_tokens) - np.repeat(query_start[:-1] - computed, new)
         slots = tables[token_req, positions // block_size] * block_size + positions % block_size
 
+        device = torch.device(device)
+
         def to_dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+            tensor = torch.from_numpy(np.ascontiguousarray(a))
+            return tensor if tensor.device == device else tensor.to(device)
 
-        seg_req, seg_computed, seg_new = _segments(computed, new, split_fresh=sliding_window is not None)
-        seg_start = query_start[seg_req] + seg_computed - computed[seg_req]
-        if sliding_window is None:
-            seg_kv_start = np.zeros_like(seg_computed)
-        else:
-            seg_kv_start = np.maximum(seg_computed - sliding_window + 1, 0) // block_size * block_size
+        @cache
+        def segments() -> _Segments:  # only where groups are built: a step of decodes needs none
+            return _Segments(computed, new, query_start, tables, block_size, sliding_window, to_dev)
 
-        def build_groups(segments: np.ndarray) -> tuple[AttentionGroup, ...]:
-            parts = _partition(seg_computed[segments], seg_new[segments], seg_kv_start[segments])
-            return tuple(
-                _build_group(
-                    segments[part], seg_req, seg_computed, seg_new, seg_kv_start, seg_start, tables, block_size, to_dev
-                )
-                for part in parts
-            )
-
-        groups = build_groups(np.arange(len(seg_req)))
         prefill_requests = beside_prefill = None
         prefill = new > 1
-        if prefill.any() and torch.device(device).type == "cpu" and _prefill_kernel() is not None:
+        if prefill.any() and device.type == "cpu" and _prefill_kernel() is not None:
             prefill_requests = to_dev(np.flatnonzero(prefill))
-            others = np.flatnonzero(~prefill[seg_req])
-            beside_prefill = build_groups(others) if len(others) else ()
+            others = np.flatnonzero(~prefill[segments().req])
+            beside_prefill = segments().groups(others) if len(others) else ()
         return cls(
             slot_mapping=to_dev(slots),
             block_tables=to_dev(tables),
@@ -219,9 +226,11 @@ class AttentionMetadata:
             seq_lens=to_dev(seq_lens),
             positions=to_dev(positions),
             last_token_indices=to_dev(query_start[1:] - 1),
-            groups=groups,
             num_tokens=num_tokens,
             block_size=block_size,
+            max_seq_len=int(seq_lens.max()),
+            decodes_only=num_tokens == num_reqs,
+            _plan_groups=lambda: segments().groups(np.arange(len(segments().req))),
             sliding_window=sliding_window,
             prefill_requests=prefill_requests,
             beside_prefill=beside_prefill,
@@ -243,7 +252,7 @@ class AttentionMetadata:
     def decode_inputs(self) -> DecodeInputs | None:
         """This step's :class:`DecodeInputs` when every request decodes one token over all of its keys from
         position 0; else None."""
-        if self.num_tokens != self.seq_lens.shape[0] or self.sliding_window is not None:
+        if not self.decodes_only or self.sliding_window is not None:
             return None
         block_tables = self.block_tables
         if block_tables.shape[1] == 1:  # a second (masked) column: one graph of a compiled step for every width
@@ -318,15 +327,58 @@ class DecodeAttention:
         sliding_window: int | None,
         workspace: GatherWorkspace | None,
     ) -> torch.Tensor:
-        """Write the new K/V, then attend over the requests' blocks; returns ``[B, num_heads * head_dim]``."""
+        """Attend over the requests' blocks, where the new K/V are written already (:func:`write_kv_cache`);
+        returns ``[B, num_heads * head_dim]``."""
         k_cache, v_cache = kv_cache
-        write_kv_cache(key, value, k_cache, v_cache, self.slot_mapping)
         if self.native:
             return torch.ops.prefixcache.paged_decode_attention(
                 query, k_cache, v_cache, self.block_tables, self.seq_lens, scale, sliding_window
             )
         keys, values = _gather_kv(k_cache, v_cache, self.block_tables, workspace, query.dtype)
         return _decode_sdpa(query, keys, values, self.masks[sliding_window], scale)
+
+
+class _Segments:
+    """A step's requests split into segments (:func:`_segments`), with what grouping them needs: the plain arrays
+    of :meth:`AttentionMetadata.build`, kept so that its groups can be built when first used."""
+
+    def __init__(
+        self,
+        computed: np.ndarray,
+        new: np.ndarray,
+        query_start: np.ndarray,
+        tables: np.ndarray,
+        block_size: int,
+        sliding_window: int | None,
+        to_dev: Callable[[np.ndarray], torch.Tensor],
+    ) -> None:
+        self.req, self.computed, self.new = _segments(computed, new, split_fresh=sliding_window is not None)
+        self.start = query_start[self.req] + self.computed - computed[self.req]
+        if sliding_window is None:
+            self.kv_start = np.zeros_like(self.computed)
+        else:
+            self.kv_start = np.maximum(self.computed - sliding_window + 1, 0) // block_size * block_size
+        self.tables = tables
+        self.block_size = block_size
+        self.to_dev = to_dev
+
+    def groups(self, segments: np.ndarray) -> tuple[AttentionGroup, ...]:
+        """The listed segments in groups (:func:`_partition`), each with its indices (:func:`_build_group`)."""
+        parts = _partition(self.computed[segments], self.new[segments], self.kv_start[segments])
+        return tuple(
+            _build_group(
+                segments[part],
+                self.req,
+                self.computed,
+                self.new,
+                self.kv_start,
+                self.start,
+                self.tables,
+                self.block_size,
+                self.to_dev,
+            )
+            for part in parts
+        )
 
 
 def _segments(computed: np.ndarray, new: np.ndarray, split_fresh: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -511,11 +563,12 @@ def paged_attention(
     sliding_window: int | None = None,
     workspace: GatherWorkspace | None = None,
 ) -> torch.Tensor:
-    """Write the step's K/V into the cache, then attend; returns ``[T, num_heads * head_dim]``.
+    """Attend over the cache, where the step's K/V are written already (:func:`write_kv_cache`); returns
+    ``[T, num_heads * head_dim]``.
 
-    ``query`` is ``[T, num_heads, head_dim]``; ``key``/``value`` are ``[T, num_kv_heads, head_dim]``.
+    ``query`` is ``[T, num_heads, head_dim]``; ``key``/``value`` are ``[T, num_kv_heads, head_dim]`` (read for a
+    fresh request's group, which needs no gather).
     """
-    write_kv_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
     num_tokens, num_heads, head_dim = query.shape
     groups = metadata.groups
     if metadata.beside_prefill is not None and {query.dtype, k_cache.dtype} <= _PREFILL_KERNEL_DTYPES:

@@ -24,7 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixcache.model.attention import AttentionMetadata, DecodeAttention, DecodeInputs, GatherWorkspace
+from prefixcache.model.attention import (
+    AttentionMetadata,
+    DecodeAttention,
+    DecodeInputs,
+    GatherWorkspace,
+    write_kv_cache,
+)
 from prefixcache.model.config import SUPPORTED_ARCHITECTURES, KVCacheGroup, ModelConfig
 from prefixcache.model.native import native_ops
 from prefixcache.model.recurrent import RECURRENT_MODULE_NAMES, build_recurrent_layer, state_dtype
@@ -42,6 +48,8 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 # prefixcache's fused CPU kernel (model/native/fused_ops.cpp) of ``act(gate) * up`` for each activation.
 _FUSED_ACTIVATIONS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Positions a RoPE table holds at first; it doubles whenever a step reaches past its end.
+_ROPE_TABLE_ROWS = 4096
 
 
 def fused_ops_loaded() -> bool:
@@ -72,6 +80,7 @@ def _register_fused_fakes() -> None:
     )
     register("prefixcache::add_rms_norm_")(lambda x, residual, weight, eps, unit_offset: None)
     register("prefixcache::rotary_embedding_")(lambda x, cos, signed_sin: None)
+    register("prefixcache::rotary_kv_write_")(lambda q, k, v, k_cache, v_cache, slot_mapping, cos, signed_sin: None)
     for name in _FUSED_ACTIVATIONS.values():
         register(f"prefixcache::{name}")(lambda x: x.new_empty((*x.shape[:-1], x.shape[-1] // 2)))
 
@@ -179,6 +188,7 @@ class DecoderAttention(nn.Module):
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         self.split_sizes = [2 * q_size if self.output_gate else q_size, kv_size, kv_size]
+        self.head_splits = [config.num_heads, config.num_kv_heads, config.num_kv_heads]
         self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split_sizes), bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
         self.fused = fused_ops_loaded()
@@ -198,27 +208,40 @@ class DecoderAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        q_size, kv_size, _ = self.split_sizes
-        v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         gate = None
-        if self.rotary_dim == self.head_dim and self.q_norm is None and not self.output_gate:
-            # Q and K side by side in the projection: one rotation for both
-            qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = rotate(qk, cos, sin, self.fused).split([self.num_heads, self.num_kv_heads], dim=1)
-        else:
-            q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
-            if self.output_gate:
-                q, gate = q.reshape(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        if self.output_gate:
+            q_size = self.split_sizes[0]
+            q, gate = qkv[:, :q_size].reshape(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            k, v = qkv[:, q_size:].view(num_tokens, 2 * self.num_kv_heads, self.head_dim).chunk(2, dim=1)
             q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-            k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-            if self.q_norm is not None and self.k_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            if self.rotary_dim:
+        else:
+            # the Q, K and V heads side by side in the projection: views of it, in two ops
+            heads = qkv.view(num_tokens, -1, self.head_dim)
+            q, k, v = heads.split_with_sizes(self.head_splits, dim=1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        k_cache, v_cache = kv_cache
+        if self.rotary_dim and self._writes_fused(k, k_cache):
+            torch.ops.prefixcache.rotary_kv_write_(q, k, v, k_cache, v_cache, metadata.slot_mapping, cos, sin)
+        else:
+            if self.rotary_dim == self.head_dim and self.q_norm is None and not self.output_gate:
+                # Q and K side by side in the projection: one rotation for both
+                qk = heads[:, : self.num_heads + self.num_kv_heads]
+                q, k = rotate(qk, cos, sin, self.fused).split_with_sizes(self.head_splits[:2], dim=1)
+            elif self.rotary_dim:
                 q, k = rotate(q, cos, sin, self.fused), rotate(k, cos, sin, self.fused)
+            write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = metadata.attend(q, k, v, kv_cache, self.scale, self.sliding_window, workspace)
         if gate is not None:
             out = out * torch.sigmoid(gate.reshape(num_tokens, -1))
         return self.o_proj(out)
+
+    def _writes_fused(self, k: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether RoPE and the K/V write run as one ``rotary_kv_write_`` call (eager, on CPU, the cache in K's
+        dtype): the same values bit for bit as :func:`rotate` and :func:`write_kv_cache`, one op a layer instead
+        of three. A compiled step takes the torch ops, which inductor fuses into its own kernels: with the opaque
+        op in its graph an earlier measurement had the compiled step 1.1x slower."""
+        return self.fused and _runs_fused(k) and k_cache.dtype == k.dtype and not torch.compiler.is_compiling()
 
 
 class GatedMLP(nn.Module):
@@ -414,7 +437,7 @@ class DecoderForCausalLM(nn.Module):
         keys = list(distinct)
         self._layer_rope = [keys.index(repr(rope)) for rope in ropes]
         self._inv_freq_cpu = [rope_inv_freq(config.rotary_dim, theta, scaling) for theta, scaling in distinct.values()]
-        self._inv_freq: dict[torch.device, list[torch.Tensor]] = {}
+        self._rope_tables: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         self._workspace = GatherWorkspace()
         self._decode_step = self._eager_decode_step
         self._static_kv_id: int | None = None  # the K/V list the compiled step has marked (_mark_kv_static)
@@ -471,34 +494,37 @@ class DecoderForCausalLM(nn.Module):
                     f"KV cache group {group} has layers of windows {sorted(windows[group], key=str)}; its "
                     f"attention metadata gathers a window of {metadata.sliding_window}"
                 )
+        # the groups' token layout is the same: their positions, and the longest sequence
+        ropes = self._rope(positions, group_metadata[0].max_seq_len)
         if not config.state_layers:
             decode = [metadata.decode_inputs() for metadata in group_metadata]
             if all(inputs is not None for inputs in decode):
-                return self._decode_step(input_ids, positions, kv_caches, decode)
-        return self._step(input_ids, positions, kv_caches, group_metadata, self._workspace, state_cache, state_metadata)
+                return self._decode_step(input_ids, ropes, kv_caches, decode)
+        return self._step(input_ids, ropes, kv_caches, group_metadata, self._workspace, state_cache, state_metadata)
 
     def _step(
         self,
         input_ids: torch.Tensor,
-        positions: torch.Tensor,
+        ropes: Sequence[torch.Tensor],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         group_metadata: Sequence[AttentionMetadata | DecodeAttention],
         workspace: GatherWorkspace | None,
         state_cache: StateCache | None = None,
         state_metadata: StateMetadata | None = None,
     ) -> torch.Tensor:
-        """The layers of :meth:`forward` on checked inputs; decode steps may run it compiled
-        (:meth:`compile_decode`), with no workspace (the compiled graph plans its own buffers)."""
+        """The layers of :meth:`forward` on checked inputs and the step's rows of the RoPE tables (:meth:`_rope`);
+        decode steps may run it compiled (:meth:`compile_decode`), with no workspace (the compiled graph plans its
+        own buffers)."""
         x = self.model.embed_tokens(input_ids)
         if self.config.embed_scale is not None:
             # Rounded to the model dtype first, as HF's Gemma does (sqrt(3072) becomes 55.5 in bfloat16).
             x = x * torch.tensor(self.config.embed_scale, dtype=torch.float32).to(x.dtype)
-        ropes = self._rope(positions, x.dtype)
+        cos_sin = [(rows[:, :1], rows[:, 1:]) for rows in ropes]  # [T, 1, rotary_dim] views, once a step
         group_of = self._layouts[len(group_metadata)][0]
         residual = None
         for i, layer in enumerate(self.model.layers):
             if layer.is_attention:
-                cos, sin = ropes[self._layer_rope[i]]
+                cos, sin = cos_sin[self._layer_rope[i]]
                 kv = self._kv_index[i]
                 x, residual = layer(x, residual, cos, sin, kv_caches[kv], group_metadata[group_of[kv]], workspace)
             else:
@@ -508,7 +534,7 @@ class DecoderForCausalLM(nn.Module):
     def _decode(
         self,
         input_ids: torch.Tensor,
-        positions: torch.Tensor,
+        ropes: Sequence[torch.Tensor],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         decode: Sequence[DecodeInputs],
         workspace: GatherWorkspace | None,
@@ -518,7 +544,7 @@ class DecoderForCausalLM(nn.Module):
         windows = self._layouts[len(decode)][1]
         dtype = self.model.norm.weight.dtype
         attention = [DecodeAttention.build(inputs, block_size, windows[g], dtype) for g, inputs in enumerate(decode)]
-        return self._step(input_ids, positions, kv_caches, attention, workspace)
+        return self._step(input_ids, ropes, kv_caches, attention, workspace)
 
     def _eager_decode_step(self, *inputs: Any) -> torch.Tensor:
         return self._decode(*inputs, self._workspace)
@@ -547,7 +573,6 @@ class DecoderForCausalLM(nn.Module):
         )
         self._compute_logits = self._compiled("_compute_logits", "the logits", self._logits, self._logits)
         device = kv_caches[0][0].device
-        self._inv_freqs_on(device)  # before tracing: a graph that added them would be recompiled once they are there
         start = time.perf_counter()
         dtype = self.model.norm.weight.dtype
         import torch._dynamo  # imported by torch.compile (seconds): not at module level, for the eager steps' sake
@@ -600,7 +625,7 @@ class DecoderForCausalLM(nn.Module):
         others'. The list is recognised by its id; a new list that reuses a freed one's id leaves its tensors
         unmarked, which their guards see (the step compiles again, never runs a wrong graph).
         """
-        kv_caches = inputs[2]  # the step's (input_ids, positions, kv_caches, decode)
+        kv_caches = inputs[2]  # the step's (input_ids, ropes, kv_caches, decode)
         if id(kv_caches) == self._static_kv_id:
             return
         import torch._dynamo
@@ -610,22 +635,37 @@ class DecoderForCausalLM(nn.Module):
             torch._dynamo.mark_static(value_cache, [1, 2, 3])
         self._static_kv_id = id(kv_caches)
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """cos and signed sin (see :func:`apply_rope`) ``[T, 1, head_dim]`` of each RoPE table, computed in
-        float32 from positions, then cast (HF's order of ops)."""
-        out = []
-        for inv_freq in self._inv_freqs_on(positions.device):
-            freqs = (positions[:, None].float() * inv_freq)[:, None, :]
-            sin = freqs.sin().to(dtype)
-            out.append((torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-sin, sin), dim=-1)))
-        return out
+    def _rope(self, positions: torch.Tensor, max_seq_len: int) -> list[torch.Tensor]:
+        """The step's rows ``[T, 2, rotary_dim]`` (cos, then signed sin: see :func:`apply_rope`) of each RoPE
+        table, one gather a table for every layer, from tables that cover ``max_seq_len`` positions
+        (:meth:`_rope_tables_for`)."""
+        tables = self._rope_tables_for(positions.device, self.model.norm.weight.dtype, max_seq_len)
+        return [table.index_select(0, positions) for table in tables]
 
-    def _inv_freqs_on(self, device: torch.device) -> list[torch.Tensor]:
-        """The RoPE tables' inverse frequencies on ``device``, copied there once."""
-        inv_freqs = self._inv_freq.get(device)
-        if inv_freqs is None:
-            inv_freqs = self._inv_freq[device] = [f.to(device) for f in self._inv_freq_cpu]
-        return inv_freqs
+    def _rope_tables_for(self, device: torch.device, dtype: torch.dtype, max_seq_len: int) -> list[torch.Tensor]:
+        """Per distinct RoPE, cos and signed sin of every position below a power-of-two multiple of
+        _ROPE_TABLE_ROWS that covers ``max_seq_len``, ``[N, 2, rotary_dim]`` on ``device`` in ``dtype``: built once
+        (and again, twice as long, when a step reaches past the end) instead of in each step.
+
+        Computed in float32 from the positions, then cast (HF's order of ops). A position's values do not depend
+        on the table's length or the step's batch: N x rotary_dim is a multiple of torch's vector width, so every
+        element takes its vectorized cos and sin (a per-step computation takes a scalar tail where a step's
+        elements are no such multiple)."""
+        tables = self._rope_tables.get((device, dtype))
+        if tables is not None and tables[0].shape[0] >= max_seq_len:
+            return tables
+        rows = _ROPE_TABLE_ROWS if tables is None else tables[0].shape[0]
+        while rows < max_seq_len:
+            rows *= 2
+        positions = torch.arange(rows, dtype=torch.float32, device=device)[:, None, None]
+        tables = []
+        for inv_freq in self._inv_freq_cpu:
+            freqs = positions * inv_freq.to(device)
+            sin = freqs.sin().to(dtype)
+            cos = torch.cat((freqs, freqs), dim=-1).cos().to(dtype)
+            tables.append(torch.cat((cos, torch.cat((-sin, sin), dim=-1)), dim=1))
+        self._rope_tables[(device, dtype)] = tables
+        return tables
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

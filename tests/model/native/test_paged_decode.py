@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from prefixcache.model.attention import DecodeAttention, DecodeInputs, GatherWorkspace
+from prefixcache.model.attention import DecodeAttention, DecodeInputs, GatherWorkspace, write_kv_cache
 from prefixcache.model.native import native_ops
 
 if native_ops() is None:
@@ -66,6 +66,7 @@ def attend(
         for cache in caches:
             cache[[NULL_BLOCK, *poison]] = float("nan")
     attention = DecodeAttention.build(inputs._replace(native=native), caches[0].shape[1], [window], query.dtype)
+    write_kv_cache(key, value, *caches, attention.slot_mapping)
     scale = 1 / math.sqrt(query.shape[-1])
     return attention.attend(query, key, value, caches, scale, window, GatherWorkspace())
 
@@ -144,5 +145,6 @@ def test_a_float64_model_keeps_the_torch_path() -> None:
     inputs, query, key, value, caches = decode_case([20, 7], 16, 4, 2, 32, torch.float64)
     attention = DecodeAttention.build(inputs._replace(native=True), 16, [None], torch.float64)
     assert not attention.native
+    write_kv_cache(key, value, *caches, inputs.slot_mapping)
     ours = attention.attend(query, key, value, caches, 1 / math.sqrt(32), None, GatherWorkspace())
     torch.testing.assert_close(ours, attend(inputs, False, query, key, value, caches, None), atol=0, rtol=0)

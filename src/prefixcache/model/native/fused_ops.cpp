@@ -1,5 +1,6 @@
 // Fused elementwise ops of a decoder layer: RMSNorm (alone, or with the residual add before it, in place),
-// RoPE on a head tensor in place, and the gated MLP's activation (SiLU or tanh-GELU of the gate times up).
+// RoPE on a head tensor in place (alone, or of Q and K with the K/V cache write after it), and the gated MLP's
+// activation (SiLU or tanh-GELU of the gate times up).
 //
 // At batch 1 each of these is several torch ops of a few microseconds of dispatch each over a few hundred
 // elements; here each is one call. The math is the torch fallback's in model/decoder.py, op for op: every value
@@ -229,53 +230,109 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight
 
 // ---- RoPE ------------------------------------------------------------------------------------------------------
 
+// Checks that cos / signed sin [T, 1, R] (or [T, R]) rotate the first R dims of each head of x [T, heads, head_dim].
+void check_rotary(const char* op, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin) {
+  TORCH_CHECK(x.device().is_cpu(), "prefixcache::", op, " runs on CPU tensors");
+  TORCH_CHECK(x.dim() == 3, "prefixcache::", op, ": x must be [tokens, heads, head_dim]");
+  TORCH_CHECK(cos.sizes() == signed_sin.sizes() && cos.strides() == signed_sin.strides(), "prefixcache::", op,
+              ": cos and sin must have one shape and layout");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && signed_sin.scalar_type() == x.scalar_type(), "prefixcache::",
+              op, ": cos and sin must be in x's dtype");
+  TORCH_CHECK((cos.dim() == 3 && cos.size(1) == 1) || cos.dim() == 2, "prefixcache::", op,
+              ": cos must be [tokens, 1, rotary_dim] or [tokens, rotary_dim]");
+  const int64_t rotary = cos.size(-1);
+  TORCH_CHECK(cos.size(0) == x.size(0) && rotary % 2 == 0 && rotary <= x.size(2) && cos.stride(-1) == 1,
+              "prefixcache::", op, ": cos must hold an even rotary_dim <= head_dim for each token");
+}
+
 // x [T, heads, head_dim] rotated in place on its first R dims by cos / signed sin [T, 1, R] (or [T, R]): HF's
 // ``x * cos + rotate_half(x) * sin`` with the halves of R as the (real, imaginary) pairs, written as the fallback's
 // ``x * cos + roll(x) * signed_sin`` (signed_sin = cat(-sin, sin)), each product and the sum rounded to T.
-void rotary_embedding_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin) {
-  TORCH_CHECK(x.device().is_cpu(), "prefixcache::rotary_embedding_ runs on CPU tensors");
-  TORCH_CHECK(x.dim() == 3, "prefixcache::rotary_embedding_: x must be [tokens, heads, head_dim]");
-  TORCH_CHECK(cos.sizes() == signed_sin.sizes() && cos.strides() == signed_sin.strides(),
-              "prefixcache::rotary_embedding_: cos and sin must have one shape and layout");
-  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && signed_sin.scalar_type() == x.scalar_type(),
-              "prefixcache::rotary_embedding_: cos and sin must be in x's dtype");
-  TORCH_CHECK((cos.dim() == 3 && cos.size(1) == 1) || cos.dim() == 2,
-              "prefixcache::rotary_embedding_: cos must be [tokens, 1, rotary_dim] or [tokens, rotary_dim]");
+template <typename T>
+void rotate_rows(at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin) {
   const int64_t tokens = x.size(0), heads = x.size(1), rotary = cos.size(-1), half = rotary / 2;
-  TORCH_CHECK(cos.size(0) == tokens && rotary % 2 == 0 && rotary <= x.size(2) && cos.stride(-1) == 1,
-              "prefixcache::rotary_embedding_: cos must hold an even rotary_dim <= head_dim for each token");
   Rows rows(x);
   const int64_t cos_stride = cos.stride(0);
-  DISPATCH_FUSED(x.scalar_type(), "prefixcache_rotary", [&] {
-    using T = scalar_t;
-    T* xp = x.data_ptr<T>();
-    const T* cp = cos.const_data_ptr<T>();
-    const T* sp = signed_sin.const_data_ptr<T>();
-    at::parallel_for(0, tokens * heads, grain_rows(rotary), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        T* row = xp + rows.offset(r);
-        const T* c = cp + (r / heads) * cos_stride;
-        const T* s = sp + (r / heads) * cos_stride;
+  T* xp = x.data_ptr<T>();
+  const T* cp = cos.const_data_ptr<T>();
+  const T* sp = signed_sin.const_data_ptr<T>();
+  at::parallel_for(0, tokens * heads, grain_rows(rotary), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* row = xp + rows.offset(r);
+      const T* c = cp + (r / heads) * cos_stride;
+      const T* s = sp + (r / heads) * cos_stride;
 #ifdef PREFIXCACHE_FUSED_AVX512
-        for (int64_t i = 0; i < half; i += 16) {
-          int64_t m = half - i;
-          __m512 lo = load(row + i, m), hi = load(row + half + i, m);
-          __m512 new_lo = _mm512_add_ps(round_to<T>(_mm512_mul_ps(lo, load(c + i, m))),
-                                        round_to<T>(_mm512_mul_ps(hi, load(s + i, m))));
-          __m512 new_hi = _mm512_add_ps(round_to<T>(_mm512_mul_ps(hi, load(c + half + i, m))),
-                                        round_to<T>(_mm512_mul_ps(lo, load(s + half + i, m))));
-          store(row + i, new_lo, m);
-          store(row + half + i, new_hi, m);
-        }
+      for (int64_t i = 0; i < half; i += 16) {
+        int64_t m = half - i;
+        __m512 lo = load(row + i, m), hi = load(row + half + i, m);
+        __m512 new_lo = _mm512_add_ps(round_to<T>(_mm512_mul_ps(lo, load(c + i, m))),
+                                      round_to<T>(_mm512_mul_ps(hi, load(s + i, m))));
+        __m512 new_hi = _mm512_add_ps(round_to<T>(_mm512_mul_ps(hi, load(c + half + i, m))),
+                                      round_to<T>(_mm512_mul_ps(lo, load(s + half + i, m))));
+        store(row + i, new_lo, m);
+        store(row + half + i, new_hi, m);
+      }
 #else
-        for (int64_t i = 0; i < half; ++i) {
-          float lo = to_float(row[i]), hi = to_float(row[half + i]);
-          float new_lo = round_to<T>(lo * to_float(c[i])) + round_to<T>(hi * to_float(s[i]));
-          float new_hi = round_to<T>(hi * to_float(c[half + i])) + round_to<T>(lo * to_float(s[half + i]));
-          row[i] = static_cast<T>(new_lo);
-          row[half + i] = static_cast<T>(new_hi);
-        }
+      for (int64_t i = 0; i < half; ++i) {
+        float lo = to_float(row[i]), hi = to_float(row[half + i]);
+        float new_lo = round_to<T>(lo * to_float(c[i])) + round_to<T>(hi * to_float(s[i]));
+        float new_hi = round_to<T>(hi * to_float(c[half + i])) + round_to<T>(lo * to_float(s[half + i]));
+        row[i] = static_cast<T>(new_lo);
+        row[half + i] = static_cast<T>(new_hi);
+      }
 #endif
+    }
+  });
+}
+
+void rotary_embedding_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin) {
+  check_rotary("rotary_embedding_", x, cos, signed_sin);
+  DISPATCH_FUSED(x.scalar_type(), "prefixcache_rotary", [&] { rotate_rows<scalar_t>(x, cos, signed_sin); });
+}
+
+// A layer's RoPE and K/V cache write in one call: q [T, heads, D] and k [T, kv_heads, D] rotated in place (as
+// rotary_embedding_), then token t's k and v rows copied to row slot_mapping[t] of the caches [blocks, block_size,
+// kv_heads, D] (as the fallback's ``index_copy_`` of the caches viewed as [blocks * block_size, kv_heads, D]).
+void rotary_kv_write_(at::Tensor& q, at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                      const at::Tensor& slot_mapping, const at::Tensor& cos, const at::Tensor& signed_sin) {
+  check_rotary("rotary_kv_write_", q, cos, signed_sin);
+  check_rotary("rotary_kv_write_", k, cos, signed_sin);
+  TORCH_CHECK(v.dim() == 3 && v.sizes() == k.sizes() && v.scalar_type() == k.scalar_type() && v.device().is_cpu(),
+              "prefixcache::rotary_kv_write_: v must be CPU [tokens, kv_heads, head_dim] in k's dtype");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "prefixcache::rotary_kv_write_: q and k must have one dtype");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "prefixcache::rotary_kv_write_: the caches must be contiguous CPU [blocks, block_size, kv_heads, "
+              "head_dim]");
+  TORCH_CHECK(k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2),
+              "prefixcache::rotary_kv_write_: the caches' heads and head_dim must be k's");
+  TORCH_CHECK(k_cache.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k.scalar_type(),
+              "prefixcache::rotary_kv_write_: the caches must be in k's dtype");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0) &&
+                  slot_mapping.scalar_type() == at::kLong && slot_mapping.device().is_cpu(),
+              "prefixcache::rotary_kv_write_: slot_mapping must be CPU int64 [tokens]");
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* sp = slots.const_data_ptr<int64_t>();
+  const int64_t tokens = k.size(0), kv_heads = k.size(1), head_dim = k.size(2);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "prefixcache::rotary_kv_write_: slot ", sp[t], " of token ", t,
+                " is outside the cache's ", num_slots);
+  }
+  DISPATCH_FUSED(q.scalar_type(), "prefixcache_rotary_kv_write", [&] {
+    using T = scalar_t;
+    rotate_rows<T>(q, cos, signed_sin);
+    rotate_rows<T>(k, cos, signed_sin);
+    Rows k_rows(k), v_rows(v);
+    const T* kp = k.const_data_ptr<T>();
+    const T* vp = v.const_data_ptr<T>();
+    T* kc = k_cache.data_ptr<T>();
+    T* vc = v_cache.data_ptr<T>();
+    at::parallel_for(0, tokens * kv_heads, grain_rows(2 * head_dim), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t dst = (sp[r / kv_heads] * kv_heads + r % kv_heads) * head_dim;
+        std::copy_n(kp + k_rows.offset(r), head_dim, kc + dst);
+        std::copy_n(vp + v_rows.offset(r), head_dim, vc + dst);
       }
     });
   });
@@ -355,6 +412,9 @@ TORCH_LIBRARY_FRAGMENT(prefixcache, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool unit_offset) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps, bool unit_offset) -> ()");
   m.def("rotary_embedding_(Tensor(a!) x, Tensor cos, Tensor signed_sin) -> ()");
+  m.def(
+      "rotary_kv_write_(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor(c!) k_cache, Tensor(d!) v_cache, "
+      "Tensor slot_mapping, Tensor cos, Tensor signed_sin) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
 }
@@ -363,6 +423,7 @@ TORCH_LIBRARY_IMPL(prefixcache, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("rotary_embedding_", &rotary_embedding_);
+  m.impl("rotary_kv_write_", &rotary_kv_write_);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
 }
