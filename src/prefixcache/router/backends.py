@@ -200,14 +200,18 @@ class BackendPool:
             await self.take_down(backend, reason)
 
     async def take_down(self, backend: Backend, reason: str) -> None:
-        """Out of the rotation now; its index entries go (they may be stale when it returns)."""
+        """Out of the rotation now; its index entries go (they may be stale when it returns).
+
+        Leaving the rotation and clearing the index happen in one step of the event loop, so nothing (a route, a
+        /metrics scrape) sees the backend out with entries left. No event lands after the clear: stopping the
+        subscriber cancels its task before its first await, and a cancelled task applies nothing more."""
         if not backend.up:
             return
         logger.warning("backend %s leaves the rotation: %s", backend.url, reason)
         backend.up = False
-        await self._stop_events(backend)
         self.index.clear(backend.url)
         self.metrics.backend_up.labels(backend.url).set(0)
+        await self._stop_events(backend)
 
     async def _admit(self, backend: Backend) -> None:
         url = f"{backend.url}{CACHE_CONFIG_PATH}"
