@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from prefixcache.bench import serve_compare
+from prefixcache.bench import live, serve_compare
 from prefixcache.bench.peers import installed, peer_tool
 from prefixcache.cli import build_parser
 from prefixcache.config import resolve_dtype
@@ -63,6 +63,25 @@ def test_vllm_gets_its_reset_endpoint_and_the_same_threads(tmp_path, monkeypatch
     assert serve_compare.vllm_env(2) == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     monkeypatch.setattr(serve_compare.os, "cpu_count", lambda: 2)
     assert serve_compare.vllm_env(4)["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"  # no more cores than the machine has
+
+
+def test_each_server_starts_only_when_its_turn_comes(tmp_path, monkeypatch) -> None:
+    started: list[list[str]] = []
+
+    class RecordedPopen:
+        def __init__(self, command, **kwargs) -> None:
+            started.append(command)
+
+    monkeypatch.setattr(live.subprocess, "Popen", RecordedPopen)
+    script = tmp_path / "serve.sh"
+    script.write_text("")
+    args = parse("--engines", "prefixcache,vllm", "--quantization", "none,gguf", "--vllm-serve", str(script))
+    launchers, notes = serve_compare.server_launchers(args, tmp_path / "model", tmp_path)
+    dtype = resolve_dtype("auto", "cpu")[0]
+    assert list(launchers) == [f"prefixcache {dtype}", "prefixcache gguf", "vLLM CPU"]
+    assert (started, notes) == ([], [])  # nothing runs beside the engine being measured
+    launchers["vLLM CPU"]()
+    assert [command[0] for command in started] == [str(script)]
 
 
 def row(label: str, fraction: float, ttft: float, tpot: float, throughput: float, completed: int = 30) -> dict:

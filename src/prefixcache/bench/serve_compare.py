@@ -27,7 +27,8 @@ import asyncio
 import json
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -145,8 +146,14 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def start_servers(args: argparse.Namespace, model_dir: Path, logs: Path) -> tuple[dict[str, Any], list[str]]:
-    """The servers to compare (label: process, started, not yet ready), and a note for each engine left out."""
+def server_launchers(
+    args: argparse.Namespace, model_dir: Path, logs: Path
+) -> tuple[dict[str, Callable[[], Any]], list[str]]:
+    """The servers to compare (label: what starts its process), and a note for each engine left out.
+
+    Each is started only when its turn comes, and stopped before the next starts: an engine starting up or idle
+    beside the measured one takes its cores (vLLM's start-up beside prefixcache's bfloat16 server cut that
+    server's output tok/s from 340 to 66-92 here), and one never started cannot be left behind by a failed run."""
     from prefixcache.bench.live import ExternalProcess, Process, free_port
     from prefixcache.model.loader import gguf_source
 
@@ -157,8 +164,11 @@ def start_servers(args: argparse.Namespace, model_dir: Path, logs: Path) -> tupl
     for engine in args.engines:
         if engine == "prefixcache":
             for quantization in args.quantization:
-                servers[prefixcache_label(quantization, dtype)] = Process(
-                    prefixcache_serve_args(args.model, quantization), logs / f"prefixcache-{quantization}.log", threads
+                servers[prefixcache_label(quantization, dtype)] = partial(
+                    Process,
+                    prefixcache_serve_args(args.model, quantization),
+                    logs / f"prefixcache-{quantization}.log",
+                    threads,
                 )
         elif engine == "llama.cpp":
             try:
@@ -172,13 +182,13 @@ def start_servers(args: argparse.Namespace, model_dir: Path, logs: Path) -> tupl
                 notes.append(f"llama.cpp left out: not installed (the xllamacpp peer and {args.llamacpp_serve})")
                 continue
             label = f"llama.cpp ({args.llamacpp_parallel} slots)"
-            servers[label] = ExternalProcess(command, port, logs / "llamacpp.log", threads)
+            servers[label] = partial(ExternalProcess, command, port, logs / "llamacpp.log", threads)
         elif not args.vllm_serve.is_file():
             notes.append(f"vLLM left out: no {args.vllm_serve}")
         else:
             port = free_port()
             command = vllm_command(args.vllm_serve, model_dir, port, dtype)
-            servers["vLLM CPU"] = ExternalProcess(command, port, logs / "vllm.log", vllm_env(args.threads))
+            servers["vLLM CPU"] = partial(ExternalProcess, command, port, logs / "vllm.log", vllm_env(args.threads))
     return servers, notes
 
 
@@ -189,15 +199,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model_dir, name, _ = served_model(args.model)
     logs = args.logs or Path(tempfile.mkdtemp(prefix="bench-serve-compare-"))
     logs.mkdir(parents=True, exist_ok=True)
-    servers, notes = start_servers(args, model_dir, logs)
+    servers, notes = server_launchers(args, model_dir, logs)
     if not servers:
         raise SystemExit("no engine to run: " + "; ".join(notes))
     # the sweep's own options; prompts from the model's tokenizer, each server's own model name
     sweep_args = argparse.Namespace(**vars(args) | {"model": None, "tokenizer": str(model_dir), "vocab_size": None})
     rows: list[dict[str, Any]] = []
     load_around: dict[str, list[list[float]]] = {}
-    for label, server in servers.items():
-        with running([server], SERVER_START_S):
+    for label, launch in servers.items():
+        with running([server := launch()], SERVER_START_S):
             before = list(os.getloadavg())
             rows += asyncio.run(benchmark_server(sweep_args, label, server.url, {}))
             load_around[label] = [before, list(os.getloadavg())]
