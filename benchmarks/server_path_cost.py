@@ -3,7 +3,7 @@
 ``AsyncLLM._dispatch`` (output processor, detokenizer, metrics) to the request's stream, and ``sse_events`` turns
 it into its SSE chunk, on one event loop as in the server. Not counted: ZeroMQ, and the HTTP response's writes.
 
-Real text (this repository's README) tokenized with SmolLM2's tokenizer; chat chunks. Prints CPU µs per token (the
+Real text (this repository's README) tokenized with the default model's tokenizer; chat chunks. Prints CPU µs per token (the
 median of the rounds) and the load average; ``--profile`` prints cProfile's top functions instead.
 Run: ``PYTHONPATH=src python benchmarks/server_path_cost.py``.
 """
@@ -25,23 +25,13 @@ from prefixcache.core import MISS_REASONS
 from prefixcache.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, EngineStats
 from prefixcache.engine.sampling_params import SamplingParams
 from prefixcache.http.middleware import RequestRecord
+from prefixcache.model.loader import load_tokenizer, resolve_model
 from prefixcache.server.async_llm import AsyncLLM, RequestStream
 from prefixcache.server.metrics import ServerMetrics
 from prefixcache.server.responses import CHAT, ChoiceShaper
 from prefixcache.server.streaming import sse_events
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_tokenizer(path: str | None):
-    from transformers import AutoTokenizer
-
-    if path is not None:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    from prefixcache.model.loader import default_gguf_path
-
-    gguf = default_gguf_path()
-    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
 
 
 def stats(step: int) -> EngineStats:
@@ -92,13 +82,13 @@ async def one_stream(engine: AsyncLLM, ids: list[int], round_: int) -> tuple[flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokenizer", help="a tokenizer folder (default: SmolLM2's, from the GGUF)")
+    parser.add_argument("--tokenizer", help="a model folder or .gguf file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
 
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer(resolve_model(args.tokenizer)[0])  # the engine's own tokenizer
     ids = tokenizer.encode((ROOT / "README.md").read_text(), add_special_tokens=False)[: args.tokens]
     engine = AsyncLLM(None, tokenizer, ServerMetrics("m"))
 
