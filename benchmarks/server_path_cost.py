@@ -3,8 +3,8 @@
 ``AsyncLLM._dispatch`` (output processor, detokenizer, metrics) to the request's stream, and ``sse_events`` turns
 it into its SSE chunk, on one event loop as in the server. Not counted: ZeroMQ, and the HTTP response's writes.
 
-Real text (this repository's README) tokenized with the default model's tokenizer; chat chunks. Prints CPU µs per token (the
-median of the rounds) and the load average; ``--profile`` prints cProfile's top functions instead.
+Real text (this repository's README) tokenized with the default model's tokenizer; chat chunks. Prints CPU µs
+per token (the median of the rounds) and the load average; ``--profile`` prints cProfile's top functions instead.
 Run: ``PYTHONPATH=src python benchmarks/server_path_cost.py``.
 """
 
