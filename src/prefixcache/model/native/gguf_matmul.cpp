@@ -62,8 +62,11 @@ struct QuantizedRows {
   int64_t k, blocks;
 };
 
-// Bytes quantize_rows writes for [rows, k]: the int8 rows (to a multiple of 64), then float scales and sums.
-inline int64_t quantized_bytes(int64_t rows, int64_t k) { return (rows * k + 63) / 64 * 64 + 8 * rows * (k / kBlock); }
+// Where quantize_rows' float scales start in its buffer: after the int8 rows [rows, k], to a multiple of 64.
+inline int64_t int8_rows_bytes(int64_t rows, int64_t k) { return (rows * k + 63) / 64 * 64; }
+
+// Bytes quantize_rows writes for [rows, k]: the int8 rows, then a float scale and a float sum per block.
+inline int64_t quantized_bytes(int64_t rows, int64_t k) { return int8_rows_bytes(rows, k) + 8 * rows * (k / kBlock); }
 
 // What a call quantizes into a buffer on its stack, with no allocation (a row at SmolLM2's K = 1536 takes 1.9 KiB);
 // more rows than that take a heap tensor.
@@ -119,7 +122,7 @@ template <typename T>
 QuantizedRows quantize_rows(const at::Tensor& x, uint8_t* buffer) {
   const int64_t rows = x.size(0), k = x.size(1), blocks = k / kBlock;
   int8_t* q = reinterpret_cast<int8_t*>(buffer);
-  float* step = reinterpret_cast<float*>(buffer + (rows * k + 63) / 64 * 64);
+  float* step = reinterpret_cast<float*>(buffer + int8_rows_bytes(rows, k));
   float* sums = step + rows * blocks;
   const T* src = x.data_ptr<T>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
