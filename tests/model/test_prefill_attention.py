@@ -59,18 +59,37 @@ class Step:
         return metadata, out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def count_sdpa_prefills(monkeypatch: pytest.MonkeyPatch, amx: bool) -> list[int]:
+    """Pretend this CPU has AMX tiles or not; the list grows by one each time a layer's prefill runs through
+    torch's flash attention (``_sdpa_prefill``) rather than the kernel."""
+    calls: list[int] = []
+    sdpa_prefill = attention_mod._sdpa_prefill
+    monkeypatch.setattr(attention_mod, "_amx_tiles", lambda: amx)
+    monkeypatch.setattr(attention_mod, "_sdpa_prefill", lambda *a: calls.append(1) or sdpa_prefill(*a))
+    return calls
+
+
+# (dtype, a CPU with AMX tiles, whether the prefills run through torch's flash attention rather than the kernel)
+PREFILL_PATHS = [(torch.float32, False, False), (torch.float32, True, False), (torch.bfloat16, False, False)]
+PREFILL_PATHS.append((torch.bfloat16, True, True))
+
+
+@pytest.mark.parametrize(("dtype", "amx", "by_sdpa"), PREFILL_PATHS)
 @pytest.mark.parametrize("window", [None, 7, 40])
 @pytest.mark.parametrize("block_size", [4, 16, 32])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 32), (6, 2, 64), (8, 1, 24)])
 def test_kernel_matches_the_torch_path(
-    kernel, heads, kv_heads, head_dim, block_size, window, dtype, monkeypatch: pytest.MonkeyPatch
+    kernel, heads, kv_heads, head_dim, block_size, window, dtype, amx, by_sdpa, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Several requests in one step: a fresh prompt, chunks after cached prefixes (unaligned too), a decode (on
-    its group's path) and a two-token step; MHA, GQA and MQA; windows shorter and longer than the tiles."""
+    its group's path) and a two-token step; MHA, GQA and MQA; windows shorter and longer than the tiles. In
+    bfloat16 on a CPU with AMX tiles the prefills run through torch's flash attention, one call a request, and
+    must agree as closely; with a window the blocks left of it hold NaN (freed), which neither path reads."""
+    sdpa_calls = count_sdpa_prefills(monkeypatch, amx)
     step = Step([0, 13, 32, 45, 70], [37, 20, 1, 70, 2], heads, kv_heads, head_dim, block_size, dtype, window)
     metadata, ours = step.attend()
     assert metadata.prefill_requests is not None and metadata.prefill_requests.tolist() == [0, 1, 3, 4]
+    assert len(sdpa_calls) == by_sdpa
     monkeypatch.setattr(attention_mod, "_prefill_kernel", lambda: None)
     torch_metadata, expected = step.attend()
     assert torch_metadata.prefill_requests is None and torch_metadata.beside_prefill is None
