@@ -300,7 +300,7 @@ def test_decode_step_equals_the_grouped_attention(kind: str, models, monkeypatch
     monkeypatch.setattr(model, "_decode_step", lambda *inputs: taken.append(1) or eager(*inputs))
     decoded = decode_logits(model)
     assert len(taken) == 3
-    monkeypatch.setattr(AttentionMetadata, "decode_inputs", lambda self: None)
+    monkeypatch.setattr(AttentionMetadata, "decode_inputs", lambda self, share_prefixes=False: None)
     grouped = decode_logits(model)
     assert len(taken) == 3
     for ours, theirs in zip(decoded, grouped, strict=True):

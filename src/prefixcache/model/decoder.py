@@ -497,7 +497,8 @@ class DecoderForCausalLM(nn.Module):
         # the groups' token layout is the same: their positions, and the longest sequence
         ropes = self._rope(positions, group_metadata[0].max_seq_len)
         if not config.state_layers:
-            decode = [metadata.decode_inputs() for metadata in group_metadata]
+            eager = self._decode_step == self._eager_decode_step  # only an eager step attends shared prefixes once
+            decode = [metadata.decode_inputs(share_prefixes=eager) for metadata in group_metadata]
             if all(inputs is not None for inputs in decode):
                 return self._decode_step(input_ids, ropes, kv_caches, decode)
         return self._step(input_ids, ropes, kv_caches, group_metadata, self._workspace, state_cache, state_metadata)

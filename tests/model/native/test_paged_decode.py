@@ -8,7 +8,15 @@ import math
 import pytest
 import torch
 
-from prefixcache.model.attention import DecodeAttention, DecodeInputs, GatherWorkspace, write_kv_cache
+from prefixcache.model import attention as attention_mod
+from prefixcache.model.attention import (
+    SHARED_PREFIX_MIN_READS,
+    DecodeAttention,
+    DecodeInputs,
+    GatherWorkspace,
+    SharedPrefix,
+    write_kv_cache,
+)
 from prefixcache.model.native import native_ops
 
 if native_ops() is None:
@@ -148,3 +156,135 @@ def test_a_float64_model_keeps_the_torch_path() -> None:
     write_kv_cache(key, value, *caches, inputs.slot_mapping)
     ours = attention.attend(query, key, value, caches, 1 / math.sqrt(32), None, GatherWorkspace())
     torch.testing.assert_close(ours, attend(inputs, False, query, key, value, caches, None), atol=0, rtol=0)
+
+
+def reference_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention in float64 of ``query`` [B, heads, D] over ``keys``/``values`` [B, S, kv_heads, D]:
+    the output [B, heads, D] and the log-sum-exp [B, heads] of the scaled scores."""
+    heads, kv_heads = query.shape[1], keys.shape[2]
+    k = keys.double().repeat_interleave(heads // kv_heads, dim=2)
+    v = values.double().repeat_interleave(heads // kv_heads, dim=2)
+    scores = torch.einsum("bhd,bshd->bhs", query.double(), k) / math.sqrt(query.shape[-1])
+    return torch.einsum("bhs,bshd->bhd", scores.softmax(-1), v), scores.logsumexp(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prefix_merges_as_if_its_keys_came_before_the_table_s(dtype: torch.dtype) -> None:
+    """The kernel over each request's table after a prefix, given the prefix's output and log-sum-exp, equals
+    attention over prefix and table together; the prefix's blocks are poisoned: only the table is read."""
+    seq_lens, prefix_blocks, block_size = [70, 33, 300], 2, 16
+    inputs, query, _, _, (k_cache, v_cache) = decode_case(seq_lens, block_size, 6, 2, 64, dtype)
+    tables = inputs.block_tables
+    whole = torch.ops.prefixcache.paged_decode_attention(
+        query, k_cache, v_cache, tables, inputs.seq_lens, 1 / math.sqrt(64), None
+    )
+    prefix_keys = k_cache[tables[:, :prefix_blocks]].flatten(1, 2)
+    prefix_values = v_cache[tables[:, :prefix_blocks]].flatten(1, 2)
+    prefix_out, prefix_lse = reference_attention(query, prefix_keys, prefix_values)
+    poisoned = [cache.clone() for cache in (k_cache, v_cache)]
+    for cache in poisoned:
+        cache[tables[:, :prefix_blocks].flatten()] = float("nan")
+    merged = torch.ops.prefixcache.paged_decode_attention(
+        query,
+        *poisoned,
+        tables[:, prefix_blocks:].contiguous(),
+        inputs.seq_lens - prefix_blocks * block_size,
+        1 / math.sqrt(64),
+        None,
+        prefix_out.to(dtype),
+        prefix_lse.float(),
+    )
+    torch.testing.assert_close(merged, whole, **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda a: a.pop("prefix_lse"), "go together"),
+        (lambda a: a.update(prefix_lse=a["prefix_lse"].double()), "prefix_lse must be float32"),
+        (lambda a: a.update(prefix_out=a["prefix_out"][:, :2]), "prefix_out must be"),
+        (lambda a: a.update(window=8), "a prefix and a window"),
+    ],
+)
+def test_a_bad_prefix_is_refused(change, match: str) -> None:
+    inputs, query, _, _, (k_cache, v_cache) = decode_case([20, 7], 16, 4, 2, 32, torch.float32)
+    args = dict(query=query, k_cache=k_cache, v_cache=v_cache, block_tables=inputs.block_tables)
+    args |= dict(seq_lens=inputs.seq_lens, scale=1.0, window=None, prefix_out=query.clone())
+    args["prefix_lse"] = torch.zeros(2, 4)
+    change(args)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.prefixcache.paged_decode_attention(**args)
+
+
+def shared_tables(requests: int, shared: int, own: int) -> torch.Tensor:
+    """Block tables whose first ``shared`` blocks are the same (ids 1..shared) and whose next ``own`` are each
+    request's own."""
+    tables = torch.zeros(requests, shared + own, dtype=torch.long)
+    tables[:, :shared] = torch.arange(1, shared + 1)
+    tables[:, shared:] = shared + 1 + torch.arange(requests * own).view(requests, own)
+    return tables
+
+
+def test_the_shared_prefix_is_the_blocks_every_table_opens_with() -> None:
+    tables = shared_tables(64, 25, 8)
+    tables[5, 24] = 999  # one request parts after 24 blocks
+    lens = torch.full((64,), 500)
+    found = SharedPrefix.find(tables, lens, 16)
+    assert found is not None and found.block_ids.tolist() == list(range(1, 25))
+    assert torch.equal(found.tables, tables[:, 24:]) and found.seq_lens.tolist() == [500 - 24 * 16] * 64
+    # each request keeps its last key (the one this step writes): a request of 385 keys holds 24 full blocks + 1
+    assert SharedPrefix.find(tables, lens.clone().fill_(24 * 16), 16).block_ids.numel() == 23
+
+
+def test_a_shared_prefix_too_small_to_pay_is_not_taken() -> None:
+    blocks = SHARED_PREFIX_MIN_READS // 16  # tokens of a request: (2 - 1) x shared blocks x 16 = the minimum
+    assert SharedPrefix.find(shared_tables(2, blocks, 1), torch.full((2,), blocks * 16 + 1), 16) is not None
+    assert SharedPrefix.find(shared_tables(2, blocks - 1, 2), torch.full((2,), blocks * 16 + 1), 16) is None
+    assert SharedPrefix.find(shared_tables(1, blocks * 4, 1), torch.tensor([blocks * 64 + 1]), 16) is None
+
+
+@pytest.mark.parametrize(("dtype", "amx", "cascade"), [(torch.bfloat16, True, True), (torch.bfloat16, False, False)])
+def test_a_decode_step_attends_the_shared_prefix_once_in_bfloat16_on_amx(
+    dtype: torch.dtype, amx: bool, cascade: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests sharing their first blocks: with AMX tiles the step attends them in one flash call for all
+    requests and merges; the result agrees with the plain kernel's to bfloat16's rounding."""
+    monkeypatch.setattr(attention_mod, "_amx_tiles", lambda: amx)
+    calls = []
+    cascade_decode = attention_mod._cascade_decode
+    monkeypatch.setattr(attention_mod, "_cascade_decode", lambda *a: calls.append(1) or cascade_decode(*a))
+    requests, shared, own, block_size, heads, kv_heads, dim = 24, 24, 3, 16, 9, 3, 64
+    tables = shared_tables(requests, shared, own)
+    lens = torch.tensor([shared * block_size + 1 + 2 * r for r in range(requests)])
+    gen = torch.Generator().manual_seed(0)
+    shape = (1 + shared + requests * own, block_size, kv_heads, dim)
+    caches = tuple(torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    query = torch.randn(requests, heads, dim, generator=gen).to(dtype)
+    slots = torch.zeros(requests, dtype=torch.long)
+    shared_prefix = SharedPrefix.find(tables, lens, block_size)
+    assert shared_prefix is not None
+    plain = DecodeAttention.build(DecodeInputs(slots, tables, lens, True), block_size, [None], dtype)
+    with_prefix = DecodeAttention.build(
+        DecodeInputs(slots, tables, lens, True, shared_prefix), block_size, [None], dtype
+    )
+    expected = plain.attend(query, None, None, caches, dim**-0.5, None, None)
+    got = with_prefix.attend(query, None, None, caches, dim**-0.5, None, None)
+    assert len(calls) == cascade
+    torch.testing.assert_close(got, expected, **TOLERANCES[dtype])
+
+
+def test_float32_never_takes_the_shared_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 keeps a request's decode bit for bit independent of its batch, so its shared prefix is read per
+    request as before, even where a step found one."""
+    monkeypatch.setattr(attention_mod, "_amx_tiles", lambda: True)
+    tables, lens = shared_tables(16, 40, 1), torch.full((16,), 40 * 16 + 1)
+    inputs, query, key, value, caches = decode_case([641] * 16, 16, 4, 2, 32, torch.float32)
+    inputs = inputs._replace(block_tables=tables, seq_lens=lens, slot_mapping=torch.zeros(16, dtype=torch.long))
+    caches = tuple(torch.randn(tables.max() + 1, *c.shape[1:]) for c in caches)
+    shared = inputs._replace(native=True, shared_prefix=SharedPrefix.find(tables, lens, 16))
+    assert shared.shared_prefix is not None
+    got = DecodeAttention.build(shared, 16, [None], torch.float32).attend(query, key, value, caches, 0.2, None, None)
+    plain = DecodeAttention.build(inputs._replace(native=True), 16, [None], torch.float32)
+    assert torch.equal(got, plain.attend(query, key, value, caches, 0.2, None, None))

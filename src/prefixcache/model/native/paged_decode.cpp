@@ -369,17 +369,35 @@ inline int64_t first_key(int64_t seq_len, const std::optional<int64_t>& window) 
 
 inline int64_t splits_of(int64_t keys) { return (keys + kSplitTokens - 1) / kSplitTokens; }
 
-// Each head's output from its splits: sum_i e^(m_i - M) o_i / sum_i e^(m_i - M) l_i, splits in order.
+// Attention already computed over keys before the table's (a prefix every request of the step shares, attended
+// once for all of them): per request and head its normalised output [B, heads, head_dim] in the query's dtype and
+// its log-sum-exp [B, heads] in float32. Merged as one more split whose max is the log-sum-exp and whose sum is 1.
 template <typename QT>
-void combine(const Shapes& s, const float* partial, int64_t b, int64_t kvh, int64_t splits, QT* out) {
+struct Prefix {
+  const QT* out = nullptr;
+  const float* lse = nullptr;
+};
+
+// Each head's output from its splits (and the prefix, first, where there is one):
+// sum_i e^(m_i - M) o_i / sum_i e^(m_i - M) l_i, splits in order.
+template <typename QT>
+void combine(const Shapes& s, const float* partial, int64_t b, int64_t kvh, int64_t splits, const Prefix<QT>& prefix,
+             QT* out) {
   const int64_t row = partial_row(s), split_stride = s.group * row;
   const float* base = partial + (b * s.kv_heads + kvh) * s.num_splits * split_stride;
   std::vector<float> acc(s.dim);
   for (int64_t g = 0; g < s.group; ++g) {
-    float top = -std::numeric_limits<float>::infinity();
+    const int64_t head = b * s.heads + kvh * s.group + g;
+    float top = prefix.lse == nullptr ? -std::numeric_limits<float>::infinity() : prefix.lse[head];
     for (int64_t i = 0; i < splits; ++i) top = std::max(top, base[i * split_stride + g * row + s.dim]);
     std::fill(acc.begin(), acc.end(), 0.0f);
     float total = 0.0f;
+    if (prefix.lse != nullptr) {
+      const float weight = std::exp(prefix.lse[head] - top);
+      const QT* p = prefix.out + head * s.dim;
+      for (int64_t d = 0; d < s.dim; ++d) acc[d] += weight * to_float(p[d]);
+      total += weight;
+    }
     for (int64_t i = 0; i < splits; ++i) {
       const float* p = base + i * split_stride + g * row;
       const float weight = std::exp(p[s.dim] - top);
@@ -394,7 +412,7 @@ void combine(const Shapes& s, const float* partial, int64_t b, int64_t kvh, int6
 
 template <typename QT, typename KT>
 void run(const Shapes& s, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-         const int64_t* tables, const int64_t* lens, const std::optional<int64_t>& window,
+         const int64_t* tables, const int64_t* lens, const std::optional<int64_t>& window, const Prefix<QT>& prefix,
          at::Tensor& out) {
   const QT* q = query.const_data_ptr<QT>();
   const int64_t q_stride_b = query.stride(0), q_stride_h = query.stride(1);
@@ -418,7 +436,8 @@ void run(const Shapes& s, const at::Tensor& query, const at::Tensor& k_cache, co
   at::parallel_for(0, s.batch * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t b = pair / s.kv_heads;
-      combine<QT>(s, partial.data(), b, pair % s.kv_heads, splits_of(lens[b] - first_key(lens[b], window)), o);
+      combine<QT>(s, partial.data(), b, pair % s.kv_heads, splits_of(lens[b] - first_key(lens[b], window)), prefix,
+                  o);
     }
   });
 }
@@ -426,14 +445,17 @@ void run(const Shapes& s, const at::Tensor& query, const at::Tensor& k_cache, co
 template <typename QT>
 void run_for_cache(const Shapes& s, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const int64_t* tables, const int64_t* lens, const std::optional<int64_t>& window,
+                   const std::optional<at::Tensor>& prefix_out, const std::optional<at::Tensor>& prefix_lse,
                    at::Tensor& out) {
+  Prefix<QT> prefix;
+  if (prefix_lse.has_value()) prefix = {prefix_out->const_data_ptr<QT>(), prefix_lse->const_data_ptr<float>()};
   switch (k_cache.scalar_type()) {
     case at::kFloat:
-      return run<QT, float>(s, query, k_cache, v_cache, tables, lens, window, out);
+      return run<QT, float>(s, query, k_cache, v_cache, tables, lens, window, prefix, out);
     case at::kBFloat16:
-      return run<QT, c10::BFloat16>(s, query, k_cache, v_cache, tables, lens, window, out);
+      return run<QT, c10::BFloat16>(s, query, k_cache, v_cache, tables, lens, window, prefix, out);
     case at::kHalf:
-      return run<QT, c10::Half>(s, query, k_cache, v_cache, tables, lens, window, out);
+      return run<QT, c10::Half>(s, query, k_cache, v_cache, tables, lens, window, prefix, out);
     default:
       TORCH_CHECK(false, "paged_decode_attention: the K/V cache must be float32, bfloat16 or float16, not ",
                   k_cache.scalar_type());
@@ -442,11 +464,13 @@ void run_for_cache(const Shapes& s, const at::Tensor& query, const at::Tensor& k
 
 // query [B, heads, head_dim]; k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim]; block_tables
 // [B, width] and seq_lens [B] int64: request b attends to keys [seq_len - window (or 0), seq_len) of its table.
-// Table entries outside those keys (padding, blocks left of the window) are never read. Returns
-// [B, heads * head_dim] in the query's dtype.
+// Table entries outside those keys (padding, blocks left of the window) are never read. With prefix_out and
+// prefix_lse (see Prefix; both or neither) the result also attends the keys they were computed over, as if they
+// came before the table's. Returns [B, heads * head_dim] in the query's dtype.
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                                  std::optional<int64_t> window) {
+                                  std::optional<int64_t> window, const std::optional<at::Tensor>& prefix_out,
+                                  const std::optional<at::Tensor>& prefix_lse) {
   TORCH_CHECK(query.dim() == 3, "paged_decode_attention: query must be [batch, heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "paged_decode_attention: k_cache and v_cache must be [num_blocks, block_size, kv_heads, head_dim]");
@@ -466,6 +490,21 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.dim() == 1 && seq_lens.size(0) == batch,
               "paged_decode_attention: seq_lens must be int64 [batch]");
   TORCH_CHECK(!window.has_value() || *window > 0, "paged_decode_attention: window must be positive");
+  TORCH_CHECK(prefix_out.has_value() == prefix_lse.has_value(),
+              "paged_decode_attention: prefix_out and prefix_lse go together");
+  std::optional<at::Tensor> p_out, p_lse;
+  if (prefix_lse.has_value()) {
+    TORCH_CHECK(!window.has_value(), "paged_decode_attention: a prefix and a window do not go together");
+    TORCH_CHECK(prefix_out->device().is_cpu() && prefix_lse->device().is_cpu(),
+                "paged_decode_attention: the prefix must be on the CPU");
+    TORCH_CHECK(prefix_out->scalar_type() == query.scalar_type() && prefix_out->sizes() == query.sizes(),
+                "paged_decode_attention: prefix_out must be [batch, heads, head_dim] in the query's dtype");
+    TORCH_CHECK(prefix_lse->scalar_type() == at::kFloat && prefix_lse->dim() == 2 &&
+                    prefix_lse->size(0) == query.size(0) && prefix_lse->size(1) == query.size(1),
+                "paged_decode_attention: prefix_lse must be float32 [batch, heads]");
+    p_out = prefix_out->contiguous();
+    p_lse = prefix_lse->contiguous();
+  }
   const at::Tensor q = query.stride(2) == 1 ? query : query.contiguous();
   const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
   const int64_t width = tables.size(1);
@@ -491,13 +530,13 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
                  chunks, chunks * kLanes, static_cast<float>(scale)};
   switch (q.scalar_type()) {
     case at::kFloat:
-      run_for_cache<float>(s, q, k_cache, v_cache, table_data, len_data, window, out);
+      run_for_cache<float>(s, q, k_cache, v_cache, table_data, len_data, window, p_out, p_lse, out);
       break;
     case at::kBFloat16:
-      run_for_cache<c10::BFloat16>(s, q, k_cache, v_cache, table_data, len_data, window, out);
+      run_for_cache<c10::BFloat16>(s, q, k_cache, v_cache, table_data, len_data, window, p_out, p_lse, out);
       break;
     case at::kHalf:
-      run_for_cache<c10::Half>(s, q, k_cache, v_cache, table_data, len_data, window, out);
+      run_for_cache<c10::Half>(s, q, k_cache, v_cache, table_data, len_data, window, p_out, p_lse, out);
       break;
     default:
       TORCH_CHECK(false, "paged_decode_attention: the query must be float32, bfloat16 or float16, not ",
@@ -511,7 +550,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
 TORCH_LIBRARY_FRAGMENT(prefixcache, m) {
   m.def(
       "paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-      "float scale, int? window) -> Tensor");
+      "float scale, int? window, Tensor? prefix_out=None, Tensor? prefix_lse=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(prefixcache, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
