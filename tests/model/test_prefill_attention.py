@@ -64,7 +64,7 @@ def count_sdpa_prefills(monkeypatch: pytest.MonkeyPatch, amx: bool) -> list[int]
     torch's flash attention (``_sdpa_prefill``) rather than the kernel."""
     calls: list[int] = []
     sdpa_prefill = attention_mod._sdpa_prefill
-    monkeypatch.setattr(attention_mod, "_amx_tiles", lambda: amx)
+    monkeypatch.setattr(attention_mod, "amx_tiles", lambda: amx)
     monkeypatch.setattr(attention_mod, "_sdpa_prefill", lambda *a: calls.append(1) or sdpa_prefill(*a))
     return calls
 

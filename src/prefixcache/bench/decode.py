@@ -105,14 +105,15 @@ def measure_bandwidth(num_bytes: int = BANDWIDTH_BYTES, repeats: int = 5, device
 
 
 def weight_bytes_read(model: Any) -> int:
-    """Bytes of weights one decode step reads: every parameter and buffer once, but of an untied embedding only
-    the looked-up rows (nothing, next to the rest)."""
+    """Bytes of weights one decode step reads: the layers', the final norm's and the output projection's, each
+    storage once; of an embedding only the looked-up rows (nothing, next to the rest), unless the output projection
+    is the embedding's own table (tied)."""
+    from torch import nn
+
     from prefixcache.model.quantization import module_bytes
 
-    total = module_bytes(model)
-    if model.lm_head is not None and not model.config.tie_word_embeddings:
-        total -= module_bytes(model.model.embed_tokens)
-    return total
+    head = model.model.embed_tokens if model.lm_head is None else model.lm_head
+    return module_bytes(nn.ModuleList([model.model.layers, model.model.norm, head]))
 
 
 def decode_batch(llm: Any, prompts: Sequence[list[int]], output_len: int) -> tuple[int, float]:

@@ -125,7 +125,11 @@ class EngineCore:
             state_cache = model.allocate_state_cache(self.manager.state.num_slots, dtype, device)
         # Seconds the decode step took to compile at start-up; None: it runs eagerly.
         self.decode_compile_s = None
-        if not config.enforce_eager:
+        if config.enforce_eager:
+            packed = model.pack_linears()
+            if packed:
+                logger.info("%d linear layers run on oneDNN's packed bfloat16 weights (AMX)", packed)
+        else:
             self.decode_compile_s = model.compile_decode(kv_caches, model_groups, config.block_size)
             if self.decode_compile_s is not None:
                 logger.info("decode step compiled in %.1f s (torch.compile)", self.decode_compile_s)

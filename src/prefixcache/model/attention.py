@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixcache.model.native import native_ops
+from prefixcache.model.onednn import amx_tiles
 
 # Per-group fixed cost in "query x key" units used when deciding whether two requests share one padded SDPA
 # call: merging is allowed while the padded work grows by at most this much over running them separately.
@@ -679,12 +680,6 @@ def _prefill_kernel() -> Callable[..., torch.Tensor] | None:
     return ops.paged_prefill_attention
 
 
-@cache
-def _amx_tiles() -> bool:
-    """Whether this CPU (and its OS) lets oneDNN run bfloat16 products on AMX tiles."""
-    return torch.cpu._is_amx_tile_supported()
-
-
 def _flash_on_amx(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether a CPU layer attends through torch's flash attention where it can: a prefill, one call a request
     (instead of prefixcache's prefill kernel), and a decode step's shared prefix (:class:`SharedPrefix`).
@@ -698,7 +693,7 @@ def _flash_on_amx(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     last bit between such splits (their products are rounded per call), so they lose nothing by it. A compiled
     graph keeps the kernels (one op each).
     """
-    return query.dtype == k_cache.dtype == torch.bfloat16 and _amx_tiles() and not torch.compiler.is_compiling()
+    return query.dtype == k_cache.dtype == torch.bfloat16 and amx_tiles() and not torch.compiler.is_compiling()
 
 
 class PrefillRuns(NamedTuple):

@@ -33,6 +33,7 @@ from prefixcache.model.attention import (
 )
 from prefixcache.model.config import SUPPORTED_ARCHITECTURES, KVCacheGroup, ModelConfig
 from prefixcache.model.native import native_ops
+from prefixcache.model.onednn import OneDNNLinear, pack_linears, packs_linears
 from prefixcache.model.recurrent import RECURRENT_MODULE_NAMES, build_recurrent_layer, state_dtype
 from prefixcache.model.state import StateMetadata
 
@@ -669,6 +670,24 @@ class DecoderForCausalLM(nn.Module):
         return tables
 
     @torch.inference_mode()
+    def pack_linears(self) -> int:
+        """Run the linear layers on oneDNN's packed layout (:mod:`prefixcache.model.onednn`) where it pays (a
+        bfloat16 model on a CPU with AMX tiles), for eager steps only (a compiled step cannot lower it); returns how
+        many layers were packed (0: none, the model is unchanged).
+
+        A tied output projection gets a packed copy of the embedding (the embedding keeps its rows for lookups):
+        the vocabulary's product is a step's largest, and packed it took 1.1 against 1.9 ms at batch 1 and 2.1
+        against 5.5 at 64 (SmolLM2-135M, 2 threads), for 57 MB more memory.
+        """
+        norm = self.model.norm.weight
+        if not packs_linears(norm.dtype, norm.device):
+            return 0
+        packed = pack_linears(self)
+        if self.lm_head is None and type(self.model.embed_tokens) is nn.Embedding:  # a quantized one serves both
+            self.lm_head = OneDNNLinear(self.model.embed_tokens.weight, None)
+            packed += 1
+        return packed
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, vocab]`` in float32 for the given hidden states (typically each request's last)."""
         return self._compute_logits(hidden)

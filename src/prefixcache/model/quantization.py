@@ -427,10 +427,14 @@ def _native_linear(parts: Sequence[GGUFWeight], bias: torch.Tensor | None) -> nn
 
 
 def module_bytes(module: nn.Module) -> int:
-    """Bytes of a module's parameters and buffers, each storage counted once (a tied table is shared)."""
+    """Bytes of a module's parameters and buffers, each storage counted once (a tied table is shared); a oneDNN
+    packed weight (:class:`~prefixcache.model.onednn.OneDNNLinear`, no storage of its own) by its own size."""
     seen: set[int] = set()
     total = 0
     for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.is_mkldnn:
+            total += torch.ops.mkldnn._nbytes(tensor)
+            continue
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())

@@ -251,7 +251,7 @@ def test_a_decode_step_attends_the_shared_prefix_once_in_bfloat16_on_amx(
 ) -> None:
     """Requests sharing their first blocks: with AMX tiles the step attends them in one flash call for all
     requests and merges; the result agrees with the plain kernel's to bfloat16's rounding."""
-    monkeypatch.setattr(attention_mod, "_amx_tiles", lambda: amx)
+    monkeypatch.setattr(attention_mod, "amx_tiles", lambda: amx)
     calls = []
     cascade_decode = attention_mod._cascade_decode
     monkeypatch.setattr(attention_mod, "_cascade_decode", lambda *a: calls.append(1) or cascade_decode(*a))
@@ -278,7 +278,7 @@ def test_a_decode_step_attends_the_shared_prefix_once_in_bfloat16_on_amx(
 def test_float32_never_takes_the_shared_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
     """float32 keeps a request's decode bit for bit independent of its batch, so its shared prefix is read per
     request as before, even where a step found one."""
-    monkeypatch.setattr(attention_mod, "_amx_tiles", lambda: True)
+    monkeypatch.setattr(attention_mod, "amx_tiles", lambda: True)
     tables, lens = shared_tables(16, 40, 1), torch.full((16,), 40 * 16 + 1)
     inputs, query, key, value, caches = decode_case([641] * 16, 16, 4, 2, 32, torch.float32)
     inputs = inputs._replace(block_tables=tables, seq_lens=lens, slot_mapping=torch.zeros(16, dtype=torch.long))
