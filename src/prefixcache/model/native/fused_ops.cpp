@@ -62,15 +62,33 @@ struct Rows {
     }
   }
 
-  // Element offset of row ``r`` (row-major over the leading dims).
-  int64_t offset(int64_t r) const {
-    int64_t off = 0;
-    for (int d = dims - 1; d >= 0; --d) {
-      off += (r % sizes[d]) * strides[d];
-      r /= sizes[d];
+  // Row ``r``'s element offset and its index in each leading dim (row-major), and then the next rows' by steps:
+  // finding an offset costs an integer division a dim, more than a head's RoPE of 64 elements, so threads
+  // walking short rows take one Cursor and step it.
+  struct Cursor {
+    const Rows& rows;
+    int64_t offset = 0;
+    int64_t index[4] = {0, 0, 0, 0};
+
+    Cursor(const Rows& rows, int64_t r) : rows(rows) {
+      for (int d = rows.dims - 1; d >= 0; --d) {
+        index[d] = r % rows.sizes[d];
+        offset += index[d] * rows.strides[d];
+        r /= rows.sizes[d];
+      }
     }
-    return off;
-  }
+
+    void next() {
+      for (int d = rows.dims - 1; d >= 0; --d) {
+        offset += rows.strides[d];
+        if (++index[d] < rows.sizes[d] || d == 0) return;
+        offset -= index[d] * rows.strides[d];
+        index[d] = 0;
+      }
+    }
+  };
+
+  int64_t offset(int64_t r) const { return Cursor(*this, r).offset; }
 };
 
 int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(width, 1)); }
@@ -269,10 +287,11 @@ void rotate_rows(at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_
   const T* cp = cos.const_data_ptr<T>();
   const T* sp = signed_sin.const_data_ptr<T>();
   at::parallel_for(0, tokens * heads, grain_rows(rotary), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      T* row = xp + rows.offset(r);
-      const T* c = cp + (r / heads) * cos_stride;
-      const T* s = sp + (r / heads) * cos_stride;
+    Rows::Cursor at(rows, begin);
+    for (int64_t r = begin; r < end; ++r, at.next()) {
+      T* row = xp + at.offset;
+      const T* c = cp + at.index[0] * cos_stride;  // the row's token
+      const T* s = sp + at.index[0] * cos_stride;
 #ifdef PREFIXCACHE_FUSED_AVX512
       for (int64_t i = 0; i < half; i += 16) {
         int64_t m = half - i;
@@ -341,10 +360,11 @@ void rotary_kv_write_(at::Tensor& q, at::Tensor& k, const at::Tensor& v, at::Ten
     T* kc = k_cache.data_ptr<T>();
     T* vc = v_cache.data_ptr<T>();
     at::parallel_for(0, tokens * kv_heads, grain_rows(2 * head_dim), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const int64_t dst = (sp[r / kv_heads] * kv_heads + r % kv_heads) * head_dim;
-        std::copy_n(kp + k_rows.offset(r), head_dim, kc + dst);
-        std::copy_n(vp + v_rows.offset(r), head_dim, vc + dst);
+      Rows::Cursor k_at(k_rows, begin), v_at(v_rows, begin);
+      for (int64_t r = begin; r < end; ++r, k_at.next(), v_at.next()) {
+        const int64_t dst = (sp[k_at.index[0]] * kv_heads + k_at.index[1]) * head_dim;  // token, head
+        std::copy_n(kp + k_at.offset, head_dim, kc + dst);
+        std::copy_n(vp + v_at.offset, head_dim, vc + dst);
       }
     });
   });
