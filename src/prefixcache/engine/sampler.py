@@ -119,8 +119,8 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     logits' own dtype: bfloat16 rows need no float32 copy, whose conversion and argmax cost more than the pick.
 
     On CPU it is prefixcache's ``argmax_rows`` kernel (the sampler runs after the compiled step, never inside one,
-    so the op needs no fake impl); without the kernels, torch's ``max``, whose index is the first maximum too and
-    which is several times faster than ``argmax`` on CPU.
+    so the op needs no fake impl); elsewhere torch's ``max``, whose index is documented as the first maximum too
+    and which is several times faster than ``argmax`` on CPU.
     """
     ops = native_ops() if logits.device.type == "cpu" and logits.dtype in _ARGMAX_DTYPES else None
     if ops is not None:
