@@ -190,3 +190,51 @@ def test_min_tokens_generation_matches_transformers_with_the_stop_tokens_masked(
                 break
     assert completion.token_ids == expected
     assert len(completion.token_ids) > params.min_tokens
+
+
+def tied_logits(rows: int, vocab: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Rows of few distinct values (many equal maxima), a -inf row, signed zeros, NaNs and an inf: where an argmax's
+    tie-break shows, as bfloat16 logits (8 bits of mantissa) tie often. A view strided across rows, as a gather's."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, 3, (rows, vocab + 5), generator=g).to(dtype)[:, 3 : 3 + vocab]
+    logits[0] = float("-inf")
+    logits[1] = torch.where(torch.rand(vocab, generator=g) < 0.5, -0.0, 0.0)  # -0 == +0: the first wins
+    logits[2, [vocab - 1, vocab // 2]] = float("nan")  # a NaN is above any number: the first NaN wins
+    logits[3, vocab - 1] = float("inf")
+    return logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [1, 17, 100, 49152])  # one token, no multiple of 16 or 64 floats, SmolLM2's
+@pytest.mark.parametrize("kernels", [True, False])
+def test_greedy_tokens_are_the_float32_argmax_ties_and_nans_included(monkeypatch, dtype, vocab, kernels):
+    from prefixcache.engine import sampler
+
+    if not kernels:
+        monkeypatch.setattr(sampler, "native_ops", lambda: None)  # torch's max, as where the kernels cannot build
+    logits = tied_logits(9, vocab, dtype, seed=vocab)
+    expected = logits.float().argmax(dim=-1).tolist()  # what the sampler picked before: float32, then argmax
+    assert sampler.greedy_tokens(logits) == expected
+    if vocab > 1:
+        assert expected[:4] == [0, 0, vocab // 2, vocab - 1]
+
+
+def test_bfloat16_logits_sample_as_their_float32_copy_did():
+    """The sampler converts only the rows that need float32 values: every row's result is the float32 path's."""
+    logits = tied_logits(7, 64, torch.bfloat16, seed=1)
+    logits[4:] = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    top = int(logits[4].float().argmax())
+    rows = [
+        Row("greedy-inf", GREEDY),
+        Row("greedy-zeros", GREEDY),
+        Row("greedy-nan", GREEDY),
+        Row("greedy-inf-token", GREEDY),
+        Row("penalized", SamplingParams(temperature=0.0, repetition_penalty=100.0), output_token_ids=[top]),
+        Row("logprobs", SamplingParams(temperature=0.0, logprobs=2)),
+        Row("drawn", SamplingParams(temperature=0.8, seed=3, logprobs=1)),
+    ]
+    got = Sampler(0, torch.device("cpu")).sample(logits, rows)
+    expected = Sampler(0, torch.device("cpu")).sample(logits.float(), rows)
+    assert got == expected
+    assert [got.token_ids[r.request_id] for r in rows[:4]] == [0, 0, 32, 63]
+    assert got.token_ids["penalized"] != top and set(got.logprobs) == {"logprobs", "drawn"}

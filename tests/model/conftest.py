@@ -276,7 +276,7 @@ class PagedRunner:
         hidden = self.model(
             torch.tensor(ids), meta.positions, self.kv_caches, self.last_metadata, self.state_cache, state_metadata
         )
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden).float()  # the model's dtype: compared as float32
         out = {}
         for r, (rid, tokens) in enumerate(batch):
             start = int(meta.query_start_loc[r])

@@ -172,6 +172,33 @@ def test_gated_activation_matches_torch(dtype: torch.dtype, rows: int, width: in
     torch.testing.assert_close(fused, _ACTIVATIONS[activation](gate) * up, **close_to(dtype))
 
 
+def c10_bfloat16_bits(values: torch.Tensor) -> torch.Tensor:
+    """float32 values rounded to bfloat16 as c10 rounds a scalar (to nearest even, denormals too; every NaN to the
+    canonical 0x7FC0), as int16 bits: the kernels' reference, written out in integers."""
+    bits = values.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = torch.where(values.isnan(), 0x7FC0, rounded)
+    return torch.where(rounded >= 0x8000, rounded - 0x10000, rounded).to(torch.int16)
+
+
+def test_bfloat16_results_round_as_c10_with_nans_and_denormals() -> None:
+    """The kernels' bfloat16 store (vcvtneps2bf16 where the host has AVX512-BF16) rounds as c10 does also where
+    that instruction does not: NaNs of any payload become the canonical NaN, denormal results round instead of
+    flushing to zero. The residual add's result is one rounding of the float32 sum: compared bit for bit."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(64, 100, generator=g).to(torch.bfloat16)
+    residual = torch.randn(64, 100, generator=g).to(torch.bfloat16)
+    specials = torch.tensor([1e-39, -3e-40, 2e-38, -1e-45, float("inf"), float("-inf"), 3e38]).to(torch.bfloat16)
+    x[::3, ::7] = specials[torch.arange(15) % len(specials)]  # denormal, infinite and overflowing sums
+    residual[1::3, ::5] = torch.tensor([0x7FC1, 0x7F81, -0x60], dtype=torch.int16).view(torch.bfloat16)[
+        torch.arange(20) % 3
+    ]  # NaNs with payloads: quiet, signalling, negative
+    expected = c10_bfloat16_bits(x.float() + residual.float())
+    assert (expected.view(torch.bfloat16).float().abs() < torch.finfo(torch.float32).tiny).any()  # denormals
+    torch.ops.prefixcache.add_rms_norm_(x, residual, torch.ones(100, dtype=torch.bfloat16), 1e-5, False)
+    assert torch.equal(residual.view(torch.int16), expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_does_not_depend_on_the_batch_or_threads(dtype: torch.dtype) -> None:
     """Each row is computed alone: the same token gives the same values in a decode step and in a long prefill

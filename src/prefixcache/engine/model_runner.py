@@ -135,7 +135,7 @@ class ModelRunner:
         result: list[dict[int, float] | None] = [None] if chunk.start == 0 else []
         if count <= 0:
             return result
-        logprobs = self.model.compute_logits(hidden[:count]).log_softmax(dim=-1)
+        logprobs = self.model.compute_logits(hidden[:count]).float().log_softmax(dim=-1)
         targets = torch.tensor(request.prompt_token_ids[chunk.start + 1 : end + 1], device=logprobs.device)
         chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
         top = logprobs.topk(k, dim=-1) if k else None

@@ -10,8 +10,12 @@ from typing import Protocol
 import torch
 
 from prefixcache.engine.sampling_params import SamplingParams
+from prefixcache.model.native import native_ops
 
 logger = logging.getLogger(__name__)
+
+# What prefixcache's argmax kernel reads (the decoder's other dtypes take torch's op).
+_ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class SamplingRequest(Protocol):
@@ -50,25 +54,38 @@ class Sampler:
         self.request_generators: dict[str, torch.Generator] = {}
 
     def sample(self, logits: torch.Tensor, requests: Sequence[SamplingRequest]) -> SamplerOutput:
-        logits = logits.float()
+        """``logits`` ``[len(requests), vocab]`` in the model's dtype: the plain greedy rows are read as they are
+        (one batched argmax), and only the rows that need float32 values are converted (log-probabilities,
+        penalties, banned tokens, drawing)."""
         out = SamplerOutput()
+        banned = [r.sampling_params.banned_token_ids(len(r.output_token_ids), self.eos_token_ids) for r in requests]
+        plain = [
+            row
+            for row, r in enumerate(requests)
+            if r.sampling_params.greedy and not r.sampling_params.has_penalties and not banned[row]
+        ]
+        greedy = greedy_tokens(logits if len(plain) == len(requests) else logits[plain]) if plain else []
+        tokens = dict(zip(plain, greedy, strict=True))
+        float_rows = [
+            row for row, r in enumerate(requests) if row not in tokens or r.sampling_params.logprobs is not None
+        ]
+        # a copy (an index with a list gathers), so a row's penalties and bans may change it in place
+        floats = dict(zip(float_rows, logits[float_rows].float(), strict=True))
         logprob_rows = [row for row, r in enumerate(requests) if r.sampling_params.logprobs is not None]
-        raw_logprobs = dict(zip(logprob_rows, logits[logprob_rows].log_softmax(dim=-1), strict=True))
-        argmax = logits.argmax(dim=-1).tolist()
+        raw = torch.stack([floats[row] for row in logprob_rows]).log_softmax(dim=-1) if logprob_rows else []
+        raw_logprobs = dict(zip(logprob_rows, raw, strict=True))
         for row, request in enumerate(requests):
             p = request.sampling_params
             try:
-                banned = p.banned_token_ids(len(request.output_token_ids), self.eos_token_ids)
-                if p.greedy and not p.has_penalties and not banned:
-                    token = argmax[row]
-                else:
-                    row_logits = logits[row].clone() if p.has_penalties or banned else logits[row]
+                token = tokens.get(row)
+                if token is None:
+                    row_logits = floats[row]
                     if p.has_penalties:
                         _apply_penalties(row_logits, request)
-                    if banned:
-                        row_logits[[t for t in banned if t < row_logits.numel()]] = float("-inf")
+                    if banned[row]:
+                        row_logits[[t for t in banned[row] if t < row_logits.numel()]] = float("-inf")
                     if p.greedy:
-                        token = int(row_logits.argmax())
+                        token = greedy_tokens(row_logits[None])[0]
                     else:
                         token = self._draw(row_logits, p, self._generator_for(request.request_id, p))
                 if p.logprobs is not None:
@@ -95,6 +112,20 @@ class Sampler:
     @staticmethod
     def _draw(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
         return int(torch.multinomial(distribution(logits, p), 1, generator=generator)[0])
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax as ``argmax`` picks it (the first of equal maxima; a NaN above any number), read in the
+    logits' own dtype: bfloat16 rows need no float32 copy, whose conversion and argmax cost more than the pick.
+
+    On CPU it is prefixcache's ``argmax_rows`` kernel (the sampler runs after the compiled step, never inside one,
+    so the op needs no fake impl); elsewhere torch's ``max``, whose index is documented as the first maximum too
+    and which is several times faster than ``argmax`` on CPU.
+    """
+    ops = native_ops() if logits.device.type == "cpu" and logits.dtype in _ARGMAX_DTYPES else None
+    if ops is not None:
+        return ops.argmax_rows(logits).tolist()
+    return logits.max(dim=-1).indices.tolist()
 
 
 def distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -689,7 +689,10 @@ class DecoderForCausalLM(nn.Module):
         return packed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits ``[N, vocab]`` in float32 for the given hidden states (typically each request's last)."""
+        """Logits ``[N, vocab]`` in the model's dtype for the given hidden states (typically each request's last).
+
+        Not float32: the sampler's greedy rows are picked from them as they are, and only the rows that need float32
+        values are converted (a batch's float32 copy costs more than picking its greedy tokens)."""
         return self._compute_logits(hidden)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -702,7 +705,7 @@ class DecoderForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         if self.config.logits_scaling is not None:
             logits = logits / self.config.logits_scaling
-        return logits.float()
+        return logits
 
     def allocate_kv_cache(
         self,

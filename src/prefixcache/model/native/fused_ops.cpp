@@ -1,6 +1,7 @@
 // Fused elementwise ops of a decoder layer: RMSNorm (alone, or with the residual add before it, in place),
 // RoPE on a head tensor in place (alone, or of Q and K with the K/V cache write after it), and the gated MLP's
-// activation (SiLU or tanh-GELU of the gate times up).
+// activation (SiLU or tanh-GELU of the gate times up); and the sampler's greedy pick, the argmax of each row of
+// the logits (read in their own dtype: no float32 copy first).
 //
 // At batch 1 each of these is several torch ops of a few microseconds of dispatch each over a few hundred
 // elements; here each is one call. The math is the torch fallback's in model/decoder.py, op for op: every value
@@ -61,15 +62,33 @@ struct Rows {
     }
   }
 
-  // Element offset of row ``r`` (row-major over the leading dims).
-  int64_t offset(int64_t r) const {
-    int64_t off = 0;
-    for (int d = dims - 1; d >= 0; --d) {
-      off += (r % sizes[d]) * strides[d];
-      r /= sizes[d];
+  // Row ``r``'s element offset and its index in each leading dim (row-major), and then the next rows' by steps:
+  // finding an offset costs an integer division a dim, more than a head's RoPE of 64 elements, so threads
+  // walking short rows take one Cursor and step it.
+  struct Cursor {
+    const Rows& rows;
+    int64_t offset = 0;
+    int64_t index[4] = {0, 0, 0, 0};
+
+    Cursor(const Rows& rows, int64_t r) : rows(rows) {
+      for (int d = rows.dims - 1; d >= 0; --d) {
+        index[d] = r % rows.sizes[d];
+        offset += index[d] * rows.strides[d];
+        r /= rows.sizes[d];
+      }
     }
-    return off;
-  }
+
+    void next() {
+      for (int d = rows.dims - 1; d >= 0; --d) {
+        offset += rows.strides[d];
+        if (++index[d] < rows.sizes[d] || d == 0) return;
+        offset -= index[d] * rows.strides[d];
+        index[d] = 0;
+      }
+    }
+  };
+
+  int64_t offset(int64_t r) const { return Cursor(*this, r).offset; }
 };
 
 int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(width, 1)); }
@@ -104,7 +123,18 @@ inline __m512i bf16_bits(__m512 v) {
 }
 
 inline void store(float* p, __m512 v, int64_t n) { _mm512_mask_storeu_ps(p, lanes(n), v); }
+// Where the host has AVX512-BF16, by its conversion (vcvtneps2bf16: 2 instructions, not bf16_bits' 7 and a
+// narrowing 2): it rounds to nearest even as c10 does, except for NaNs (it keeps the payload) and denormals (it
+// flushes them to zero), so a vector holding one of those (rare) takes bf16_bits. In silu_and_mul the rounding
+// emulation is a quarter of the op's time; this store is most of what it costs.
 inline void store(at::BFloat16* p, __m512 v, int64_t n) {
+#ifdef __AVX512BF16__
+  constexpr int kNanOrDenormal = 0x01 | 0x20 | 0x80;  // vfpclassps: quiet NaN, denormal, signalling NaN
+  if (!_mm512_fpclass_ps_mask(v, kNanOrDenormal)) {
+    _mm256_mask_storeu_epi16(p, lanes(n), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+    return;
+  }
+#endif
   _mm256_mask_storeu_epi16(p, lanes(n), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)));
 }
 inline void store(at::Half* p, __m512 v, int64_t n) {
@@ -257,10 +287,11 @@ void rotate_rows(at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_
   const T* cp = cos.const_data_ptr<T>();
   const T* sp = signed_sin.const_data_ptr<T>();
   at::parallel_for(0, tokens * heads, grain_rows(rotary), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      T* row = xp + rows.offset(r);
-      const T* c = cp + (r / heads) * cos_stride;
-      const T* s = sp + (r / heads) * cos_stride;
+    Rows::Cursor at(rows, begin);
+    for (int64_t r = begin; r < end; ++r, at.next()) {
+      T* row = xp + at.offset;
+      const T* c = cp + at.index[0] * cos_stride;  // the row's token
+      const T* s = sp + at.index[0] * cos_stride;
 #ifdef PREFIXCACHE_FUSED_AVX512
       for (int64_t i = 0; i < half; i += 16) {
         int64_t m = half - i;
@@ -329,10 +360,11 @@ void rotary_kv_write_(at::Tensor& q, at::Tensor& k, const at::Tensor& v, at::Ten
     T* kc = k_cache.data_ptr<T>();
     T* vc = v_cache.data_ptr<T>();
     at::parallel_for(0, tokens * kv_heads, grain_rows(2 * head_dim), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const int64_t dst = (sp[r / kv_heads] * kv_heads + r % kv_heads) * head_dim;
-        std::copy_n(kp + k_rows.offset(r), head_dim, kc + dst);
-        std::copy_n(vp + v_rows.offset(r), head_dim, vc + dst);
+      Rows::Cursor k_at(k_rows, begin), v_at(v_rows, begin);
+      for (int64_t r = begin; r < end; ++r, k_at.next(), v_at.next()) {
+        const int64_t dst = (sp[k_at.index[0]] * kv_heads + k_at.index[1]) * head_dim;  // token, head
+        std::copy_n(kp + k_at.offset, head_dim, kc + dst);
+        std::copy_n(vp + v_at.offset, head_dim, vc + dst);
       }
     });
   });
@@ -406,6 +438,81 @@ at::Tensor act_and_mul(const at::Tensor& x) {
 at::Tensor silu_and_mul(const at::Tensor& x) { return act_and_mul<Silu>(x); }
 at::Tensor gelu_tanh_and_mul(const at::Tensor& x) { return act_and_mul<GeluTanh>(x); }
 
+// ---- greedy sampling -------------------------------------------------------------------------------------------
+
+// Index of the first maximum of x[0, n) (n >= 1), as torch's argmax picks it: equal values (-0 and +0 included)
+// keep the first, and a NaN is greater than any number (the first NaN wins).
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+#ifdef PREFIXCACHE_FUSED_AVX512
+  // Four independent per-lane (best value, its first index) pairs, chunk j going to pair j % 4, so that the
+  // compare-and-blend chains overlap; each lane's pair is the first maximum of the elements it saw.
+  constexpr int kPairs = 4;
+  __m512 best[kPairs];
+  __m512i where[kPairs];
+  for (int p = 0; p < kPairs; ++p) {
+    best[p] = _mm512_set1_ps(-INFINITY);
+    where[p] = _mm512_set1_epi32(INT32_MAX);
+  }
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t i = 0; i < n; i += 16 * kPairs) {
+    for (int p = 0; p < kPairs; ++p) {
+      const int64_t at = i + 16 * p;
+      if (at >= n) break;
+      const __mmask16 valid = lanes(n - at);
+      const __m512 v = load(x + at, n - at);
+      const __mmask16 nan = _mm512_mask_cmp_ps_mask(valid, v, v, _CMP_UNORD_Q);
+      if (nan) return at + __builtin_ctz(nan);
+      const __mmask16 take = _mm512_mask_cmp_ps_mask(valid, v, best[p], _CMP_GT_OQ);
+      best[p] = _mm512_mask_mov_ps(best[p], take, v);
+      where[p] = _mm512_mask_mov_epi32(where[p], take, _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(at)), iota));
+    }
+  }
+  // The maximum over all lanes, then the least index that holds it; no lane took a value when all are -inf (the
+  // pairs start there), and then the first is the answer.
+  __m512 top = best[0];
+  for (int p = 1; p < kPairs; ++p) top = _mm512_max_ps(top, best[p]);
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512i first = _mm512_set1_epi32(INT32_MAX);
+  for (int p = 0; p < kPairs; ++p) {
+    first = _mm512_mask_min_epi32(first, _mm512_cmp_ps_mask(best[p], m, _CMP_EQ_OQ), first, where[p]);
+  }
+  const int32_t arg = _mm512_reduce_min_epi32(first);
+  return arg == INT32_MAX ? 0 : arg;
+#else
+  int64_t arg = 0;
+  float best = to_float(x[0]);
+  if (std::isnan(best)) return 0;
+  for (int64_t i = 1; i < n; ++i) {
+    const float v = to_float(x[i]);
+    if (std::isnan(v)) return i;
+    if (v > best) {
+      best = v;
+      arg = i;
+    }
+  }
+  return arg;
+#endif
+}
+
+// logits [rows, vocab] (the last dim contiguous) -> int64 [rows]: each row's argmax, rows split over threads.
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.device().is_cpu(), "prefixcache::argmax_rows runs on CPU tensors");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 && logits.size(1) < INT32_MAX,
+              "prefixcache::argmax_rows takes [rows, vocab] with 0 < vocab < 2^31");
+  Rows rows(logits);
+  const int64_t n = rows.width;
+  at::Tensor out = at::empty({rows.count}, logits.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  DISPATCH_FUSED(logits.scalar_type(), "prefixcache_argmax_rows", [&] {
+    const scalar_t* xp = logits.const_data_ptr<scalar_t>();
+    at::parallel_for(0, rows.count, grain_rows(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + rows.offset(r), n);
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(prefixcache, m) {
@@ -417,6 +524,7 @@ TORCH_LIBRARY_FRAGMENT(prefixcache, m) {
       "Tensor slot_mapping, Tensor cos, Tensor signed_sin) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("gelu_tanh_and_mul(Tensor x) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(prefixcache, CPU, m) {
@@ -426,4 +534,5 @@ TORCH_LIBRARY_IMPL(prefixcache, CPU, m) {
   m.impl("rotary_kv_write_", &rotary_kv_write_);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("gelu_tanh_and_mul", &gelu_tanh_and_mul);
+  m.impl("argmax_rows", &argmax_rows);
 }
