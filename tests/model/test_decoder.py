@@ -276,17 +276,22 @@ DECODE_BLOCKS = 200  # the K/V pool of decode_logits
 
 
 def decode_logits(
-    model: DecoderForCausalLM, steps: int = 3, num_blocks: int = DECODE_BLOCKS
+    model: DecoderForCausalLM,
+    steps: int = 3,
+    num_blocks: int = DECODE_BLOCKS,
+    lengths: dict[str, int] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
-    """Prefill three requests (one past the tiny models' windows), then ``steps`` steps of greedy decodes, on a
-    K/V pool of its own."""
+    """Prefill requests of ``lengths`` tokens (by default three, one past the tiny models' windows), then
+    ``steps`` steps of greedy decodes, on a K/V pool of its own; allocated as the engine's, outside inference
+    mode, and stepped as the engine's, inside it (a compiled step's graphs are guarded on both)."""
     runner = PagedRunner(model, block_size=4, num_blocks=num_blocks)
-    lengths = {"a": 2, "b": 9, "c": 41}
-    out = runner.step([(rid, random_tokens(n, seed=60 + i)) for i, (rid, n) in enumerate(lengths.items())])
-    steps_out = []
-    for _ in range(steps):
-        out = runner.step([(rid, [int(logits[-1].argmax())]) for rid, logits in out.items()])
-        steps_out.append(out)
+    lengths = lengths or {"a": 2, "b": 9, "c": 41}
+    with torch.inference_mode():
+        out = runner.step([(rid, random_tokens(n, seed=60 + i)) for i, (rid, n) in enumerate(lengths.items())])
+        steps_out = []
+        for _ in range(steps):
+            out = runner.step([(rid, [int(logits[-1].argmax())]) for rid, logits in out.items()])
+            steps_out.append(out)
     return steps_out
 
 
@@ -316,25 +321,33 @@ def assert_compiled_matches(compiled: list[dict[str, torch.Tensor]], eager: list
             torch.testing.assert_close(ours[rid], theirs[rid], atol=1e-5, rtol=1e-5)
 
 
-def test_compiled_decode_matches_eager(checkpoint_dirs: dict[str, Path]) -> None:
+def test_compiled_decode_matches_eager(checkpoint_dirs: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
     """``compile_decode`` compiles both graphs at once (one request, more), and the compiled steps give the eager
     steps' results on K/V tensors other than the ones they were compiled on (a new pool of the same size, as an
-    engine's after a restart), without compiling again."""
+    engine's after a restart), without compiling again: one request as well as three, at any table width (the
+    one-request graph once took its width of 2 blocks from the RoPE rows' 2 and compiled again at 3)."""
     if shutil.which("g++") is None:
         pytest.skip("no C++ compiler (g++) for inductor's CPU kernels")
     model = load_model(checkpoint_dirs["llama"]).model
+    alone = {"a": 13}  # 4 blocks of 4 and more
     eager = decode_logits(model)
+    eager_alone = decode_logits(model, steps=5, lengths=alone)
     runner = PagedRunner(model, block_size=4, num_blocks=DECODE_BLOCKS)
     seconds = model.compile_decode(runner.kv_caches, runner.groups, runner.block_size)
     assert seconds is not None and seconds > 0
     assert all(not k[0].any() and not v[0].any() for k, v in runner.kv_caches)  # the warm-up's block, zeroed
     # both graphs compiled: none in the steps (run in inference mode, as the engine's are)
-    with torch._dynamo.config.patch(error_on_recompile=True), torch.inference_mode():
+    with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = decode_logits(model)
+        compiled_alone = decode_logits(model, steps=5, lengths=alone)
+    assert not [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]  # no recompile, no eager fallback
     assert_compiled_matches(compiled, eager)
+    assert_compiled_matches(compiled_alone, eager_alone)
 
 
-def test_compiled_decode_guards_its_inputs_and_model(checkpoint_dirs: dict[str, Path], tmp_path: Path) -> None:
+def test_compiled_decode_guards_its_inputs_and_model(
+    checkpoint_dirs: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The compiled steps skip the guards on the model (see ``_guards_on_inputs``) but not on their inputs or on
     which model runs them: a K/V pool of another size runs the same graphs correctly (its number of blocks is a
     dynamic size), and a second model of the same shapes whose norms' eps (a constant inside the graphs) differs
@@ -349,9 +362,9 @@ def test_compiled_decode_guards_its_inputs_and_model(checkpoint_dirs: dict[str, 
     for model in (first, second):
         runner = PagedRunner(model, block_size=4, num_blocks=DECODE_BLOCKS)
         assert model.compile_decode(runner.kv_caches, runner.groups, runner.block_size) is not None
-    with torch.inference_mode():
-        assert_compiled_matches(decode_logits(first, num_blocks=64), eager["first"])
-        assert_compiled_matches(decode_logits(second), eager["second"])
+    assert_compiled_matches(decode_logits(first, num_blocks=64), eager["first"])
+    assert_compiled_matches(decode_logits(second), eager["second"])
+    assert not [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]  # compiled, not eager
 
 
 def test_failed_compilation_decodes_eagerly(

@@ -233,7 +233,7 @@ def test_smollm2_quantized_matches_its_float_reference() -> None:
 
 
 @needs_native
-def test_a_compiled_decode_step_runs_the_native_kernels(tmp_path: Path, monkeypatch) -> None:
+def test_a_compiled_decode_step_runs_the_native_kernels(tmp_path: Path, monkeypatch, caplog) -> None:
     """``compile_decode`` traces GGUFLinear's ops (their fake implementations) and its steps give the eager ones'."""
     from tests.model.conftest import PagedRunner
     from tests.model.test_decoder import assert_compiled_matches
@@ -245,16 +245,18 @@ def test_a_compiled_decode_step_runs_the_native_kernels(tmp_path: Path, monkeypa
     assert any(isinstance(m, GGUFLinear) for m in model.modules())
 
     def decode() -> list[dict[str, torch.Tensor]]:
-        runner = PagedRunner(model, block_size=4, num_blocks=64)
-        out = runner.step([(rid, prompt) for rid, prompt in zip("ab", PROMPTS, strict=False)])
-        steps = []
-        for _ in range(3):
-            out = runner.step([(rid, [int(logits[-1].argmax())]) for rid, logits in out.items()])
-            steps.append(out)
+        runner = PagedRunner(model, block_size=4, num_blocks=64)  # outside inference mode, as the engine's pool
+        with torch.inference_mode():
+            out = runner.step([(rid, prompt) for rid, prompt in zip("ab", PROMPTS, strict=False)])
+            steps = []
+            for _ in range(3):
+                out = runner.step([(rid, [int(logits[-1].argmax())]) for rid, logits in out.items()])
+                steps.append(out)
         return steps
 
     eager = decode()
     runner = PagedRunner(model, block_size=4, num_blocks=64)
     assert model.compile_decode(runner.kv_caches, runner.groups, runner.block_size) is not None
-    with torch.inference_mode():
+    with torch._dynamo.config.patch(error_on_recompile=True):
         assert_compiled_matches(decode(), eager)
+    assert not [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]  # compiled, not eager

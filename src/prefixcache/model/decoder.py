@@ -441,7 +441,7 @@ class DecoderForCausalLM(nn.Module):
         self._rope_tables: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         self._workspace = GatherWorkspace()
         self._decode_step = self._eager_decode_step
-        self._static_kv_id: int | None = None  # the K/V list the compiled step has marked (_mark_kv_static)
+        self._static_kv_id: int | None = None  # the K/V list the compiled step has marked (_mark_static_sizes)
         self._compute_logits = self._logits
         # Per KV cache layout, keyed by its number of groups (mask-only: 1; hybrid: len(kv_cache_groups()), the
         # same layout when the model has one attention spec): each attention layer's group, and each group's
@@ -577,7 +577,7 @@ class DecoderForCausalLM(nn.Module):
             device,
             self._graph_decode_step,
             self._eager_decode_step,
-            self._mark_kv_static,
+            self._mark_static_sizes,
         )
         self._compute_logits = self._compiled("_compute_logits", "the logits", device, self._logits, self._logits)
         start = time.perf_counter()
@@ -630,20 +630,27 @@ class DecoderForCausalLM(nn.Module):
 
         return run
 
-    def _mark_kv_static(self, *inputs: Any) -> None:
-        """Mark the K/V tensors' sizes but their number of blocks static for the compiled step, once per list.
+    def _mark_static_sizes(self, *inputs: Any) -> None:
+        """Mark the sizes of the compiled step's inputs that never change static: the RoPE rows' (cos and sin, the
+        rotary size) on every call, and the K/V tensors' but their number of blocks once per list.
 
+        A dynamic size equal to another when traced shares its symbol (duck sizing): the RoPE rows' 2 (cos, sin),
+        once specialised, took the block tables' width of 2 with it, so the first request of more than two blocks
+        compiled the step again (8 s of a served stream's first 64 tokens, with the graphs cached; a cold compile
+        there would take a minute).
         With every size dynamic, each of the 2 x layers K/V tensors adds its sizes and strides to the shape guards,
         which run as Python on every call (about 960 lines for SmolLM2's 60 tensors). With only the number of
         blocks dynamic (one graph for every pool size) a tensor adds one line: its number of blocks is the
         others'. The list is recognised by its id; a new list that reuses a freed one's id leaves its tensors
         unmarked, which their guards see (the step compiles again, never runs a wrong graph).
         """
-        kv_caches = inputs[2]  # the step's (input_ids, ropes, kv_caches, decode)
-        if id(kv_caches) == self._static_kv_id:
-            return
         import torch._dynamo
 
+        _, ropes, kv_caches, _ = inputs  # the step's (input_ids, ropes, kv_caches, decode)
+        for rows in ropes:
+            torch._dynamo.mark_static(rows, [1, 2])  # [T, cos and sin, rotary size]
+        if id(kv_caches) == self._static_kv_id:
+            return
         for key_cache, value_cache in kv_caches:
             torch._dynamo.mark_static(key_cache, [1, 2, 3])  # block size, KV heads, head size
             torch._dynamo.mark_static(value_cache, [1, 2, 3])
