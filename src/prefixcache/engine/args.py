@@ -140,7 +140,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
         field="enforce_eager",
         action=argparse.BooleanOptionalAction,
         help="run every step eagerly; --no-enforce-eager compiles the decode step with torch.compile at start-up "
-        "(faster steps, a minute or more of compiling on a CPU)",
+        "(faster steps; on a CPU 1.5 minutes or more of compiling, seconds once inductor's cache holds it)",
     )
     option("--device", field="device", help="cpu or cuda")
     option("--seed", field="seed", type=int, help="sampling seed of requests that set none")
