@@ -275,19 +275,21 @@ def test_cache_sizing(models) -> None:
 DECODE_BLOCKS = 200  # the K/V pool of decode_logits
 
 
+DECODE_PROMPTS = {rid: random_tokens(n, seed=60 + i) for i, (rid, n) in enumerate({"a": 2, "b": 9, "c": 41}.items())}
+
+
 def decode_logits(
     model: DecoderForCausalLM,
     steps: int = 3,
     num_blocks: int = DECODE_BLOCKS,
-    lengths: dict[str, int] | None = None,
+    prompts: dict[str, list[int]] = DECODE_PROMPTS,
 ) -> list[dict[str, torch.Tensor]]:
-    """Prefill requests of ``lengths`` tokens (by default three, one past the tiny models' windows), then
-    ``steps`` steps of greedy decodes, on a K/V pool of its own; allocated as the engine's, outside inference
-    mode, and stepped as the engine's, inside it (a compiled step's graphs are guarded on both)."""
+    """Prefill ``prompts`` (by default three, one past the tiny models' windows), then ``steps`` steps of greedy
+    decodes, on a K/V pool of its own; allocated as the engine's, outside inference mode, and stepped as the
+    engine's, inside it (a compiled step's graphs are guarded on both)."""
     runner = PagedRunner(model, block_size=4, num_blocks=num_blocks)
-    lengths = lengths or {"a": 2, "b": 9, "c": 41}
     with torch.inference_mode():
-        out = runner.step([(rid, random_tokens(n, seed=60 + i)) for i, (rid, n) in enumerate(lengths.items())])
+        out = runner.step(list(prompts.items()))
         steps_out = []
         for _ in range(steps):
             out = runner.step([(rid, [int(logits[-1].argmax())]) for rid, logits in out.items()])
@@ -313,6 +315,12 @@ def test_decode_step_equals_the_grouped_attention(kind: str, models, monkeypatch
             assert torch.equal(ours[rid], theirs[rid])
 
 
+def warnings_logged(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The warnings logged so far: a compiled step that failed (a recompile made an error) and fell back to the
+    eager one says so in one, and the eager step's results would match any comparison."""
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
 def assert_compiled_matches(compiled: list[dict[str, torch.Tensor]], eager: list[dict[str, torch.Tensor]]) -> None:
     """The eager steps' greedy tokens, with logits within float32 rounding of fusing the elementwise ops."""
     for ours, theirs in zip(compiled, eager, strict=True):
@@ -329,9 +337,9 @@ def test_compiled_decode_matches_eager(checkpoint_dirs: dict[str, Path], caplog:
     if shutil.which("g++") is None:
         pytest.skip("no C++ compiler (g++) for inductor's CPU kernels")
     model = load_model(checkpoint_dirs["llama"]).model
-    alone = {"a": 13}  # 4 blocks of 4 and more
+    alone = {"a": random_tokens(13, seed=60)}  # 4 blocks of 4 and more
     eager = decode_logits(model)
-    eager_alone = decode_logits(model, steps=5, lengths=alone)
+    eager_alone = decode_logits(model, steps=5, prompts=alone)
     runner = PagedRunner(model, block_size=4, num_blocks=DECODE_BLOCKS)
     seconds = model.compile_decode(runner.kv_caches, runner.groups, runner.block_size)
     assert seconds is not None and seconds > 0
@@ -339,8 +347,8 @@ def test_compiled_decode_matches_eager(checkpoint_dirs: dict[str, Path], caplog:
     # both graphs compiled: none in the steps (run in inference mode, as the engine's are)
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled = decode_logits(model)
-        compiled_alone = decode_logits(model, steps=5, lengths=alone)
-    assert not [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]  # no recompile, no eager fallback
+        compiled_alone = decode_logits(model, steps=5, prompts=alone)
+    assert not warnings_logged(caplog)  # no recompile, no eager fallback
     assert_compiled_matches(compiled, eager)
     assert_compiled_matches(compiled_alone, eager_alone)
 
@@ -364,7 +372,7 @@ def test_compiled_decode_guards_its_inputs_and_model(
         assert model.compile_decode(runner.kv_caches, runner.groups, runner.block_size) is not None
     assert_compiled_matches(decode_logits(first, num_blocks=64), eager["first"])
     assert_compiled_matches(decode_logits(second), eager["second"])
-    assert not [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]  # compiled, not eager
+    assert not warnings_logged(caplog)  # compiled, not eager
 
 
 def test_failed_compilation_decodes_eagerly(
@@ -383,8 +391,7 @@ def test_failed_compilation_decodes_eagerly(
     runner = PagedRunner(model, block_size=4)
     monkeypatch.setattr(torch, "compile", broken_compile)
     assert model.compile_decode(runner.kv_caches, runner.groups, runner.block_size) is None
-    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
-    assert [r.getMessage() for r in warnings] == [
+    assert warnings_logged(caplog) == [
         f"torch.compile of {what} failed, running it eagerly: InvalidCxxCompiler: No working C++ compiler found"
         for what in ("the decode step", "the logits")
     ]

@@ -236,7 +236,7 @@ def test_smollm2_quantized_matches_its_float_reference() -> None:
 def test_a_compiled_decode_step_runs_the_native_kernels(tmp_path: Path, monkeypatch, caplog) -> None:
     """``compile_decode`` traces GGUFLinear's ops (their fake implementations) and its steps give the eager ones'."""
     from tests.model.conftest import PagedRunner
-    from tests.model.test_decoder import assert_compiled_matches
+    from tests.model.test_decoder import assert_compiled_matches, decode_logits, warnings_logged
 
     if shutil.which("g++") is None:
         pytest.skip("no C++ compiler (g++) for inductor's CPU kernels")
@@ -244,19 +244,10 @@ def test_a_compiled_decode_step_runs_the_native_kernels(tmp_path: Path, monkeypa
     model = load_model(tiny_gguf(tmp_path, "Q4_1"), quantized=True).model
     assert any(isinstance(m, GGUFLinear) for m in model.modules())
 
-    def decode() -> list[dict[str, torch.Tensor]]:
-        runner = PagedRunner(model, block_size=4, num_blocks=64)  # outside inference mode, as the engine's pool
-        with torch.inference_mode():
-            out = runner.step([(rid, prompt) for rid, prompt in zip("ab", PROMPTS, strict=False)])
-            steps = []
-            for _ in range(3):
-                out = runner.step([(rid, [int(logits[-1].argmax())]) for rid, logits in out.items()])
-                steps.append(out)
-        return steps
-
-    eager = decode()
+    prompts = dict(zip("ab", PROMPTS, strict=False))
+    eager = decode_logits(model, num_blocks=64, prompts=prompts)
     runner = PagedRunner(model, block_size=4, num_blocks=64)
     assert model.compile_decode(runner.kv_caches, runner.groups, runner.block_size) is not None
     with torch._dynamo.config.patch(error_on_recompile=True):
-        assert_compiled_matches(decode(), eager)
-    assert not [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]  # compiled, not eager
+        assert_compiled_matches(decode_logits(model, num_blocks=64, prompts=prompts), eager)
+    assert not warnings_logged(caplog)  # compiled, not eager
