@@ -17,6 +17,7 @@ import math
 import time
 import types
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from functools import cache, partial
 from typing import Any
 
@@ -256,6 +257,7 @@ class GatedMLP(nn.Module):
         self.fused_act = (
             getattr(torch.ops.prefixcache, _FUSED_ACTIVATIONS[config.hidden_act]) if fused_ops_loaded() else None
         )
+        self.hidden_act = config.hidden_act
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
@@ -265,6 +267,17 @@ class GatedMLP(nn.Module):
             return self.down_proj(self.fused_act(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
+
+
+@dataclass(frozen=True, slots=True)
+class PackedDecodeLayer:
+    """What ``prefixcache::gguf_decode_layer_`` (native/decode_layer.cpp) needs of a layer whose four products
+    hold GGUF-packed weights: the packed tensors of its qkv, o, gate-up and down products and their output sizes.
+    :func:`~prefixcache.model.quantization.quantize_from_gguf` leaves one on each layer it can run so, once its
+    weights are final (nothing replaces or moves them after loading)."""
+
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    out_features: tuple[int, int, int, int]
 
 
 class DecoderLayer(nn.Module):
@@ -295,6 +308,22 @@ class DecoderLayer(nn.Module):
         if self.sandwich_norm:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, offset)
+        self.packed_decode: PackedDecodeLayer | None = None
+
+    def computes_as_packed_decode(self) -> bool:
+        """Whether this layer is the one ``gguf_decode_layer_`` computes: attention with one QKV product, RoPE on
+        every dim, no norms or gate inside it; plain pre-norm residuals; SwiGLU; the fused CPU kernels loaded."""
+        if not self.is_attention or self.sandwich_norm or self.residual_multiplier is not None:
+            return False
+        attention, mlp = self.self_attn, self.mlp
+        return (
+            attention.fused
+            and attention.q_norm is None
+            and not attention.output_gate
+            and attention.rotary_dim == attention.head_dim
+            and mlp.hidden_act == "silu"
+            and mlp.fused_act is not None
+        )
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, *mixer_inputs: Any
@@ -303,7 +332,13 @@ class DecoderLayer(nn.Module):
         residual); returns the layer's output and the stream before it, whose sum is the stream after it. Each
         residual add is left to the norm after it (:meth:`RMSNorm.add_forward`, one fused call on CPU), which may
         overwrite ``x`` and ``residual``. ``mixer_inputs``: attention's (cos, sin, kv_cache, metadata, workspace)
-        or a recurrent layer's (its state tensors, StateMetadata)."""
+        or a recurrent layer's (its state tensors, StateMetadata).
+
+        An eager decode step of a layer with :attr:`packed_decode` runs as one ``gguf_decode_layer_`` call: the
+        same kernels on the same tensors in the same order (the same results bit for bit), without the Python
+        between them, which cost an eager batch-1 step about as much as a third of its kernels."""
+        if self.packed_decode is not None and self._decodes_packed(x, *mixer_inputs):
+            return self._packed_decode_forward(x, residual, *mixer_inputs)
         if residual is None:
             residual, normed = x, self.input_layernorm(x)
         else:
@@ -319,6 +354,65 @@ class DecoderLayer(nn.Module):
             return self.mlp(normed) * self.residual_multiplier, residual
         normed, residual = self.post_attention_layernorm.add_forward(mixed, residual)
         return self.mlp(normed), residual
+
+    def _decodes_packed(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata | DecodeAttention,
+        workspace: GatherWorkspace | None,
+    ) -> bool:
+        """Whether this call is one ``gguf_decode_layer_`` computes as the modules would: an eager decode step
+        whose attention is the native kernel's (no prefix attended once for the batch: :func:`_cascade_decode`),
+        on CPU tensors of the norms' and the cache's dtype."""
+        return (
+            not torch.compiler.is_compiling()
+            and isinstance(metadata, DecodeAttention)
+            and metadata.native
+            and metadata.shared_prefix is None
+            and _runs_fused(x)
+            and x.dtype == kv_cache[0].dtype == self.input_layernorm.weight.dtype
+        )
+
+    def _packed_decode_forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: DecodeAttention,
+        workspace: GatherWorkspace | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        attention, norm, packed = self.self_attn, self.input_layernorm, self.packed_decode
+        assert packed is not None
+        first = residual is None
+        residual = x if residual is None else residual
+        out = torch.ops.prefixcache.gguf_decode_layer_(
+            x,
+            residual,
+            first,
+            norm.weight,
+            self.post_attention_layernorm.weight,
+            norm.eps,
+            norm.unit_offset,
+            packed.weights,
+            packed.out_features,
+            attention.num_heads,
+            attention.num_kv_heads,
+            kv_cache[0],
+            kv_cache[1],
+            metadata.slot_mapping,
+            cos,
+            sin,
+            metadata.block_tables,
+            metadata.seq_lens,
+            attention.scale,
+            attention.sliding_window,
+        )
+        return out, residual
 
 
 class DecoderModel(nn.Module):

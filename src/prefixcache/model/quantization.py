@@ -39,6 +39,8 @@ from torch import nn
 
 __all__ = ["ConcatLinear", "GGUFLinear", "Int4Linear", "Int8Linear", "QuantizedEmbedding", "quantize_from_gguf"]
 
+from prefixcache.model.decoder import DecoderLayer, PackedDecodeLayer
+
 if TYPE_CHECKING:
     from prefixcache.model.decoder import DecoderForCausalLM
 
@@ -498,6 +500,20 @@ def quantize_from_gguf(model: DecoderForCausalLM, gguf_path: Path, device: torch
         model.model.embed_tokens = QuantizedEmbedding(table, dtype)
         if model.lm_head is None:
             model.lm_head = table  # tied: the output projection reads the same int8 table
+    for layer in model.model.layers:
+        layer.packed_decode = packed_decode_layer(layer)
+
+
+def packed_decode_layer(layer: DecoderLayer) -> PackedDecodeLayer | None:
+    """The layer's products as ``gguf_decode_layer_`` takes them, where the layer is one it computes and all four
+    of its products are :class:`GGUFLinear` without a bias; else None (the layer's modules run)."""
+    if not layer.computes_as_packed_decode():
+        return None
+    products = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    if not all(isinstance(p, GGUFLinear) and p.bias is None for p in products):
+        return None
+    weights = tuple(p._buffers["packed"] for p in products)
+    return PackedDecodeLayer(weights, tuple(p.out_features for p in products))  # type: ignore[arg-type]
 
 
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
