@@ -154,6 +154,21 @@ def test_quantized_outputs_are_the_same_with_and_without_the_cache(tmp_path: Pat
     assert results[True] == results[False]
 
 
+@needs_native
+def test_packed_weights_lie_in_one_region_and_count_only_their_own_bytes(tmp_path: Path, monkeypatch) -> None:
+    """Every GGUFLinear's tiles are slices of one region (huge pages where the OS gives them), 64-byte aligned;
+    a layer's bytes are its own tensors', not the region's."""
+    monkeypatch.setenv("PREFIXCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    model = load_model(tiny_gguf(tmp_path, "Q4_1"), quantized=True).model
+    packed = [m.packed for m in model.modules() if isinstance(m, GGUFLinear)]
+    assert len(packed) == 4 * len(model.model.layers)  # each layer's four products (a Q4_1 table is int8 rows)
+    assert len({p.untyped_storage().data_ptr() for p in packed}) == 1
+    assert all(p.data_ptr() % 64 == 0 for p in packed)
+    layer = model.model.layers[0]
+    own = [*layer.parameters(), *layer.buffers()]
+    assert module_bytes(layer) == sum(t.nbytes for t in own) < packed[0].untyped_storage().nbytes()
+
+
 @pytest.mark.parametrize(
     ("native", "four_bit_kind"), [(False, Int4Linear), pytest.param(True, GGUFLinear, marks=needs_native)]
 )

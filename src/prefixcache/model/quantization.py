@@ -25,7 +25,9 @@ one does.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -429,19 +431,52 @@ def _native_linear(parts: Sequence[GGUFWeight], bias: torch.Tensor | None) -> nn
 
 
 def module_bytes(module: nn.Module) -> int:
-    """Bytes of a module's parameters and buffers, each storage counted once (a tied table is shared); a oneDNN
-    packed weight (:class:`~prefixcache.model.onednn.OneDNNLinear`, no storage of its own) by its own size."""
-    seen: set[int] = set()
+    """Bytes of a module's parameters and buffers, each tensor's bytes counted once (a tied table is shared; the
+    packed GGUF weights are slices of one region, :func:`gather_packed_weights`); a oneDNN packed weight
+    (:class:`~prefixcache.model.onednn.OneDNNLinear`, no storage of its own) by its own size."""
+    seen: set[tuple[int, int]] = set()
     total = 0
     for tensor in [*module.parameters(), *module.buffers()]:
         if tensor.is_mkldnn:
             total += torch.ops.mkldnn._nbytes(tensor)
             continue
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
+        extent = (tensor.data_ptr(), tensor.nbytes)
+        if extent not in seen:
+            seen.add(extent)
+            total += tensor.nbytes
     return total
+
+
+def huge_page_bytes(nbytes: int) -> torch.Tensor:
+    """uint8 ``[nbytes]`` in anonymous memory the OS may back with 2 MiB pages (Linux's transparent huge pages,
+    asked for with ``madvise``; elsewhere, or where they are off, ordinary pages)."""
+    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        with contextlib.suppress(OSError):  # a kernel built without transparent huge pages
+            region.madvise(advice)
+    return torch.frombuffer(region, dtype=torch.uint8)[:nbytes]
+
+
+def gather_packed_weights(model: nn.Module) -> None:
+    """Move the packed tiles of every :class:`GGUFLinear` of ``model`` into one region of huge pages
+    (:func:`huge_page_bytes`), each tile row 64-byte aligned as before.
+
+    A decode step streams all of them (SmolLM2's 96 MB); in 4 KiB pages every page is a TLB miss, and in a virtual
+    machine each miss is a two-level page walk. One product's tiles are 0.2-1.1 MB, too small for a 2 MiB page of
+    their own, hence one region for all. SmolLM2's 120 q4 products and Q8_0 head, in a loop as a decode step reads
+    them (2 threads): 5.02 against 4.55 ms, the q4 products 3.93 against 3.51.
+    """
+    linears = [m for m in model.modules() if isinstance(m, GGUFLinear)]  # a tied table once
+    sizes = [-(-m._buffers["packed"].numel() // 64) * 64 for m in linears]
+    region = huge_page_bytes(sum(sizes))
+    start = 0
+    for linear, size in zip(linears, sizes, strict=True):
+        packed = linear._buffers["packed"]
+        moved = region[start : start + packed.numel()].view(packed.shape)
+        moved.copy_(packed)
+        linear._buffers["packed"] = moved
+        start += size
 
 
 def quantize_from_gguf(model: DecoderForCausalLM, gguf_path: Path, device: torch.device | str) -> None:
@@ -500,6 +535,7 @@ def quantize_from_gguf(model: DecoderForCausalLM, gguf_path: Path, device: torch
         model.model.embed_tokens = QuantizedEmbedding(table, dtype)
         if model.lm_head is None:
             model.lm_head = table  # tied: the output projection reads the same int8 table
+    gather_packed_weights(model)
     for layer in model.model.layers:
         layer.packed_decode = packed_decode_layer(layer)
 
