@@ -267,6 +267,10 @@ def test_cache_sizing(models) -> None:
     assert len(caches) == cfg.num_layers
     assert caches[0][0].shape == (10, 16, cfg.num_kv_heads, cfg.head_dim)
     assert caches[0][1].dtype == torch.bfloat16
+    tensors = [t for pair in caches for t in pair]
+    assert all(t.is_contiguous() and not t.any() for t in tensors)  # zeroed: masked slots enter the matmuls
+    # each layer's K and V its own storage (huge pages on a CPU): no two inputs of a compiled step alias
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == len(tensors)
     per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 2
     assert model.kv_bytes_per_block(16, torch.bfloat16) == per_block
     assert model.kv_bytes_per_block(16) == 2 * per_block  # float32 model

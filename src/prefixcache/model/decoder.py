@@ -35,6 +35,7 @@ from prefixcache.model.attention import (
 from prefixcache.model.config import SUPPORTED_ARCHITECTURES, KVCacheGroup, ModelConfig
 from prefixcache.model.native import native_ops
 from prefixcache.model.onednn import OneDNNLinear, pack_linears, packs_linears
+from prefixcache.model.pages import huge_page_bytes
 from prefixcache.model.recurrent import RECURRENT_MODULE_NAMES, build_recurrent_layer, state_dtype
 from prefixcache.model.state import StateMetadata
 
@@ -835,17 +836,23 @@ class DecoderForCausalLM(nn.Module):
         slots: layer ``groups[g].layers[j]`` gets slot j's tensors, shared with the layers at slot j of the other
         groups (a block id belongs to one group at a time). Zeroed rather than empty: masked-out slots and the null
         block still enter the attention matmuls, and uninitialised memory could hold NaN/inf that would
-        poison the result (0 * NaN = NaN).
+        poison the result (0 * NaN = NaN). On a CPU they lie in huge pages where the OS gives them
+        (:func:`~prefixcache.model.pages.huge_page_bytes`): a decode step reads every request's K/V.
         """
         param = self.model.norm.weight  # a float parameter in the model's dtype, even with quantized weights
         dtype = dtype or param.dtype
         device = device or param.device
         groups = self._check_groups(groups)
         shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
-        slots = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(max(len(group.layers) for group in groups))
-        ]
+        num_slots = max(len(group.layers) for group in groups)
+        nbytes = math.prod(shape) * dtype.itemsize
+
+        def zeroed() -> torch.Tensor:  # each its own storage: no two inputs of a compiled step alias
+            if torch.device(device).type == "cpu":
+                return huge_page_bytes(nbytes).view(dtype).view(shape)
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        slots = [(zeroed(), zeroed()) for _ in range(num_slots)]
         caches: list[tuple[torch.Tensor, torch.Tensor]] = [slots[0]] * len(self.config.attention_layers)
         for group in groups:
             for slot, layer in enumerate(group.layers):

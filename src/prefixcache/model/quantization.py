@@ -25,9 +25,7 @@ one does.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -42,6 +40,7 @@ from torch import nn
 __all__ = ["ConcatLinear", "GGUFLinear", "Int4Linear", "Int8Linear", "QuantizedEmbedding", "quantize_from_gguf"]
 
 from prefixcache.model.decoder import DecoderLayer, PackedDecodeLayer
+from prefixcache.model.pages import huge_page_bytes
 
 if TYPE_CHECKING:
     from prefixcache.model.decoder import DecoderForCausalLM
@@ -445,17 +444,6 @@ def module_bytes(module: nn.Module) -> int:
             seen.add(extent)
             total += tensor.nbytes
     return total
-
-
-def huge_page_bytes(nbytes: int) -> torch.Tensor:
-    """uint8 ``[nbytes]`` in anonymous memory the OS may back with 2 MiB pages (Linux's transparent huge pages,
-    asked for with ``madvise``; elsewhere, or where they are off, ordinary pages)."""
-    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
-        with contextlib.suppress(OSError):  # a kernel built without transparent huge pages
-            region.madvise(advice)
-    return torch.frombuffer(region, dtype=torch.uint8)[:nbytes]
 
 
 def gather_packed_weights(model: nn.Module) -> None:
