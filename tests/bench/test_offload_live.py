@@ -49,6 +49,8 @@ def test_every_part_reports_tier_hits_and_leaves_nothing_behind(tiny_llama_dir, 
     assert report["machine"]["cores"] >= 1 and report["config"]["model"] == tiny_llama_dir.name
     parts = report["parts"]
     assert set(parts) == {"host", "disk", "redis"}
+    # redis-server is a required test component (.ci/run installs it): its absence fails here, by name
+    assert "skipped" not in parts["redis"], parts["redis"]["skipped"]
     for name, runs in (("host", {"no_tier", "cpu_tier"}), ("disk", {"cold", "restart"}), ("redis", {"cold", "shared"})):
         assert set(parts[name]["runs"]) == runs
         for row in parts[name]["runs"].values():
