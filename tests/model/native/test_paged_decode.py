@@ -288,3 +288,59 @@ def test_float32_never_takes_the_shared_prefix(monkeypatch: pytest.MonkeyPatch) 
     got = DecodeAttention.build(shared, 16, [None], torch.float32).attend(query, key, value, caches, 0.2, None, None)
     plain = DecodeAttention.build(inputs._replace(native=True), 16, [None], torch.float32)
     assert torch.equal(got, plain.attend(query, key, value, caches, 0.2, None, None))
+
+
+def with_private_blocks(tables: torch.Tensor, seq_lens: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor]):
+    """The same step as the prefix cache off would run it: every request's blocks copied to blocks of its own
+    (the same K/V), so that no two tables share a block. Returns (tables, caches)."""
+    block_size = caches[0].shape[1]
+    copies, private = [], torch.zeros_like(tables)
+    for r, n in enumerate(seq_lens.tolist()):
+        for i in range(-(-n // block_size)):
+            private[r, i] = caches[0].shape[0] + len(copies)
+            copies.append(int(tables[r, i]))
+    return private, tuple(torch.cat([cache, cache[copies]]) for cache in caches)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (16, 1)])  # SmolLM2's GQA; a group of more than 8
+@pytest.mark.parametrize("window", [None, 100])
+def test_requests_sharing_blocks_decode_as_with_blocks_of_their_own(
+    dtype: torch.dtype, heads: int, kv_heads: int, window: int | None
+) -> None:
+    """Requests that share a prefix in the cache have their splits over it attended together (each shared row
+    read once for all their heads); every request's result is still the same bit for bit as with private copies
+    of its blocks (the prefix cache off) and as alone. 20 requests share 20 blocks (more of them than one work
+    item takes: two of three heads a KV head, one of sixteen), two of them also a 21st, beside two of the same
+    length that share nothing."""
+    block_size, dim, shared = 16, 64, 20
+    gen = torch.Generator().manual_seed(3)
+    lens = [shared * block_size + 1 + 7 * r for r in range(18)] + [340, 340, 90, 90]
+    tables = torch.zeros(len(lens), 30, dtype=torch.long)
+    tables[:20, :shared] = torch.arange(1, shared + 1)
+    tables[18:20, shared] = shared + 1  # the twins: 21 blocks alike, then a block each
+    next_block = shared + 2
+    for r, n in enumerate(lens):
+        for i in range(-(-n // block_size)):
+            if tables[r, i] == 0:
+                tables[r, i], next_block = next_block, next_block + 1
+    seq_lens = torch.tensor(lens)
+    shape = (next_block, block_size, kv_heads, dim)
+    caches = tuple(torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    query = torch.randn(len(lens), heads, dim, generator=gen).to(dtype)
+    scale = dim**-0.5
+
+    def kernel(tables: torch.Tensor, lens: torch.Tensor, caches, query: torch.Tensor) -> torch.Tensor:
+        return torch.ops.prefixcache.paged_decode_attention(query, *caches, tables, lens, scale, window)
+
+    shared_step = kernel(tables, seq_lens, caches, query)
+    private_tables, private_caches = with_private_blocks(tables, seq_lens, caches)
+    assert torch.equal(shared_step, kernel(private_tables, seq_lens, private_caches, query))
+    for r in (0, 17, 18, 21):
+        alone = kernel(tables[r : r + 1], seq_lens[r : r + 1], caches, query[r : r + 1])
+        assert torch.equal(alone[0], shared_step[r])
+    inputs = DecodeInputs(torch.zeros(len(lens), dtype=torch.long), tables, seq_lens, native=False)
+    reference = DecodeAttention.build(inputs, block_size, [window], dtype)
+    torch.testing.assert_close(
+        shared_step, reference.attend(query, None, None, caches, scale, window, GatherWorkspace()), **TOLERANCES[dtype]
+    )

@@ -6,11 +6,18 @@
 // heads that share a KV head (GQA), with the softmax computed online in float32 (a running max and sum per head,
 // the output rescaled once per tile of keys).
 //
-// Work items are (request, KV head, split): a request's keys are cut into splits of kSplitTokens from its first
-// visible key, so that one long sequence still spreads over the threads. The cut depends only on the sequence,
-// never on the batch or the thread count, so a request's output is the same bit for bit however it is batched
-// (outputs with and without the prefix cache must agree). Each split leaves its max, sum and unnormalised
-// output; a second pass combines the splits of each (request, KV head) in order.
+// Work items are (request, KV head, split), shared as said below: a request's keys are cut into splits of
+// kSplitTokens from its first visible key, so that one long sequence still spreads over the threads. The cut
+// depends only on the sequence, never on the batch or the thread count, so a request's output is the same bit
+// for bit however it is batched (outputs with and without the prefix cache must agree). Each split leaves its
+// max, sum and unnormalised output; a second pass combines the splits of each (request, KV head) in order.
+//
+// Requests that share a prefix in the cache decode side by side, and their splits over it are the same keys in
+// the same blocks: such a split is one work item for as many of them as fill one turn of kMaxGroup heads (two
+// requests of three heads a KV head), its rows read once for all their heads, and the next such item runs right
+// after it, its rows still in the core's cache. A head's arithmetic does not depend on which heads it is computed
+// beside, so sharing changes no bit of any output: a request decodes the same with the cache (shared blocks) as
+// without it.
 //
 // Vectors are 16 float32 lanes: AVX-512 registers where the compiler targets AVX-512 (F, BW, VL: bfloat16 and
 // half rows widened in registers, a polynomial exp; with AVX512-BF16 a bfloat16 query's dot products with
@@ -29,6 +36,8 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -196,19 +205,19 @@ inline void prefetch_rows(const KT* cache, const int64_t* rows, int64_t n, int64
   }
 }
 
-// Per thread: the group's queries (float32 rows of padded_dim, or bfloat16 rows of pair_dim for pair dots; zero
-// past head_dim), their running outputs, a tile of scores per head (and their 16 lanes before the sum), the
-// tile's row offsets.
+// Per thread: the work item's query heads (float32 rows of padded_dim, or bfloat16 rows of pair_dim for pair
+// dots; zero past head_dim), their running outputs, a tile of scores per head (and their 16 lanes before the
+// sum), the tile's row offsets; sized for the most heads an item attends.
 struct Scratch {
   std::vector<float> q, out, scores, lanes, max, sum;
   std::vector<c10::BFloat16> q_pairs;
   std::vector<int64_t> rows;
   int64_t pair_dim;
-  explicit Scratch(const Shapes& s)
-      : q(s.group * s.padded_dim), out(s.group * s.padded_dim), scores(s.group * kTileTokens),
-        lanes(s.group * kTileTokens * kLanes), max(s.group),
-        sum(s.group), rows(2 * kTileTokens), pair_dim((s.dim + kPairLanes - 1) / kPairLanes * kPairLanes) {
-    q_pairs.resize(s.group * pair_dim);
+  Scratch(const Shapes& s, int64_t heads)
+      : q(heads * s.padded_dim), out(heads * s.padded_dim), scores(heads * kTileTokens),
+        lanes(kMaxGroup * kTileTokens * kLanes), max(heads), sum(heads), rows(2 * kTileTokens),
+        pair_dim((s.dim + kPairLanes - 1) / kPairLanes * kPairLanes) {
+    q_pairs.resize(heads * pair_dim);
   }
 };
 
@@ -327,38 +336,39 @@ void attend_group_chunk(const Shapes& s, const KT* k_cache, const KT* v_cache, c
 // Row size of a split's partial result per head: the unnormalised output, then its max and sum.
 inline int64_t partial_row(const Shapes& s) { return s.dim + 2; }
 
-// One split of one (request, KV head): keys [begin, end) of its table, all the heads of the KV head (in turns of
-// kMaxGroup). Leaves `partial` [group, dim + 2].
+// One split of one KV head for `count` requests that read it alike (`members`, one where nothing is shared): keys
+// [begin, end) of the table they share there, all their heads of the KV head (in turns of kMaxGroup). Leaves each
+// member's `partial` [group, dim + 2] at partial + member_offsets[m].
 template <typename QT, typename KT>
 void attend_split(const Shapes& s, const QT* query, int64_t q_stride_b, int64_t q_stride_h, const KT* k_cache,
-                  const KT* v_cache, const int64_t* table, int64_t b, int64_t kvh, int64_t begin, int64_t end,
-                  Scratch& w, float* partial) {
-  const int64_t pd = s.padded_dim;
-  for (int64_t g = 0; g < s.group; ++g) {
-    const QT* src = query + b * q_stride_b + (kvh * s.group + g) * q_stride_h;
+                  const KT* v_cache, const int64_t* table, const int64_t* members, int64_t count, int64_t kvh,
+                  int64_t begin, int64_t end, Scratch& w, float* partial, const int64_t* member_offsets) {
+  const int64_t pd = s.padded_dim, heads = count * s.group;
+  for (int64_t h = 0; h < heads; ++h) {
+    const QT* src = query + members[h / s.group] * q_stride_b + (kvh * s.group + h % s.group) * q_stride_h;
     if constexpr (kPairDots<QT, KT>) {
-      c10::BFloat16* q = w.q_pairs.data() + g * w.pair_dim;
+      c10::BFloat16* q = w.q_pairs.data() + h * w.pair_dim;
       std::copy(src, src + s.dim, q);
       std::fill(q + s.dim, q + w.pair_dim, c10::BFloat16(0.0f));
     } else {
-      float* q = w.q.data() + g * pd;
+      float* q = w.q.data() + h * pd;
       for (int64_t d = 0; d < s.dim; ++d) q[d] = to_float(src[d]);
       std::fill(q + s.dim, q + pd, 0.0f);
     }
-    w.max[g] = -std::numeric_limits<float>::infinity();
-    w.sum[g] = 0.0f;
+    w.max[h] = -std::numeric_limits<float>::infinity();
+    w.sum[h] = 0.0f;
   }
-  std::fill(w.out.begin(), w.out.end(), 0.0f);
-  for (int64_t g0 = 0; g0 < s.group; g0 += kMaxGroup) {
-    attend_group_chunk<KT, kPairDots<QT, KT>>(s, k_cache, v_cache, table, kvh, begin, end, g0, std::min<int64_t>(kMaxGroup, s.group - g0),
-                           w);
+  std::fill(w.out.begin(), w.out.begin() + heads * pd, 0.0f);
+  for (int64_t g0 = 0; g0 < heads; g0 += kMaxGroup) {
+    attend_group_chunk<KT, kPairDots<QT, KT>>(s, k_cache, v_cache, table, kvh, begin, end, g0,
+                                              std::min<int64_t>(kMaxGroup, heads - g0), w);
   }
   const int64_t row = partial_row(s);
-  for (int64_t g = 0; g < s.group; ++g) {
-    float* p = partial + g * row;
-    std::copy(w.out.begin() + g * pd, w.out.begin() + g * pd + s.dim, p);
-    p[s.dim] = w.max[g];
-    p[s.dim + 1] = w.sum[g];
+  for (int64_t h = 0; h < heads; ++h) {
+    float* p = partial + member_offsets[h / s.group] + (h % s.group) * row;
+    std::copy(w.out.begin() + h * pd, w.out.begin() + h * pd + s.dim, p);
+    p[s.dim] = w.max[h];
+    p[s.dim + 1] = w.sum[h];
   }
 }
 
@@ -368,6 +378,56 @@ inline int64_t first_key(int64_t seq_len, const std::optional<int64_t>& window) 
 }
 
 inline int64_t splits_of(int64_t keys) { return (keys + kSplitTokens - 1) / kSplitTokens; }
+
+// Split `split` of a set of requests that read the same keys [first, last) in the same blocks.
+struct SplitWork {
+  int64_t split, first, last;
+  std::vector<int64_t> members;
+};
+
+// Every request's splits, those that read alike (the same split, the same keys, the same blocks: a prefix they
+// share in the cache) gathered into items of as many requests as one turn of kMaxGroup heads takes (at least
+// one); the items in the order of their first request, then split, as the threads take them in turn (each thread
+// a run of requests, as without sharing).
+std::vector<SplitWork> split_work(const Shapes& s, const int64_t* tables, const int64_t* lens,
+                                  const std::optional<int64_t>& window) {
+  struct Entry {
+    int64_t b, split, first, last;
+  };
+  std::vector<Entry> entries;
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int64_t start = first_key(lens[b], window);
+    for (int64_t i = 0; i < splits_of(lens[b] - start); ++i) {
+      const int64_t first = start + i * kSplitTokens;
+      entries.push_back({b, i, first, std::min(lens[b], first + kSplitTokens)});
+    }
+  }
+  auto blocks = [&](const Entry& e) {  // the table entries the split reads
+    const int64_t* row = tables + e.b * s.table_width;
+    return std::pair{row + e.first / s.block_size, row + (e.last - 1) / s.block_size + 1};
+  };
+  auto before = [&](const Entry& x, const Entry& y) {
+    if (x.split != y.split || x.first != y.first || x.last != y.last) {
+      return std::tie(x.split, x.first, x.last) < std::tie(y.split, y.first, y.last);
+    }
+    const auto [xb, xe] = blocks(x);
+    const auto [yb, ye] = blocks(y);
+    return std::lexicographical_compare(xb, xe, yb, ye);
+  };
+  std::stable_sort(entries.begin(), entries.end(), before);  // alike splits next to each other, by request
+  const size_t sharers = std::max<int64_t>(1, kMaxGroup / s.group);
+  std::vector<SplitWork> work;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const Entry& e = entries[i];
+    const bool alike = i > 0 && !before(entries[i - 1], e) && !before(e, entries[i - 1]);
+    if (!alike || work.back().members.size() == sharers) work.push_back({e.split, e.first, e.last, {}});
+    work.back().members.push_back(e.b);
+  }
+  std::sort(work.begin(), work.end(), [](const SplitWork& x, const SplitWork& y) {
+    return std::pair{x.members[0], x.split} < std::pair{y.members[0], y.split};
+  });
+  return work;
+}
 
 // Attention already computed over keys before the table's (a prefix every request of the step shares, attended
 // once for all of them): per request and head its normalised output [B, heads, head_dim] in the query's dtype and
@@ -420,16 +480,20 @@ void run(const Shapes& s, const at::Tensor& query, const at::Tensor& k_cache, co
   const KT* v = v_cache.const_data_ptr<KT>();
   const int64_t split_size = s.group * partial_row(s);
   std::vector<float> partial(s.batch * s.kv_heads * s.num_splits * split_size);
-  at::parallel_for(0, s.batch * s.kv_heads * s.num_splits, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch(s);
+  const std::vector<SplitWork> work = split_work(s, tables, lens, window);
+  int64_t most = 1;
+  for (const SplitWork& w : work) most = std::max<int64_t>(most, w.members.size());
+  at::parallel_for(0, static_cast<int64_t>(work.size()) * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch(s, most * s.group);
+    std::vector<int64_t> offsets(most);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t split = item % s.num_splits, pair = item / s.num_splits;
-      const int64_t b = pair / s.kv_heads, kvh = pair % s.kv_heads;
-      const int64_t first = first_key(lens[b], window) + split * kSplitTokens;
-      const int64_t last = std::min(lens[b], first + kSplitTokens);
-      if (first >= last) continue;  // past this request's keys: never combined
-      attend_split<QT, KT>(s, q, q_stride_b, q_stride_h, k, v, tables + b * s.table_width, b, kvh, first, last, scratch,
-                           partial.data() + item * split_size);
+      const SplitWork& w = work[item / s.kv_heads];
+      const int64_t kvh = item % s.kv_heads, count = w.members.size();
+      for (int64_t m = 0; m < count; ++m) {
+        offsets[m] = ((w.members[m] * s.kv_heads + kvh) * s.num_splits + w.split) * split_size;
+      }
+      attend_split<QT, KT>(s, q, q_stride_b, q_stride_h, k, v, tables + w.members[0] * s.table_width,
+                           w.members.data(), count, kvh, w.first, w.last, scratch, partial.data(), offsets.data());
     }
   });
   QT* o = out.mutable_data_ptr<QT>();
