@@ -76,7 +76,8 @@ def test_the_start_up_line_names_the_dtype_and_why_under_the_default_level(tiny_
     monkeypatch.setattr(logging.getLogger(), "level", logging.WARNING)  # the CLI's default level
     monkeypatch.setattr(logging.getLogger("prefixcache.engine.core"), "level", logging.NOTSET)
     main(["generate", "hi", "--model", str(tiny_llama_dir), "--dtype", "float32", "--max-tokens", "1"])
-    line = next(r.getMessage() for r in caplog.records if r.name == "prefixcache.engine.core")
+    lines = [r.getMessage() for r in caplog.records if r.name == "prefixcache.engine.core"]
+    line = next(line for line in lines if line.startswith("engine: "))
     assert "in float32 (float32 as asked)" in line and "KV cache:" in line
 
 

@@ -128,7 +128,7 @@ class EngineCore:
         if config.enforce_eager:
             packed = model.pack_linears()
             if packed:
-                logger.info("%d linear layers run on oneDNN's packed bfloat16 weights (AMX)", packed)
+                logger.info("%d linear layers run on weights laid out for this CPU's kernels", packed)
         else:
             self.decode_compile_s = model.compile_decode(kv_caches, model_groups, config.block_size)
             if self.decode_compile_s is not None:

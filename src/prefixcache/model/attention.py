@@ -36,8 +36,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from prefixcache.model.cpu_linear import amx_tiles
 from prefixcache.model.native import native_ops
-from prefixcache.model.onednn import amx_tiles
 
 # Per-group fixed cost in "query x key" units used when deciding whether two requests share one padded SDPA
 # call: merging is allowed while the padded work grows by at most this much over running them separately.

@@ -33,8 +33,8 @@ from prefixcache.model.attention import (
     write_kv_cache,
 )
 from prefixcache.model.config import SUPPORTED_ARCHITECTURES, KVCacheGroup, ModelConfig
+from prefixcache.model.cpu_linear import OneDNNLinear, linear_layout, pack_linears
 from prefixcache.model.native import native_ops
-from prefixcache.model.onednn import OneDNNLinear, pack_linears, packs_linears
 from prefixcache.model.pages import huge_page_bytes
 from prefixcache.model.recurrent import RECURRENT_MODULE_NAMES, build_recurrent_layer, state_dtype
 from prefixcache.model.state import StateMetadata
@@ -785,19 +785,22 @@ class DecoderForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def pack_linears(self) -> int:
-        """Run the linear layers on oneDNN's packed layout (:mod:`prefixcache.model.onednn`) where it pays (a
-        bfloat16 model on a CPU with AMX tiles), for eager steps only (a compiled step cannot lower it); returns how
-        many layers were packed (0: none, the model is unchanged).
+        """Run the linear layers on weights laid out once for the CPU's kernel (:mod:`prefixcache.model.cpu_linear`)
+        where it pays (bfloat16 on a CPU with AMX tiles, float32 on a CPU with MKL), for eager steps only (a
+        compiled step cannot lower oneDNN's layout); returns how many layers were packed (0: none, the model is
+        unchanged).
 
-        A tied output projection gets a packed copy of the embedding (the embedding keeps its rows for lookups):
-        the vocabulary's product is a step's largest, and packed it took 1.1 against 1.9 ms at batch 1 and 2.1
-        against 5.5 at 64 (SmolLM2-135M, 2 threads), for 57 MB more memory.
+        In bfloat16 a tied output projection gets a packed copy of the embedding (the embedding keeps its rows for
+        lookups): the vocabulary's product is a step's largest, and packed it took 1.1 against 1.9 ms at batch 1
+        and 2.1 against 5.5 at 64 (SmolLM2-135M, 2 threads), for 57 MB more memory.
         """
         norm = self.model.norm.weight
-        if not packs_linears(norm.dtype, norm.device):
+        layout = linear_layout(norm.dtype, norm.device)
+        if layout is None:
             return 0
-        packed = pack_linears(self)
-        if self.lm_head is None and type(self.model.embed_tokens) is nn.Embedding:  # a quantized one serves both
+        packed = pack_linears(self, layout)
+        tied = self.lm_head is None and type(self.model.embed_tokens) is nn.Embedding  # a quantized one serves both
+        if tied and layout is OneDNNLinear:
             self.lm_head = OneDNNLinear(self.model.embed_tokens.weight, None)
             packed += 1
         return packed

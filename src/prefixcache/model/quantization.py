@@ -432,7 +432,7 @@ def _native_linear(parts: Sequence[GGUFWeight], bias: torch.Tensor | None) -> nn
 def module_bytes(module: nn.Module) -> int:
     """Bytes of a module's parameters and buffers, each tensor's bytes counted once (a tied table is shared; the
     packed GGUF weights are slices of one region, :func:`gather_packed_weights`); a oneDNN packed weight
-    (:class:`~prefixcache.model.onednn.OneDNNLinear`, no storage of its own) by its own size."""
+    (:class:`~prefixcache.model.cpu_linear.OneDNNLinear`, no storage of its own) by its own size."""
     seen: set[tuple[int, int]] = set()
     total = 0
     for tensor in [*module.parameters(), *module.buffers()]:
