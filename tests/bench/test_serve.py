@@ -1,6 +1,7 @@
 """``prefixcache bench serve`` against a real tiny-model server: sane numbers, vLLM's JSON keys, a plot."""
 
 import argparse
+import asyncio
 import json
 
 import pytest
@@ -126,3 +127,35 @@ def test_rounds_measure_every_point_in_both_orders(server, tmp_path, capsys):
     assert rows[1]["hit_rate"] == pytest.approx(2 * 24 / (3 * 48))  # each round starts from an empty cache
     assert rows[1]["measurement_error"] == (rows[1]["ttft_speedup"] > rows[1]["ttft_ceiling"])
     assert "mean TTFT by round" in capsys.readouterr().out
+
+
+def test_the_streaming_client_never_queues_requests_itself():
+    """A sweep point sends all its requests at once; the client must open a connection for each (aiohttp's
+    default pool holds 100), or requests wait in the client and the server's TTFT looks longer than it is."""
+    count = 150
+
+    async def main() -> list[int]:
+        connected = 0
+        everyone = asyncio.Event()
+
+        async def answer_when_all_are_connected(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal connected
+            await reader.readuntil(b"\r\n\r\n")
+            connected += 1
+            if connected == count:
+                everyone.set()
+            await everyone.wait()
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+            await writer.drain()
+            writer.close()
+
+        listener = await asyncio.start_server(answer_when_all_are_connected, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}/"
+        try:
+            async with bench_serve.streaming_client(60) as client:
+                responses = await asyncio.wait_for(asyncio.gather(*(client.get(url) for _ in range(count))), 60)
+        finally:
+            listener.close()
+        return [response.status_code for response in responses]
+
+    assert asyncio.run(main()) == [200] * count

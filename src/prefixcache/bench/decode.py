@@ -181,11 +181,9 @@ def run_offline(
 
 
 async def _stream_rate(url: str, model: str, prompt: list[int], output_len: int) -> float:
-    import httpx
+    from prefixcache.bench.serve import Target, send_request, streaming_client
 
-    from prefixcache.bench.serve import Target, send_request
-
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with streaming_client(600) as client:
         result = await send_request(client, Target(url, model, {}), prompt, output_len)
     if not result.success or result.output_tokens < 2:
         raise SystemExit(f"the stream from {url} failed: {result.error}")

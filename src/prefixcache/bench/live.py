@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Self
 
 import httpx
 
-from prefixcache.bench.serve import Target, send_request
+from prefixcache.bench.serve import Target, send_request, streaming_client
 
 if TYPE_CHECKING:
     from prefixcache.model.config import ModelConfig
@@ -177,7 +177,7 @@ def scrape(url: str, label: str) -> dict[tuple[str, str], float]:
 async def warm_up(servers: Sequence[Process], model: str, vocab_size: int, prompt_len: int) -> None:
     """One request per server, the same prompt for all, so first-call costs land outside the measurements."""
     prompt = random.Random(0).choices(range(2, vocab_size), k=prompt_len)
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with streaming_client(600) as client:
         for server in servers:
             result = await send_request(client, Target(server.url, model, {}), prompt, 2)
             if not result.success:

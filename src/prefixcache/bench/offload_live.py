@@ -38,7 +38,7 @@ import httpx
 
 from prefixcache.argtypes import positive_int
 from prefixcache.bench.live import Process, RedisServer, scrape, served_model, warm_up
-from prefixcache.bench.serve import RequestResult, Target, run_point, send_request, summarize
+from prefixcache.bench.serve import RequestResult, Target, run_point, send_request, streaming_client, summarize
 from prefixcache.config import DTYPES, EngineConfig, parse_memory
 from prefixcache.engine.args import config_default
 from prefixcache.offload.connector import OFFLOAD_MODES, WRITE_BACK
@@ -145,7 +145,7 @@ class Bench:
         return model
 
     def client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(timeout=httpx.Timeout(self.args.timeout))
+        return streaming_client(self.args.timeout)
 
     def prompts(self, count: int, part: str) -> list[list[int]]:
         """``count`` random prompts of ``--prompt-len`` ids, each its own prefix, the same for every run of a part."""

@@ -47,7 +47,14 @@ from typing import Any
 import httpx
 
 from prefixcache.bench.live import ExternalProcess, Process, free_port, running, scrape, warm_up
-from prefixcache.bench.serve import RequestResult, Target, reset_prefix_cache, send_request, summarize
+from prefixcache.bench.serve import (
+    RequestResult,
+    Target,
+    reset_prefix_cache,
+    send_request,
+    streaming_client,
+    summarize,
+)
 from prefixcache.config import EngineConfig
 from prefixcache.core import Request, hittable_blocks
 from prefixcache.core.hashing import root_hash
@@ -348,12 +355,11 @@ async def send_workload(
     """Every conversation from its start time, its turns in order, requests dealt to the routers in turn;
     ``reset``: a backend whose cache is reset once half the requests are sent. Returns the results, the
     prompts in the order sent, and the wall time."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     sent: list[str] = []
     results: list[RequestResult] = []
     half = workload.num_requests // 2
     resets: list[asyncio.Task[None]] = []
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as client:
+    async with streaming_client(args.timeout) as client:
         begin = time.perf_counter()
 
         async def reset_when_possible(url: str) -> None:
